@@ -1,0 +1,15 @@
+"""k3client: the light client of the k3d expert cache (numpy, pyzmq, msgpack)."""
+
+from .client import Client, Expert, connect
+from .errors import (BadRequest, CacheFull, DaemonNotRunning, DaemonRestarted, K3Error,
+                     NotAttached, PermissionDenied, ProtocolMismatch, QuotaExceeded,
+                     ReadFailed, ShuttingDown, Timeout, UnknownExpert)
+from .layout import TensorSpec
+from .protocol import PROTOCOL_VERSION
+
+__all__ = [
+    "Client", "Expert", "connect", "TensorSpec", "PROTOCOL_VERSION",
+    "K3Error", "BadRequest", "CacheFull", "DaemonNotRunning", "DaemonRestarted",
+    "NotAttached", "PermissionDenied", "ProtocolMismatch", "QuotaExceeded",
+    "ReadFailed", "ShuttingDown", "Timeout", "UnknownExpert",
+]

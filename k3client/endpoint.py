@@ -1,0 +1,36 @@
+"""Where the daemon listens: one rule shared by the daemon, k3ctl and clients.
+
+Precedence: explicit argument > ``K3D_ENDPOINT`` > (daemon only: config file) >
+``ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock`` or ``ipc:///tmp/k3d-$UID/k3d.sock``.
+The environment is passed in (``env``) so callers decide what they read.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def default_endpoint(env) -> str:
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return f"ipc://{runtime}/k3d/k3d.sock"
+    return f"ipc:///tmp/k3d-{os.getuid()}/k3d.sock"
+
+
+def resolve_endpoint(explicit: str | None, env) -> str:
+    return explicit or env.get("K3D_ENDPOINT") or default_endpoint(env)
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """Filesystem path of an ``ipc://`` endpoint, else None."""
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+
+
+def arena_socket_for(endpoint: str, env) -> str:
+    """Path of the Unix socket that hands out the arena fd, beside the ipc socket."""
+    path = ipc_path(endpoint)
+    if path:
+        return path + ".arena"
+    port = endpoint.rsplit(":", 1)[-1]
+    base = ipc_path(default_endpoint(env))
+    return os.path.join(os.path.dirname(base), f"k3d-{port}.arena")

@@ -1,0 +1,64 @@
+"""Wire schema between model processes and the daemon.
+
+Transport: ZeroMQ, ROUTER in the daemon, DEALER in each client, one msgpack map
+per message (a single frame after the ROUTER's identity frame).
+
+Request::
+
+    {"v": PROTOCOL_VERSION, "op": str, "id": int, ...op fields}
+
+Reply (the same ``id``; ``gen`` is the daemon instance, random per start, so a
+client can tell a restarted daemon from the one it attached to)::
+
+    {"id": int, "ok": True, "gen": int, ...result fields}
+    {"id": int, "ok": False, "gen": int, "error": {"code": str, "message": str}}
+
+Ops (the handler docstrings in ``k3d.server`` are the full spec):
+
+- ``hello {name, pid}`` -> ``{client_id, layout, slots, slot_bytes, arena_bytes,
+  arena_socket, keys, lease_s, model}``; must come first.
+- ``fetch {keys: [[layer, expert], ...], predicted: [[l, e], ...]}`` ->
+  ``{slots: [int, ...]}`` in request order, sent once every key is ready.
+- ``predict {keys}`` -> ``{queued: int}`` at once (reads run in the background).
+- ``begin_token {}`` -> ``{epoch, released}``.
+- ``heartbeat {client_id}`` -> no reply (sent from the client's lease thread).
+- ``status {}`` -> the status dict (see README).
+- ``bye {}`` -> ``{}``; releases everything the client held.
+
+Replies carry slot numbers, never expert bytes: the bytes are read from the
+shared arena, whose memfd the client receives once over ``arena_socket`` (a Unix
+SOCK_SEQPACKET socket; SCM_RIGHTS).  The arena message is
+``{"gen", "arena_bytes", "slot_bytes", "slots"}`` with the fd attached.
+
+Decode limits (``unpack``) bound every container so a hostile frame cannot make
+the daemon allocate without bound; frames above ``MAX_MESSAGE_BYTES`` are
+dropped by ZeroMQ itself (ZMQ_MAXMSGSIZE).
+"""
+
+from __future__ import annotations
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_KEYS = 4096          # keys in one fetch/predict
+MAX_STR = 4096
+MAX_CONTAINER = 4 * MAX_KEYS
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes):
+    """Decode one message with hard limits; raises ValueError-family on junk."""
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=True,
+        max_str_len=MAX_STR,
+        max_bin_len=MAX_STR,
+        max_array_len=MAX_CONTAINER,
+        max_map_len=64,
+        max_ext_len=0,
+    )

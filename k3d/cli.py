@@ -1,0 +1,65 @@
+"""``k3d``: start the daemon, or run the demo.
+
+``k3d start`` runs in the foreground (no double fork: systemd's Type=notify
+way), logs to stderr, prints a ``ready`` line once it serves, and exits 0 after
+SIGTERM/SIGINT.  Every start-up failure is one line on stderr and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from . import __version__
+from .config import ConfigError, resolve
+
+
+def _start_parser(sub):
+    p = sub.add_parser("start", help="run the daemon in the foreground")
+    p.add_argument("--config", help="TOML config file (keys as the long options, e.g. arena = \"8GiB\")")
+    p.add_argument("--source", help="checkpoint: safetensors directory/file")
+    p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name}")
+    p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes (rounded down to whole slots)")
+    p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
+    p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
+    p.add_argument("--readers", type=int, help="reader threads (default 4)")
+    p.add_argument("--trace", help="append a route trace line per fetch to FILE")
+    p.add_argument("--lease", dest="lease_s", type=float, help="seconds a silent client keeps its pins (default 10)")
+    p.add_argument("--pin-quota", dest="pin_quota", type=int, help="slots one client may pin per token (0: no limit)")
+    p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
+    return p
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="k3d", description="shared expert-weight cache daemon")
+    ap.add_argument("--version", action="version", version=f"k3d {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _start_parser(sub)
+    d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
+    d.add_argument("--tokens", type=int, default=60)
+    d.add_argument("--clients", type=int, default=3)
+    d.add_argument("--seed", type=int, default=1234)
+    args = ap.parse_args(argv)
+    if args.cmd == "demo":
+        from .demo import run_demo
+        return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+    cli = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
+    try:
+        cfg = resolve(cli, os.environ, args.config)
+    except ConfigError as e:
+        print(f"k3d: error: {e}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="k3d: %(levelname)s %(message)s")
+    from .daemon import StartupError, run
+    try:
+        return run(cfg, os.environ)
+    except StartupError as e:
+        print(f"k3d: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

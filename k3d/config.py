@@ -1,0 +1,124 @@
+"""Daemon configuration: one frozen dataclass, resolved in one function.
+
+Precedence: command line > environment (``K3D_<FIELD>``) > TOML file
+(``--config FILE`` or ``K3D_CONFIG``; top-level keys named as the fields) >
+defaults.  ``resolve`` is the only place in the daemon that reads the
+environment; it is handed ``os.environ`` by the CLI (tests pass a dict).
+
+Every value is checked here: a bad one is a ``ConfigError`` with a single line
+naming the key, where it came from and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+
+from k3client.endpoint import default_endpoint
+
+DEFAULT_PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Config:
+    source: str | None = None
+    pattern: str = DEFAULT_PATTERN
+    arena: int = 512 * 2**20          # bytes; rounded down to whole slots
+    slots: int = 0                    # if > 0, overrides arena
+    endpoint: str = ""                # resolved: never empty after resolve()
+    readers: int = 4
+    trace: str | None = None
+    lease_s: float = 10.0             # a client silent this long loses its pins
+    pin_quota: int = 0                # slots one client may pin per token; 0 = no limit
+    log_level: str = "info"
+
+
+def parse_size(text) -> int:
+    """``512MiB``, ``8GiB``, ``1.5G``, ``4096`` -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (use e.g. 512MiB, 8GiB or plain bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _convert(name: str, value, origin: str):
+    try:
+        if name == "arena":
+            v = parse_size(value)
+            if v <= 0:
+                raise ValueError("must be positive")
+            return v
+        if name in ("slots", "readers", "pin_quota"):
+            if isinstance(value, bool):
+                raise ValueError("not an integer")
+            v = int(value)
+            if v < 0 or (name == "readers" and not 1 <= v <= 64):
+                raise ValueError("out of range" + (" (1..64)" if name == "readers" else ""))
+            return v
+        if name == "lease_s":
+            v = float(value)
+            if not v > 0:
+                raise ValueError("must be positive")
+            return v
+        if name == "log_level":
+            v = str(value).lower()
+            if v not in ("debug", "info", "warning", "error"):
+                raise ValueError("use debug, info, warning or error")
+            return v
+        if not isinstance(value, str):
+            raise ValueError("must be a string")
+        return value
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{origin}: bad value {value!r} for {name}: {e}") from None
+
+
+def load_file(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} does not parse: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}") from None
+    return data
+
+
+def resolve(cli: dict, env, config_file: str | None = None) -> Config:
+    """Merge CLI values (None = not given), ``K3D_*`` env and the TOML file."""
+    names = [f.name for f in dataclasses.fields(Config)]
+    values: dict = {}
+    path = config_file or env.get("K3D_CONFIG")
+    if path:
+        data = load_file(path)
+        for key in data:
+            if key not in names:
+                raise ConfigError(f"config file {path}: unknown key {key!r} (known: {', '.join(names)})")
+        for key, v in data.items():
+            values[key] = _convert(key, v, f"config file {path}")
+    for name in names:
+        ev = env.get(f"K3D_{name.upper()}")
+        if ev is not None and ev != "":
+            values[name] = _convert(name, ev, f"environment K3D_{name.upper()}")
+    for name, v in cli.items():
+        if v is not None:
+            if name not in names:
+                raise ConfigError(f"unknown option {name}")
+            values[name] = _convert(name, v, f"--{name.replace('_', '-')}")
+    # CLI, env and file are merged above; the default is the rule clients share.
+    values["endpoint"] = values.get("endpoint") or default_endpoint(env)
+    if values.get("trace"):
+        values["trace"] = os.path.abspath(values["trace"])
+    return Config(**values)

@@ -1,0 +1,114 @@
+"""Start-up and shutdown of ``k3d start``: source, arena, sockets, signals.
+
+Order: open and validate the source (so a bad checkpoint fails before any
+memory is taken), size the arena, refuse to steal the endpoint of a live
+daemon (a stale socket left by ``kill -9`` is removed), reserve and pre-fault
+the arena, bind, then print ``ready`` and tell systemd READY=1.
+
+Signal handlers only ask the loop to stop (gunicorn's arbiter rule); the loop
+drains and returns, and ``run`` releases the arena and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+
+import psutil
+
+from k3client.endpoint import arena_socket_for, ipc_path
+from k3client.layout import align
+
+from .arena import PAGE, Arena, ArenaError
+from .server import Server
+from .sources import SourceError, open_source
+from .systemd import Notifier
+
+log = logging.getLogger("k3d")
+
+
+class StartupError(Exception):
+    pass
+
+
+def size_arena(cfg, expert_bytes: int) -> tuple[int, int]:
+    """(slots, slot_bytes) for the config; StartupError if it cannot fit."""
+    slot_bytes = align(max(expert_bytes, 1), PAGE)
+    slots = cfg.slots or cfg.arena // slot_bytes
+    if slots < 1:
+        raise StartupError(f"arena of {cfg.arena} bytes is smaller than one slot ({slot_bytes} bytes per expert); "
+                           "raise --arena")
+    size = slots * slot_bytes
+    avail = psutil.virtual_memory().available
+    if size > avail:
+        raise StartupError(f"arena of {size / 2**30:.2f} GiB ({slots} slots) exceeds available memory "
+                           f"{avail / 2**30:.2f} GiB; lower --arena")
+    return slots, slot_bytes
+
+
+def claim_endpoint(endpoint: str, arena_sock: str) -> None:
+    """Make the socket directory; refuse a live daemon's endpoint, clear a dead one's."""
+    os.makedirs(os.path.dirname(arena_sock), mode=0o750, exist_ok=True)
+    if os.path.exists(arena_sock):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(arena_sock)
+            raise StartupError(f"another k3d is already serving at {endpoint} ({arena_sock} answers); stop it first")
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("removing stale sockets left by a previous daemon at %s", endpoint)
+            os.unlink(arena_sock)
+            path = ipc_path(endpoint)
+            if path and os.path.exists(path):
+                os.unlink(path)
+        finally:
+            probe.close()
+    path = ipc_path(endpoint)
+    if path:
+        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+
+
+def _progress(done: int, total: int, seconds: float) -> None:
+    rate = done / seconds / 1e9 if seconds > 0 else 0.0
+    print(f"k3d: pre-faulting arena {done / 2**20:.0f}/{total / 2**20:.0f} MiB ({rate:.2f} GB/s)",
+          file=sys.stderr, flush=True)
+
+
+def run(cfg, env) -> int:
+    notifier = Notifier(env)
+    if not cfg.source:
+        raise StartupError("no checkpoint: pass --source PATH (or set source in the config file / K3D_SOURCE)")
+    try:
+        source = open_source(cfg.source, cfg.pattern)
+    except SourceError as e:
+        raise StartupError(str(e)) from None
+    arena = server = None
+    try:
+        slots, slot_bytes = size_arena(cfg, source.expert_bytes)
+        arena_sock = arena_socket_for(cfg.endpoint, env)
+        claim_endpoint(cfg.endpoint, arena_sock)
+        log.info("source %s: %d experts, %d bytes each; arena %d slots x %d bytes",
+                 source.path, len(source.keys), source.expert_bytes, slots, slot_bytes)
+        try:
+            arena = Arena(slots, slot_bytes, progress=_progress)
+        except ArenaError as e:
+            raise StartupError(str(e)) from None
+        try:
+            server = Server(cfg, source, arena, arena_sock, notifier)
+        except Exception as e:
+            raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.request_stop())
+        print(f"k3d: ready endpoint={cfg.endpoint} slots={slots} slot_bytes={slot_bytes} "
+              f"experts={len(source.keys)} pid={os.getpid()}", file=sys.stderr, flush=True)
+        notifier.ready(server.status_line())
+        server.serve_forever()
+        log.info("stopped")
+        return 0
+    finally:
+        if arena is not None:
+            arena.close()
+        source.close()
+        notifier.close()

@@ -1,0 +1,116 @@
+"""Reader pool: persistent threads that fill slot memory, nothing else.
+
+Queues: two FIFO deques under one condition variable; a reader always takes
+from URGENT first, so a background (predicted) read never delays a fetch that
+a client is blocked on.  ``promote(load_id)`` moves a load's not-yet-started
+parts to URGENT when a client starts waiting for a predicted key.
+
+A job is one part of one expert's read: ``Job(load_id, part, extents, dest)``.
+The reader calls ``source.read(extents, dest)`` (pread straight into the slot)
+and reports ``Done(load_id, part, nbytes, seconds, error)`` on a SimpleQueue,
+then writes the eventfd so the server loop (which polls it beside the ROUTER
+socket) wakes up.  Readers never touch the store, the policy or any socket:
+the server thread alone owns those, so that state needs no lock.
+
+Shutdown: ``stop()`` drops queued jobs (reporting each as cancelled) and joins
+the threads after their current part.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class Job:
+    load_id: int
+    part: int
+    extents: list
+    dest: memoryview
+    source: object
+
+
+@dataclass
+class Done:
+    load_id: int
+    part: int
+    nbytes: int
+    seconds: float
+    error: str | None
+
+
+class ReaderPool:
+    def __init__(self, threads: int):
+        self.threads = max(1, threads)
+        self.done: queue.SimpleQueue[Done] = queue.SimpleQueue()
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._cv = threading.Condition()
+        self._urgent: deque[Job] = deque()
+        self._background: deque[Job] = deque()
+        self._stopping = False
+        self._workers = [threading.Thread(target=self._run, name=f"k3d-reader-{i}", daemon=True)
+                         for i in range(self.threads)]
+        for t in self._workers:
+            t.start()
+
+    def submit(self, jobs: list[Job], urgent: bool) -> None:
+        with self._cv:
+            (self._urgent if urgent else self._background).extend(jobs)
+            self._cv.notify(len(jobs))
+
+    def promote(self, load_id: int) -> int:
+        """Move queued background parts of ``load_id`` to the urgent queue."""
+        with self._cv:
+            moved = [j for j in self._background if j.load_id == load_id]
+            if moved:
+                self._background = deque(j for j in self._background if j.load_id != load_id)
+                self._urgent.extend(moved)
+            return len(moved)
+
+    def queued(self) -> tuple[int, int]:
+        with self._cv:
+            return len(self._urgent), len(self._background)
+
+    def drain_wake(self) -> None:
+        try:
+            os.eventfd_read(self.wake_fd)
+        except BlockingIOError:
+            pass
+
+    def _report(self, d: Done) -> None:
+        self.done.put(d)
+        os.eventfd_write(self.wake_fd, 1)
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while not (self._urgent or self._background or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                job = self._urgent.popleft() if self._urgent else self._background.popleft()
+            t0 = time.perf_counter()
+            try:
+                n = job.source.read(job.extents, job.dest)
+                err = None
+            except Exception as e:  # any failure becomes the load's error, never a crash
+                n, err = 0, f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)
+            self._report(Done(job.load_id, job.part, n, time.perf_counter() - t0, err))
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            dropped = list(self._urgent) + list(self._background)
+            self._urgent.clear()
+            self._background.clear()
+            self._cv.notify_all()
+        for j in dropped:
+            self._report(Done(j.load_id, j.part, 0, 0.0, "cancelled: daemon shutting down"))
+        for t in self._workers:
+            t.join(timeout=30)
+        os.close(self.wake_fd)

@@ -1,0 +1,524 @@
+"""The server loop: one thread owns the ROUTER socket, the store and the policy.
+
+Loop (``serve_forever``): poll the ROUTER socket, the reader pool's eventfd and
+the arena-handout Unix socket; handle every ready request, apply every finished
+read, hand out the arena fd, then housekeeping (dead clients, systemd status
+and watchdog).  Nothing in the loop waits on I/O: a fetch that misses starts
+reads and is parked (``Pending``) until its slots are ready, while other
+clients' hits are answered at once.
+
+One small handler per op (``op_*``); its docstring is the spec.  ``_handle`` is
+the one place that turns exceptions into error replies; nothing a client sends
+can stop the loop.
+
+Every reply that names slots is checked against the store first (each slot
+READY and holding the requested key): a reply never names a loading or reused
+slot, whatever a client does.
+
+Signals: the CLI's handlers only call ``request_stop`` (sets a flag and writes
+the eventfd); the loop then drains: stop accepting, cancel queued reads, wait
+for running ones, answer parked fetches with an error, release the arena.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import time
+
+import psutil
+import zmq
+
+from k3client import errors
+from k3client.errors import BadRequest, K3Error, NotAttached, ProtocolMismatch, UnknownExpert
+from k3client.protocol import MAX_KEYS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
+
+from . import __version__
+from .readers import Job, ReaderPool
+from .sources import split_extents
+from .stats import Throughput
+from .store import READY, Store
+from .trace import RouteTrace
+
+log = logging.getLogger("k3d")
+
+DEFERRED = object()      # handler parked the request; it replies later
+NO_REPLY = object()      # heartbeat: nothing to send
+REAP_INTERVAL = 0.5
+
+
+class Session:
+    __slots__ = ("routing", "client_id", "name", "pid", "create_time", "epoch", "last_seen",
+                 "pfu", "alive", "fetches")
+
+    def __init__(self, routing, client_id, name, pid, create_time, now):
+        self.routing, self.client_id, self.name = routing, client_id, name
+        self.pid, self.create_time = pid, create_time
+        self.epoch, self.last_seen, self.pfu, self.alive, self.fetches = 0, now, 0, True, 0
+
+    @property
+    def holder(self):
+        return (self.client_id, self.epoch)
+
+
+class Pending:
+    __slots__ = ("session", "rid", "keys", "slots", "left", "done")
+
+    def __init__(self, session, rid, keys, slots, left):
+        self.session, self.rid, self.keys, self.slots, self.left = session, rid, keys, slots, left
+        self.done = False
+
+
+def peer_pid(frame) -> tuple[int | None, int | None]:
+    """(uid, pid) of an ipc peer from ZeroMQ's ``Peer-Address`` (``localhost:uid:gid:pid``)."""
+    try:
+        parts = frame.get("Peer-Address").split(":")
+        return int(parts[1]), int(parts[3])
+    except (zmq.ZMQError, AttributeError, IndexError, ValueError):
+        return None, None
+
+
+class Server:
+    def __init__(self, cfg, source, arena, arena_socket: str, notifier=None):
+        self.cfg, self.source, self.arena = cfg, source, arena
+        self.notifier = notifier
+        self.t0 = time.monotonic()
+        self.gen = random.getrandbits(62) | 1
+        self.store = Store(arena.slots, cfg.pin_quota)
+        self.stats = self.store.stats
+        self.recent = Throughput()
+        self.trace = RouteTrace(cfg.trace, self.t0) if cfg.trace else None
+        self.sessions: dict[bytes, Session] = {}
+        self.by_id: dict[int, Session] = {}
+        self.waiters: dict[int, list[Pending]] = {}
+        self._next_client = 1
+        self._stop = False
+        self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Hard cap in libzmq (drops the peer); below it, _handle answers oversized messages.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.setsockopt(zmq.SNDHWM, 100000)
+        self.sock.bind(cfg.endpoint)
+        self.arena_socket = arena_socket
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.listener.bind(arena_socket)
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.readers = ReaderPool(cfg.readers)
+
+    # -- loop -----------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Safe from a signal handler or another thread: the loop drains and exits."""
+        self._stop = True
+        try:
+            os.eventfd_write(self.readers.wake_fd, 1)
+        except OSError:
+            pass
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.readers.wake_fd, zmq.POLLIN)
+        poller.register(self.listener.fileno(), zmq.POLLIN)
+        next_reap = next_status = time.monotonic()
+        wd = self.notifier.watchdog_interval if self.notifier else None
+        next_wd = time.monotonic()
+        try:
+            while not self._stop:
+                try:
+                    events = dict(poller.poll(100))
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.EINTR:
+                        continue
+                    raise
+                if self.readers.wake_fd in events:
+                    self.readers.drain_wake()
+                self._apply_done()
+                if self.sock in events:
+                    self._recv_all()
+                if self.listener.fileno() in events:
+                    self._hand_out_arena()
+                now = time.monotonic()
+                if now >= next_reap:
+                    self._reap(now)
+                    next_reap = now + REAP_INTERVAL
+                if self.notifier is not None:
+                    if now >= next_status:
+                        self.notifier.status(self.status_line())
+                        next_status = now + 5.0
+                    if wd and now >= next_wd:
+                        self.notifier.watchdog()
+                        next_wd = now + wd
+        finally:
+            self._shutdown()
+
+    def _recv_all(self, budget: int = 256) -> None:
+        for _ in range(budget):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(frames[0].bytes, frames[1:])
+
+    # -- dispatch: the one place that turns exceptions into error replies ---
+    def _handle(self, routing: bytes, frames) -> None:
+        rid = None
+        try:
+            if len(frames) != 1:
+                raise BadRequest(f"expected one msgpack frame, got {len(frames)}")
+            raw = frames[0].bytes
+            if len(raw) > MAX_MESSAGE_BYTES:
+                raise BadRequest(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit")
+            try:
+                msg = unpack(raw)
+            except Exception as e:
+                raise BadRequest(f"message is not msgpack within the decode limits ({type(e).__name__}: {e})") from None
+            if not isinstance(msg, dict):
+                raise BadRequest("message must be a msgpack map with v, op and id")
+            rid = msg.get("id")
+            if type(rid) is not int:
+                rid = None
+                raise BadRequest("field 'id' must be an integer")
+            if msg.get("v") != PROTOCOL_VERSION:
+                raise ProtocolMismatch(
+                    f"client speaks protocol {msg.get('v')!r}, this daemon speaks {PROTOCOL_VERSION}; "
+                    "install matching k3client and k3d versions")
+            op = msg.get("op")
+            handler = self._ops.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise BadRequest(f"unknown op {op!r}; known ops: {', '.join(sorted(self._ops))}")
+            result = handler(routing, msg, frames[0])
+        except K3Error as e:
+            if isinstance(e, (BadRequest, ProtocolMismatch, UnknownExpert, NotAttached)):
+                self.stats.bad_requests += 1
+            self._send_error(routing, rid, e)
+            return
+        except Exception as e:  # a bug in a handler must not take the daemon down
+            log.exception("internal error handling a request")
+            self._send_error(routing, rid, K3Error(f"internal error in k3d: {type(e).__name__}: {e}"))
+            return
+        if result is DEFERRED or result is NO_REPLY:
+            return
+        self._send(routing, rid, result)
+
+    def _send(self, routing: bytes, rid, fields: dict) -> None:
+        reply = {"id": rid, "ok": True, "gen": self.gen}
+        reply.update(fields)
+        self._send_raw(routing, reply)
+
+    def _send_error(self, routing: bytes, rid, e: K3Error) -> None:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        self._send_raw(routing, {"id": rid, "ok": False, "gen": self.gen,
+                                 "error": {"code": e.code, "message": msg}})
+
+    def _send_raw(self, routing: bytes, reply: dict) -> None:
+        try:
+            self.sock.send_multipart([routing, pack(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:   # peer gone (ROUTER_MANDATORY) or flooding
+            log.debug("dropping reply to a gone peer: %s", e)
+
+    # -- validation ----------------------------------------------------------
+    def _session(self, routing: bytes) -> Session:
+        s = self.sessions.get(routing)
+        if s is None:
+            raise NotAttached("send hello first (k3client.connect does this); or the daemon dropped this client")
+        s.last_seen = time.monotonic()
+        return s
+
+    def _keys(self, msg: dict, field: str, unique: bool) -> list[tuple[int, int]]:
+        raw = msg.get(field)
+        if not isinstance(raw, list):
+            raise BadRequest(f"{field} must be a list of [layer, expert] pairs")
+        if len(raw) > MAX_KEYS:
+            raise BadRequest(f"{field} has {len(raw)} keys; at most {MAX_KEYS} per request")
+        out = []
+        for item in raw:
+            if not (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)):
+                raise BadRequest(f"{field}: {item!r} is not a [layer, expert] pair of integers")
+            key = (item[0], item[1])
+            if key not in self.source.keys:
+                raise UnknownExpert(self.source.unknown(key))
+            out.append(key)
+        if unique and len(set(out)) != len(out):
+            seen = set()
+            dup = next(k for k in out if k in seen or seen.add(k))
+            raise BadRequest(f"{field}: duplicate key (layer {dup[0]}, expert {dup[1]})")
+        return out
+
+    # -- ops -----------------------------------------------------------------
+    def op_hello(self, routing, msg, frame):
+        """hello {name: str, pid: int} -> {client_id, layout, arena_socket, ...}.
+
+        First message of every client.  Identifies the process (the ipc peer pid
+        wins over the one the client claims) for liveness checks, starts epoch 0,
+        and returns the layout and where to get the arena fd."""
+        name = msg.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("hello: name must be a non-empty string")
+        _, pid = peer_pid(frame)
+        if pid is None and type(msg.get("pid")) is int:
+            pid = msg["pid"]
+        create_time = None
+        if pid is not None:
+            try:
+                create_time = psutil.Process(pid).create_time()
+            except psutil.Error:
+                pid = None
+        old = self.sessions.get(routing)
+        if old is not None:
+            self._drop(old, "said hello again", dead=False)
+        now = time.monotonic()
+        s = Session(routing, self._next_client, name[:200], pid, create_time, now)
+        self._next_client += 1
+        self.sessions[routing] = s
+        self.by_id[s.client_id] = s
+        log.info("client %s (pid %s) attached as #%d", s.name, pid, s.client_id)
+        return {"client_id": s.client_id, "layout": [t.to_wire() for t in self.source.layout],
+                "slots": self.arena.slots, "slot_bytes": self.arena.slot_bytes,
+                "expert_bytes": self.source.expert_bytes, "arena_bytes": self.arena.size,
+                "arena_socket": self.arena_socket, "lease_s": self.cfg.lease_s,
+                "model": self.source.describe()}
+
+    def op_fetch(self, routing, msg, frame):
+        """fetch {keys: [[layer, expert], ...], predicted?: [[l, e], ...]} -> {slots: [...]}.
+
+        Hits are touched and pinned under (client, epoch); keys being read are
+        waited on (hit + waited); misses take free or LRU-evicted slots and are
+        read URGENT, split into parts across readers.  Replies once every key is
+        ready, slots in request order.  ``predicted`` is handled as ``predict``
+        after the fetch is planned.  Errors: cache full (nothing changes),
+        quota, unknown or duplicate keys, a failed read."""
+        s = self._session(routing)
+        keys = self._keys(msg, "keys", unique=True)
+        if not keys:
+            raise BadRequest("fetch of zero keys")
+        predicted = self._keys(msg, "predicted", unique=False) if msg.get("predicted") is not None else []
+        plan = self.store.fetch(s.holder, keys)
+        self._start_loads(plan.new_loads, urgent=True)
+        for slot in plan.promote:
+            self.readers.promote(slot)
+        s.fetches += 1
+        if self.trace:
+            self.trace.fetch(time.monotonic(), keys[0][0], [e for _, e in keys], plan.misses,
+                             plan.evictions, plan.waited, plan.prefetched_hits, s.pfu)
+        s.pfu = 0
+        if predicted:
+            self._predict(s, predicted)
+        if not plan.waiting:
+            return {"slots": self._checked_slots(keys, plan.slots)}
+        p = Pending(s, msg["id"], keys, plan.slots, set(plan.waiting))
+        for slot in plan.waiting:
+            self.waiters.setdefault(slot, []).append(p)
+        return DEFERRED
+
+    def op_predict(self, routing, msg, frame):
+        """predict {keys: [[layer, expert], ...]} -> {queued: int}, at once.
+
+        Keys not resident get slots while one is free or evictable (stopping at
+        the first that is not) and are read BACKGROUND, behind every urgent
+        read.  Unfetched by the predictor's next begin_token, they count
+        prefetch_unused and are demoted to the LRU end."""
+        s = self._session(routing)
+        return {"queued": self._predict(s, self._keys(msg, "keys", unique=False))}
+
+    def _predict(self, s: Session, keys) -> int:
+        started = self.store.predict(s.client_id, list(dict.fromkeys(keys)))
+        self._start_loads(started, urgent=False)
+        return len(started)
+
+    def op_begin_token(self, routing, msg, frame):
+        """begin_token {} -> {epoch, released}: next epoch; the previous epoch's pins go."""
+        s = self._session(routing)
+        released, unused = self.store.end_epoch(s.client_id, s.holder)
+        s.pfu += unused
+        s.epoch += 1
+        return {"epoch": s.epoch, "released": released}
+
+    def op_heartbeat(self, routing, msg, frame):
+        """heartbeat {client_id} -> no reply; renews the client's lease."""
+        s = self.by_id.get(msg.get("client_id")) if type(msg.get("client_id")) is int else None
+        if s is not None:
+            s.last_seen = time.monotonic()
+        return NO_REPLY
+
+    def op_status(self, routing, msg, frame):
+        """status {} -> {status: {...}}; needs no hello (k3ctl uses it)."""
+        return {"status": self.status()}
+
+    def op_bye(self, routing, msg, frame):
+        """bye {} -> {}: the client leaves; its pins and predictions are released."""
+        s = self.sessions.get(routing)
+        if s is not None:
+            self._drop(s, "said bye", dead=False)
+        return {}
+
+    # -- reads -----------------------------------------------------------------
+    def _start_loads(self, slots: list[int], urgent: bool) -> None:
+        if not slots:
+            return
+        parts = max(1, min(8, self.readers.threads // len(slots)))
+        jobs = []
+        for slot in slots:
+            extents = self.source.keys[self.store.slot_key[slot]]
+            groups = split_extents(extents, parts)
+            self.store.loads[slot].parts_left = len(groups)
+            dest = self.arena.view(slot)
+            jobs.extend(Job(slot, i, g, dest, self.source) for i, g in enumerate(groups))
+        self.readers.submit(jobs, urgent)
+
+    def _apply_done(self) -> None:
+        done = self.readers.done
+        now = time.monotonic()
+        while True:
+            try:
+                d = done.get_nowait()
+            except Exception:
+                return
+            load = self.store.loads[d.load_id]
+            load.parts_left -= 1
+            if d.error and load.fail is None:
+                load.fail = d.error
+            self.stats.bytes_read += d.nbytes
+            self.stats.read_seconds += d.seconds
+            self.recent.add(now, d.nbytes)
+            if load.parts_left:
+                continue
+            self.store.complete(d.load_id, load.fail)
+            if load.fail:
+                log.warning("read of expert (layer %d, expert %d) failed: %s", *load.key, load.fail)
+            for p in self.waiters.pop(d.load_id, ()):
+                if p.done:
+                    continue
+                if load.fail:
+                    p.done = True
+                    if p.session.alive:
+                        self._send_error(p.session.routing, p.rid, errors.ReadFailed(
+                            f"reading expert (layer {load.key[0]}, expert {load.key[1]}) from "
+                            f"{self.source.path} failed: {load.fail}; the next fetch retries"))
+                    continue
+                p.left.discard(d.load_id)
+                if not p.left:
+                    p.done = True
+                    if p.session.alive:
+                        try:
+                            self._send(p.session.routing, p.rid, {"slots": self._checked_slots(p.keys, p.slots)})
+                        except K3Error as e:
+                            self._send_error(p.session.routing, p.rid, e)
+
+    def _checked_slots(self, keys, slots) -> list[int]:
+        st = self.store
+        for key, slot in zip(keys, slots):
+            if st.state[slot] != READY or st.slot_key[slot] != key:
+                raise errors.K3Error(
+                    f"expert (layer {key[0]}, expert {key[1]}) was released before the fetch finished "
+                    "(begin_token during a fetch?); fetch it again")
+        return slots
+
+    # -- arena handout ----------------------------------------------------------
+    def _hand_out_arena(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            with conn:
+                conn.setblocking(False)
+                meta = pack({"gen": self.gen, "arena_bytes": self.arena.size,
+                             "slot_bytes": self.arena.slot_bytes, "slots": self.arena.slots})
+                try:
+                    socket.send_fds(conn, [meta], [self.arena.fd])
+                except OSError as e:
+                    log.warning("could not hand out the arena: %s", e)
+
+    # -- clients ----------------------------------------------------------------
+    def _reap(self, now: float) -> None:
+        for s in list(self.sessions.values()):
+            reason = None
+            if s.pid is not None:
+                try:
+                    p = psutil.Process(s.pid)
+                    if p.create_time() != s.create_time:
+                        reason = "exited (pid reused)"
+                    elif p.status() == psutil.STATUS_ZOMBIE:
+                        reason = "exited"
+                except psutil.NoSuchProcess:
+                    reason = "exited"
+                except psutil.Error:
+                    pass
+            if reason is None and now - s.last_seen > self.cfg.lease_s:
+                reason = f"silent for {now - s.last_seen:.1f}s (lease {self.cfg.lease_s:g}s)"
+            if reason:
+                self._drop(s, reason, dead=True)
+
+    def _drop(self, s: Session, reason: str, dead: bool) -> None:
+        released, _ = self.store.end_epoch(s.client_id, s.holder)
+        s.alive = False
+        self.sessions.pop(s.routing, None)
+        self.by_id.pop(s.client_id, None)
+        if dead:
+            self.stats.clients_dead += 1
+            log.warning("client %s (pid %s) %s: released %d pins", s.name, s.pid, reason, released)
+        else:
+            log.info("client %s (pid %s) %s: released %d pins", s.name, s.pid, reason, released)
+
+    # -- status -------------------------------------------------------------------
+    def status(self) -> dict:
+        now = time.monotonic()
+        st = self.stats
+        urgent, background = self.readers.queued()
+        return {
+            "version": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "gen": self.gen,
+            "uptime_s": round(now - self.t0, 3),
+            "endpoint": self.cfg.endpoint,
+            "model": self.source.describe(),
+            "arena": {"bytes": self.arena.size, "slots": self.arena.slots,
+                      "slot_bytes": self.arena.slot_bytes, "expert_bytes": self.source.expert_bytes,
+                      **self.store.gauges()},
+            "stats": st.as_dict(),
+            "readers": {"threads": self.readers.threads, "queued_urgent": urgent,
+                        "queued_background": background,
+                        "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
+                        "recent_bps": round(self.recent.rate(now))},
+            "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
+                         "pins": len(self.store.policy.held(s.holder)), "fetches": s.fetches,
+                         "idle_s": round(now - s.last_seen, 3)}
+                        for s in self.sessions.values()],
+        }
+
+    def status_line(self) -> str:
+        st = self.stats
+        total = st.hits + st.misses
+        rate = f"{100 * st.hits / total:.1f}%" if total else "-"
+        g = self.store.gauges()
+        return f"serving: {g['used']}/{self.arena.slots} slots, hit rate {rate}, {len(self.sessions)} clients"
+
+    # -- shutdown -----------------------------------------------------------------
+    def _shutdown(self) -> None:
+        if self.notifier is not None:
+            self.notifier.stopping()
+        log.info("draining: stop accepting, cancel queued reads")
+        self.listener.close()
+        try:
+            os.unlink(self.arena_socket)
+        except FileNotFoundError:
+            pass
+        self.readers.stop()
+        self._apply_done()
+        for waiting in self.waiters.values():
+            for p in waiting:
+                if not p.done and p.session.alive:
+                    p.done = True
+                    self._send_error(p.session.routing, p.rid, errors.ShuttingDown("the daemon is shutting down"))
+        self.waiters.clear()
+        self.sock.close()
+        self.ctx.term()
+        if self.trace:
+            self.trace.close()

@@ -1,0 +1,140 @@
+"""Origins of expert bytes: the common interface, local pread, and dispatch.
+
+A source knows, for every expert key ``(layer, expert)``, the list of
+``Extent``s that fill its slot: ``(file, file_offset, slot_offset, length)``.
+Readers split an expert's extents into parts (``split_extents``) so several
+threads work on one expert, and each part is read by ``Source.read`` straight
+into slot memory (``os.preadv`` scatters one file-contiguous range over the
+slot's tensor buffers: adjacent tensors cost one syscall, no bounce buffer).
+
+Thread-safety: after construction a source is read-only; ``read`` is called from
+many reader threads at once (pread on a shared fd is position-free).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from k3client.layout import TensorSpec, layout_bytes
+
+PAGE = 4096
+
+
+class SourceError(Exception):
+    """The checkpoint cannot be served; the message names the file/tensor."""
+
+
+@dataclass(frozen=True)
+class Extent:
+    file: int          # index into Source.files
+    offset: int        # byte offset in that file
+    slot_offset: int   # byte offset inside the slot
+    length: int
+
+
+class Source:
+    """Base class: ``layout``, ``keys`` (key -> extents), ``files`` (paths)."""
+
+    kind = "?"
+
+    def __init__(self):
+        self.layout: list[TensorSpec] = []
+        self.keys: dict[tuple[int, int], list[Extent]] = {}
+        self.files: list[str] = []
+        self.fds: list[int] = []
+        self.tensor_format = "raw"
+
+    @property
+    def expert_bytes(self) -> int:
+        return layout_bytes(self.layout)
+
+    def describe(self) -> dict:
+        layers = sorted({l for l, _ in self.keys})
+        experts = sorted({e for _, e in self.keys})
+        return {"kind": self.kind, "path": self.path, "layers": layers[:1] + layers[-1:],
+                "experts": experts[:1] + experts[-1:], "count": len(self.keys),
+                "tensor_format": self.tensor_format}
+
+    def unknown(self, key) -> str:
+        d = self.describe()
+        return (f"unknown expert (layer {key[0]}, expert {key[1]}): {self.path} has layers "
+                f"{d['layers'][0]}-{d['layers'][-1]}, experts {d['experts'][0]}-{d['experts'][-1]}")
+
+    def read(self, extents: list[Extent], slot: memoryview) -> int:
+        """Fill ``slot`` at the extents' slot offsets; returns bytes read."""
+        return preadv_extents(self.fds, extents, slot)
+
+    def close(self):
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def read_fully(fd: int, buffers: list[memoryview], offset: int, what: str) -> int:
+    """``os.preadv`` until every buffer is full; a short file is an error."""
+    total = 0
+    while buffers:
+        n = os.preadv(fd, buffers, offset)
+        if n == 0:
+            raise OSError(f"{what}: unexpected end of file at offset {offset}")
+        total += n
+        offset += n
+        while buffers and n >= len(buffers[0]):
+            n -= len(buffers[0])
+            buffers.pop(0)
+        if buffers and n:
+            buffers[0] = buffers[0][n:]
+    return total
+
+
+def preadv_extents(fds, extents, slot: memoryview, paths=None) -> int:
+    """Read extents, merging file-contiguous ones into one preadv."""
+    total = 0
+    ext = sorted(extents, key=lambda x: (x.file, x.offset))
+    i = 0
+    while i < len(ext):
+        first = ext[i]
+        bufs = [slot[first.slot_offset:first.slot_offset + first.length]]
+        end = first.offset + first.length
+        j = i + 1
+        while j < len(ext) and ext[j].file == first.file and ext[j].offset == end and len(bufs) < 512:
+            e = ext[j]
+            bufs.append(slot[e.slot_offset:e.slot_offset + e.length])
+            end += e.length
+            j += 1
+        total += read_fully(fds[first.file], bufs, first.offset, f"file #{first.file}")
+        i = j
+    return total
+
+
+def split_extents(extents: list[Extent], parts: int) -> list[list[Extent]]:
+    """Cut extents into ``parts`` groups of about equal bytes (page-aligned cuts)."""
+    total = sum(e.length for e in extents)
+    if parts <= 1 or total <= PAGE:
+        return [list(extents)]
+    share = max(PAGE, (total // parts + PAGE - 1) // PAGE * PAGE)
+    out, cur, room = [], [], share
+    for e in sorted(extents, key=lambda x: (x.file, x.offset)):
+        off, so, left = e.offset, e.slot_offset, e.length
+        while left:
+            take = min(left, room)
+            cur.append(Extent(e.file, off, so, take))
+            off, so, left, room = off + take, so + take, left - take, room - take
+            if room == 0:
+                out.append(cur)
+                cur, room = [], share
+    if cur:
+        out.append(cur)
+    return out
+
+
+def open_source(spec: str, pattern: str) -> Source:
+    """Pick the source for a path (directory or file); raises SourceError."""
+    from .source_safetensors import SafetensorsSource
+
+    if not os.path.exists(spec):
+        raise SourceError(f"checkpoint not found: {spec}")
+    if os.path.isdir(spec) or spec.endswith(".safetensors") or spec.endswith(".json"):
+        return SafetensorsSource(spec, pattern)
+    raise SourceError(f"unsupported source {spec}: expected a safetensors directory or file")

@@ -1,0 +1,57 @@
+"""Counters (``total``-style, only grow) and the reader throughput window.
+
+Naming follows memcached/Redis: counters are monotonic totals, gauges
+(``used``, ``pinned``, ``loading``) are computed from state when status is asked.
+Each fetched key counts exactly one hit or one miss; ``waited`` is the subset of
+hits that were still loading (a prediction's or another client's read).
+
+Owned by the server thread; no locking.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Counters:
+    fetches: int = 0
+    hits: int = 0
+    misses: int = 0
+    waited: int = 0
+    prefetched: int = 0         # background reads issued for predictions
+    prefetch_hits: int = 0      # predictions fetched before the predictor's next token
+    prefetch_unused: int = 0    # predictions never fetched (demoted or evicted)
+    evictions: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0   # summed over reader threads
+    errors: int = 0             # failed expert reads
+    bad_requests: int = 0
+    cache_full: int = 0
+    clients_dead: int = 0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["read_seconds"] = round(d["read_seconds"], 6)
+        return d
+
+
+class Throughput:
+    """Bytes completed in the last ``window`` seconds (times from the caller)."""
+
+    def __init__(self, window: float = 10.0):
+        self.window = window
+        self._events: deque[tuple[float, int]] = deque()
+
+    def add(self, now: float, nbytes: int) -> None:
+        self._events.append((now, nbytes))
+        self._trim(now)
+
+    def rate(self, now: float) -> float:
+        self._trim(now)
+        return sum(n for _, n in self._events) / self.window
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window:
+            self._events.popleft()
