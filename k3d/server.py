@@ -32,6 +32,7 @@ import psutil
 import zmq
 
 from k3client import errors
+from k3client.endpoint import ipc_path
 from k3client.errors import BadRequest, K3Error, NotAttached, ProtocolMismatch, UnknownExpert
 from k3client.protocol import MAX_KEYS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 
@@ -520,5 +521,11 @@ class Server:
         self.waiters.clear()
         self.sock.close()
         self.ctx.term()
+        path = ipc_path(self.cfg.endpoint)
+        if path:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
         if self.trace:
             self.trace.close()
