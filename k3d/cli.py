@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _start_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
-    d.add_argument("--tokens", type=int, default=60)
+    d.add_argument("--tokens", type=int, default=200)
     d.add_argument("--clients", type=int, default=3)
     d.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args(argv)

@@ -1,0 +1,128 @@
+"""``k3d demo``: the embedded default, end to end on this machine.
+
+1. Writes a small synthetic MXFP4-shaped checkpoint with the safetensors library
+   (8 layers x 32 experts, two shards) and digests every expert from it.
+2. Starts a real daemon (``k3d start``) with an arena that holds ~40% of the
+   experts, so the LRU, predictions and evictions all matter.
+3. Runs ``clients`` model processes (``k3d.demo_worker``) that share it over many
+   tokens with skewed routing and next-layer predictions; each verifies every
+   byte it reads.
+4. Prints hit rate, waits, prefetch use, bytes read and per-process RSS/PSS,
+   then stops the daemon with SIGTERM and checks it exited 0 and left nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from safetensors import safe_open
+
+from k3client.layout import build_layout
+
+from .synthetic import NAME, write_checkpoint
+
+LAYERS, EXPERTS = 8, 32
+
+
+def digest_checkpoint(path: str, layers: int, experts: int) -> dict[str, str]:
+    """blake2b of each expert laid out as in a slot, read with the reference library."""
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    with open(index_path) as f:
+        weight_map = json.load(f)["weight_map"]
+    handles = {shard: safe_open(os.path.join(path, shard), "np") for shard in set(weight_map.values())}
+    out = {}
+    layout = None
+    for layer in range(layers):
+        for e in range(experts):
+            prefix = NAME.format(layer=layer, expert=e, name="")
+            names = sorted(n[len(prefix):] for n in weight_map if n.startswith(prefix))
+            tensors = {n: handles[weight_map[prefix + n]].get_tensor(prefix + n) for n in names}
+            if layout is None:
+                layout = build_layout([(n, "U8", t.shape, t.nbytes) for n, t in tensors.items()])
+            span = max(s.offset + s.nbytes for s in layout)
+            buf = bytearray(span)
+            for s in layout:
+                buf[s.offset:s.offset + s.nbytes] = tensors[s.name].tobytes()
+            out[f"{layer}/{e}"] = hashlib.blake2b(buf, digest_size=16).hexdigest()
+    return out
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
+    t_start = time.monotonic()
+    shm_before = _shm_entries()
+    with tempfile.TemporaryDirectory(prefix="k3d-demo-") as tmp:
+        ckpt = write_checkpoint(os.path.join(tmp, "ckpt"), layers=LAYERS, experts=EXPERTS,
+                                hidden=512, inter=256, shards=2, seed=seed)
+        digests = digest_checkpoint(ckpt, LAYERS, EXPERTS)
+        dpath = os.path.join(tmp, "digests.json")
+        with open(dpath, "w") as f:
+            json.dump(digests, f)
+        endpoint = f"ipc://{tmp}/k3d.sock"
+        slots = int(LAYERS * EXPERTS * 0.4)
+        print(f"demo: checkpoint {ckpt}: {LAYERS} layers x {EXPERTS} experts; arena {slots} slots; "
+              f"{clients} model processes x {tokens} tokens; seed {seed}", flush=True)
+        log_path = os.path.join(tmp, "daemon.log")
+        with open(log_path, "w") as log:
+            daemon = subprocess.Popen([sys.executable, "-m", "k3d.cli", "start", "--source", ckpt,
+                                       "--endpoint", endpoint, "--slots", str(slots), "--readers", "4"],
+                                      stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while "k3d: ready" not in open(log_path).read():
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    print(open(log_path).read(), file=sys.stderr)
+                    print("demo: the daemon did not start", file=sys.stderr)
+                    return 1
+                time.sleep(0.05)
+            workers = [subprocess.Popen(
+                [sys.executable, "-m", "k3d.demo_worker", "--endpoint", endpoint, "--name", f"model-{i}",
+                 "--digests", dpath, "--layers", str(LAYERS), "--experts", str(EXPERTS),
+                 "--tokens", str(tokens), "--seed", str(seed + i + 1), "--route-seed", str(seed)],
+                stdout=subprocess.PIPE, text=True) for i in range(clients)]
+            results = []
+            for w in workers:
+                out, _ = w.communicate(timeout=300)
+                results.append(json.loads(out.strip().splitlines()[-1]) if out.strip() else None)
+            import k3client
+            with k3client.connect(endpoint, name="demo-status") as c:
+                status = c.status()
+        finally:
+            daemon.terminate()
+            rc = daemon.wait(30)
+        st, arena = status["stats"], status["arena"]
+        total = st["hits"] + st["misses"]
+        print("\nprocess      fetches  experts checked  wrong  fetch p50   p99      RSS MiB  PSS MiB")
+        ok = True
+        for r in results:
+            if r is None:
+                print("  a model process failed")
+                ok = False
+                continue
+            ok &= r["wrong"] == 0
+            print(f"{r['name']:<12} {r['fetches']:>7}  {r['checked']:>15}  {r['wrong']:>5}  "
+                  f"{r['p50_us']:7.0f}us {r['p99_us']:7.0f}us  {r['rss'] / 2**20:7.1f}  {r['pss'] / 2**20:7.1f}")
+        print(f"\ncache: hit rate {100 * st['hits'] / total:.1f}% ({st['hits']} hits / {st['misses']} misses), "
+              f"{st['waited']} waited on a read in flight, {st['evictions']} evictions")
+        print(f"predictions: {st['prefetched']} prefetched, {st['prefetch_hits']} used, "
+              f"{st['prefetch_unused']} unused")
+        print(f"reads: {st['bytes_read'] / 2**20:.1f} MiB read from the checkpoint "
+              f"(it is {len(digests) * arena['expert_bytes'] / 2**20:.1f} MiB of experts), {st['errors']} errors")
+        print(f"arena: {arena['bytes'] / 2**20:.1f} MiB shared by {len(results)} processes "
+              f"(sum of their PSS {sum(r['pss'] for r in results if r) / 2**20:.1f} MiB; "
+              "each keeping its own cache would cost the arena per process)")
+        leftover = _shm_entries() - shm_before
+        print(f"daemon: SIGTERM exit code {rc}; left in /dev/shm: {sorted(leftover) or 'nothing'}")
+        ok &= rc == 0 and not leftover and all(results)
+        print(f"demo: {'OK' if ok else 'FAILED'}: every byte verified against safetensors "
+              f"in {time.monotonic() - t_start:.1f}s" if ok else "demo: FAILED")
+        return 0 if ok else 1
