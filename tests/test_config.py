@@ -1,0 +1,53 @@
+"""Unit: config precedence, sizes and one-line errors."""
+
+import pytest
+
+from k3d.config import ConfigError, parse_size, resolve
+
+
+@pytest.mark.parametrize("text,want", [("512MiB", 512 * 2**20), ("8GiB", 8 * 2**30), ("4096", 4096),
+                                       ("1.5G", 1_500_000_000), (" 2 mib ", 2 * 2**20), (1234, 1234)])
+def test_parse_size(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "12XB", "-5MiB"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def test_precedence_cli_env_file_default(tmp_path):
+    f = tmp_path / "k3d.toml"
+    f.write_text('arena = "1GiB"\nreaders = 2\nsource = "/file"\nendpoint = "ipc:///tmp/file.sock"\n')
+    env = {"K3D_READERS": "3", "K3D_SOURCE": "/env"}
+    cfg = resolve({"source": "/cli", "readers": None}, env, str(f))
+    assert cfg.source == "/cli" and cfg.readers == 3 and cfg.arena == 2**30
+    assert cfg.endpoint == "ipc:///tmp/file.sock"
+    assert resolve({}, {"K3D_ENDPOINT": "ipc:///tmp/e.sock"}, str(f)).endpoint == "ipc:///tmp/e.sock"
+    assert resolve({}, {}).readers == 4
+
+
+def test_default_endpoint_uses_runtime_dir():
+    assert resolve({}, {"XDG_RUNTIME_DIR": "/run/user/7"}).endpoint == "ipc:///run/user/7/k3d/k3d.sock"
+
+
+def test_unknown_key_named(tmp_path):
+    f = tmp_path / "k.toml"
+    f.write_text("arenna = 5\n")
+    with pytest.raises(ConfigError, match="unknown key 'arenna'"):
+        resolve({}, {}, str(f))
+
+
+def test_unparsable_file(tmp_path):
+    f = tmp_path / "k.toml"
+    f.write_text("arena = [\n")
+    with pytest.raises(ConfigError, match="does not parse"):
+        resolve({}, {}, str(f))
+
+
+def test_bad_values_name_their_origin():
+    with pytest.raises(ConfigError, match="environment K3D_READERS: bad value 'x' for readers"):
+        resolve({}, {"K3D_READERS": "x"})
+    with pytest.raises(ConfigError, match="--arena"):
+        resolve({"arena": "big"}, {})

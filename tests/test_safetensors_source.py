@@ -1,0 +1,111 @@
+"""Unit: hand-parsed safetensors headers match the reference reader; bad files are refused."""
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from k3d.source_safetensors import SafetensorsSource
+from k3d.sources import Extent, SourceError, split_extents
+from k3d.config import DEFAULT_PATTERN
+
+P = "model.layers.{l}.mlp.experts.{e}.{n}"
+
+
+def test_extents_match_reference(checkpoint):
+    src = SafetensorsSource(checkpoint, DEFAULT_PATTERN)
+    try:
+        assert len(src.keys) == 64
+        names = [s.name for s in src.layout]
+        assert names == sorted(names) and "w1.weight_packed" in names
+        with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
+            wm = json.load(f)["weight_map"]
+        slot = bytearray(src.expert_bytes)
+        for key in [(0, 0), (2, 7), (3, 15)]:
+            src.read(src.keys[key], memoryview(slot))
+            for spec in src.layout:
+                name = P.format(l=key[0], e=key[1], n=spec.name)
+                with safe_open(os.path.join(checkpoint, wm[name]), "np") as f:
+                    ref = f.get_tensor(name)
+                got = np.frombuffer(slot, np.uint8, spec.nbytes, spec.offset)
+                assert got.tobytes() == ref.tobytes()
+    finally:
+        src.close()
+
+
+def _write(tmp_path, tensors):
+    p = tmp_path / "model.safetensors"
+    save_file(tensors, str(p))
+    return p
+
+
+def test_expert_with_other_shape_is_named(tmp_path):
+    t = {P.format(l=0, e=0, n="w"): np.zeros((4, 4), np.uint8), P.format(l=0, e=1, n="w"): np.zeros((4, 2), np.uint8)}
+    _write(tmp_path, t)
+    with pytest.raises(SourceError, match=r"\(layer 0, expert 1\) tensor 'w' is U8\[4, 2\]"):
+        SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+
+
+def test_expert_missing_tensor_is_named(tmp_path):
+    t = {P.format(l=0, e=0, n="a"): np.zeros(4, np.uint8), P.format(l=0, e=0, n="b"): np.zeros(4, np.uint8),
+         P.format(l=1, e=3, n="a"): np.zeros(4, np.uint8)}
+    _write(tmp_path, t)
+    with pytest.raises(SourceError, match=r"\(layer 1, expert 3\) lacks tensor 'b'"):
+        SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+
+
+def test_no_matching_tensor(tmp_path):
+    _write(tmp_path, {"lm_head.weight": np.zeros(4, np.float32)})
+    with pytest.raises(SourceError, match="no tensor matches"):
+        SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+
+
+def _raw(tmp_path, header: dict, data: bytes, n_override=None):
+    h = json.dumps(header).encode()
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(struct.pack("<Q", n_override if n_override is not None else len(h)) + h + data)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("header,data,n,match", [
+    ({"x": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}}, b"\0" * 4, None, "out of bounds"),
+    ({"x": {"dtype": "U8", "shape": [8], "data_offsets": [0, 4]}}, b"\0" * 4, None, "needs 8"),
+    ({"x": {"dtype": "Q9", "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 4, None, "unknown dtype"),
+    ({"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 8, None, "data area is 8"),
+    ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+      "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"\0" * 6, None, "hole or overlap"),
+    ({}, b"", 10**9, "exceeds"),
+    ({}, b"", 5000, "past the end"),
+])
+def test_lying_headers_are_refused(tmp_path, header, data, n, match):
+    with pytest.raises(SourceError, match=match):
+        SafetensorsSource(_raw(tmp_path, header, data, n), DEFAULT_PATTERN)
+
+
+def test_truncated_file(tmp_path):
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(b"\x01\x02")
+    with pytest.raises(SourceError, match="too short"):
+        SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+
+
+def test_pattern_needs_all_fields(tmp_path):
+    with pytest.raises(SourceError, match=r"\{expert\}"):
+        SafetensorsSource(str(tmp_path), "layers.{layer}.{name}")
+
+
+def test_split_extents_covers_every_byte_once():
+    ext = [Extent(0, 1000, 0, 10000), Extent(0, 11000, 10048, 5000), Extent(1, 0, 15104, 3000)]
+    for parts in (1, 2, 3, 8):
+        groups = split_extents(ext, parts)
+        assert 1 <= len(groups) <= parts + 1
+        cover = sorted((e.slot_offset, e.slot_offset + e.length, e.offset - e.slot_offset, e.file)
+                       for g in groups for e in g)
+        total = sum(b - a for a, b, _, _ in cover)
+        assert total == 18000
+        for (a0, b0, _, _), (a1, _, _, _) in zip(cover, cover[1:]):
+            assert b0 <= a1

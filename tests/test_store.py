@@ -1,0 +1,114 @@
+"""Unit: the slot store's cache semantics (no sockets, no threads)."""
+
+import pytest
+
+from k3client.errors import CacheFull, QuotaExceeded
+from k3d.store import LOADING, READY, Store
+
+
+def ready(store, plan):
+    for s in plan.new_loads:
+        store.complete(s, None)
+
+
+def test_miss_then_hit_then_wait():
+    st = Store(4)
+    p = st.fetch((1, 0), [(0, 1), (0, 2)])
+    assert p.misses == 2 and p.new_loads == p.slots and p.waiting == set(p.slots)
+    q = st.fetch((2, 0), [(0, 1)])             # another client while it loads
+    assert q.waited == 1 and q.misses == 0 and q.new_loads == []
+    ready(st, p)
+    r = st.fetch((1, 0), [(0, 2)])
+    assert r.waiting == set() and r.misses == 0
+    assert (st.stats.hits, st.stats.misses, st.stats.waited) == (2, 2, 1)
+    st.check()
+
+
+def test_evicts_lru_unpinned_and_only_that():
+    st = Store(2)
+    ready(st, st.fetch((1, 0), [(0, 0)]))
+    ready(st, st.fetch((1, 0), [(0, 1)]))
+    st.end_epoch(1, (1, 0))
+    st.fetch((1, 1), [(0, 0)])                # touch (0,0): (0,1) is now LRU
+    st.end_epoch(1, (1, 1))
+    p = st.fetch((1, 2), [(0, 2)])
+    assert p.evictions == 1
+    assert (0, 1) not in st.key_slot and (0, 0) in st.key_slot
+    st.check()
+
+
+def test_cache_full_changes_nothing():
+    st = Store(2)
+    ready(st, st.fetch((1, 0), [(0, 0), (0, 1)]))
+    before = (dict(st.key_slot), st.policy.lru_order(), st.stats.as_dict())
+    with pytest.raises(CacheFull, match=r"2 of 2 slots pinned"):
+        st.fetch((2, 0), [(0, 0), (0, 5)])
+    after_stats = st.stats.as_dict()
+    assert after_stats.pop("cache_full") == 1
+    before[2].pop("cache_full")
+    assert (dict(st.key_slot), st.policy.lru_order(), after_stats) == before
+    assert not st.policy.held((2, 0))
+    st.check()
+
+
+def test_hits_in_the_same_fetch_are_not_evicted_for_its_misses():
+    st = Store(2)
+    ready(st, st.fetch((1, 0), [(0, 0), (0, 1)]))
+    st.end_epoch(1, (1, 0))
+    with pytest.raises(CacheFull):
+        st.fetch((1, 1), [(0, 0), (0, 1), (0, 2)])
+    p = st.fetch((1, 1), [(0, 0), (0, 2)])   # (0,1) is the only victim
+    assert p.evictions == 1 and (0, 0) in st.key_slot
+    st.check()
+
+
+def test_predictions_stop_at_first_without_a_slot_and_unused_are_demoted():
+    st = Store(3)
+    ready(st, st.fetch((1, 0), [(0, 0), (0, 1)]))   # 2 pinned, 1 free
+    started = st.predict(1, [(1, 0), (1, 1), (1, 2)])
+    assert len(started) == 1 and st.state[started[0]] == LOADING
+    st.complete(started[0], None)
+    released, unused = st.end_epoch(1, (1, 0))
+    assert (released, unused) == (2, 1)
+    assert st.policy.lru_order()[0] == started[0]      # demoted: next victim
+    assert st.stats.prefetched == 1 and st.stats.prefetch_unused == 1
+    st.check()
+
+
+def test_fetched_prediction_counts_as_prefetch_hit():
+    st = Store(3)
+    [s] = st.predict(9, [(2, 3)])
+    p = st.fetch((1, 0), [(2, 3)])
+    assert p.waited == 1 and p.promote == [s] and p.prefetched_hits == 1
+    st.complete(s, None)
+    assert st.end_epoch(9, (9, 0)) == (0, 0)
+    assert st.stats.prefetch_unused == 0 and st.stats.prefetch_hits == 1
+
+
+def test_failed_read_frees_slot_and_drops_pins():
+    st = Store(2)
+    p = st.fetch((1, 0), [(0, 0)])
+    st.complete(p.slots[0], "EIO")
+    assert (0, 0) not in st.key_slot and st.stats.errors == 1
+    assert not st.policy.pinned(p.slots[0])
+    q = st.fetch((1, 0), [(0, 0)])                 # retried as a miss
+    assert q.misses == 1
+    st.check()
+
+
+def test_quota():
+    st = Store(8, pin_quota=2)
+    st.fetch((1, 0), [(0, 0), (0, 1)])
+    with pytest.raises(QuotaExceeded, match="quota is 2"):
+        st.fetch((1, 0), [(0, 2)])
+    st.fetch((2, 0), [(0, 2)])                     # others unaffected
+    st.check()
+
+
+def test_each_key_counts_one_hit_or_one_miss():
+    st = Store(4)
+    keys = [(0, i) for i in range(3)]
+    ready(st, st.fetch((1, 0), keys))
+    st.fetch((2, 0), keys + [(0, 3)])
+    assert st.stats.hits + st.stats.misses == 7
+    assert all(st.state[s] == READY for s in st.key_slot.values() if s not in st.loads)
