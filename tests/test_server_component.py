@@ -1,0 +1,280 @@
+"""Component: the real server loop on a real ipc socket, in a thread, with real clients.
+
+Two wrappers around the real safetensors source stand in for what a local
+disk cannot produce on demand: a slow read and a failing read.
+"""
+
+import mmap
+import os
+import tempfile
+import threading
+import time
+import warnings
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import k3client
+from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
+from k3d.arena import Arena
+from k3d.config import resolve
+from k3d.daemon import size_arena
+from k3d.server import Server
+from k3d.source_safetensors import SafetensorsSource
+from k3d.config import DEFAULT_PATTERN
+
+
+class Faulty(SafetensorsSource):
+    """The real source, with per-key delays and failures the test controls."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.delay, self.fail = {}, set()
+
+    def key_of(self, extent):
+        """The expert an extent (or a part cut from one) belongs to."""
+        for key, exts in self.keys.items():
+            if any(e.file == extent.file and e.offset <= extent.offset < e.offset + e.length for e in exts):
+                return key
+
+    def read(self, extents, slot):
+        key = self.key_of(extents[0]) if (self.delay or self.fail) else None
+        time.sleep(self.delay.get(key, 0))
+        if key in self.fail:
+            raise OSError(5, f"Input/output error (injected for {key})")
+        return super().read(extents, slot)
+
+
+@pytest.fixture
+def server(checkpoint):
+    started = []
+
+    def start(slots=16, readers=2, **cfg_kw):
+        tmp = tempfile.mkdtemp(prefix="k3d-c-", dir="/tmp")
+        cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": slots, "readers": readers, **cfg_kw}, {})
+        src = Faulty(checkpoint, DEFAULT_PATTERN)
+        n, sb = size_arena(cfg, src.expert_bytes)
+        arena = Arena(n, sb)
+        srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
+        t = threading.Thread(target=srv.serve_forever, daemon=True)
+        t.start()
+        started.append((srv, t, arena, src))
+        return srv
+
+    yield start
+    for srv, t, arena, src in started:
+        srv.request_stop()
+        t.join(10)
+        arena.close()
+        src.close()
+
+
+def reference(srv, key):
+    """The expert's bytes as laid out in a slot, read by the source itself."""
+    buf = bytearray(srv.arena.slot_bytes)
+    srv.source.__class__.__mro__[1].read(srv.source, srv.source.keys[key], memoryview(buf))
+    return bytes(buf[:srv.source.expert_bytes])
+
+
+def test_fetch_returns_correct_bytes_zero_copy(server):
+    srv = server()
+    with k3client.connect(srv.cfg.endpoint, name="a") as c:
+        ex = c.fetch(1, [3, 5, 7])
+        assert [(e.layer, e.expert) for e in ex] == [(1, 3), (1, 5), (1, 7)]
+        for e in ex:
+            assert bytes(e.memory()) == reference(srv, (1, e.expert))
+        a = ex[0].array("w1.weight_packed")
+        assert a.shape == (256, 256) and not a.flags.writeable and not a.flags.owndata
+        with pytest.raises(ValueError):
+            a[0, 0] = 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            t = ex[1].tensor("w2.weight_scale")
+        assert np.array_equal(t.numpy(), ex[1].array("w2.weight_scale"))
+        again = c.fetch(1, [5])
+        assert again[0].slot == ex[1].slot
+        st = c.status()
+        assert st["stats"]["hits"] == 1 and st["stats"]["misses"] == 3
+
+
+def test_arena_cannot_be_mapped_writable(server):
+    import socket
+    srv = server()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(srv.arena_socket)
+        _, fds, _, _ = socket.recv_fds(s, 4096, 1)
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fds[0], srv.arena.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(OSError):
+            os.write(fds[0], b"x")
+    finally:
+        os.close(fds[0])
+
+
+def test_cold_miss_does_not_delay_other_clients_hits(server):
+    srv = server()
+    srv.source.delay[(2, 9)] = 1.5
+    with k3client.connect(srv.cfg.endpoint, name="fast") as fast, \
+            k3client.connect(srv.cfg.endpoint, name="slow") as slow:
+        fast.fetch(0, [1])
+        done = {}
+        th = threading.Thread(target=lambda: done.setdefault("slow", (slow.fetch(2, [9]), time.monotonic())))
+        th.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        for _ in range(20):
+            fast.begin_token()
+            fast.fetch(0, [1])
+        hits_done = time.monotonic()
+        th.join(10)
+        assert hits_done < done["slow"][1], "hits waited for the cold miss"
+        assert hits_done - t0 < 1.0
+
+
+def test_waiters_share_one_read_and_count_waited(server):
+    srv = server()
+    srv.source.delay[(3, 4)] = 0.5
+    with k3client.connect(srv.cfg.endpoint, name="a") as a, k3client.connect(srv.cfg.endpoint, name="b") as b:
+        res = {}
+        th = threading.Thread(target=lambda: res.setdefault("a", a.fetch(3, [4])))
+        th.start()
+        time.sleep(0.2)
+        eb = b.fetch(3, [4])
+        th.join(5)
+        assert eb[0].slot == res["a"][0].slot
+        st = b.status()["stats"]
+        assert st["misses"] == 1 and st["hits"] == 1 and st["waited"] == 1
+
+
+def test_failed_read_errors_every_waiter_then_retry_works(server):
+    srv = server()
+    srv.source.delay[(1, 1)] = 0.4
+    srv.source.fail.add((1, 1))
+    with k3client.connect(srv.cfg.endpoint, name="a") as a, k3client.connect(srv.cfg.endpoint, name="b") as b:
+        errs = []
+
+        def go(c):
+            try:
+                c.fetch(1, [1, 2])
+            except k3client.ReadFailed as e:
+                errs.append(str(e))
+
+        ths = [threading.Thread(target=go, args=(c,)) for c in (a, b)]
+        for t in ths:
+            t.start()
+            time.sleep(0.1)
+        for t in ths:
+            t.join(5)
+        assert len(errs) == 2 and all("(layer 1, expert 1)" in e and "next fetch retries" in e for e in errs)
+        srv.source.fail.clear()
+        a.begin_token()
+        ex = a.fetch(1, [1])
+        assert bytes(ex[0].memory()) == reference(srv, (1, 1))
+        assert a.status()["stats"]["errors"] >= 1
+
+
+def test_cache_full_names_pinned_and_total(server):
+    srv = server(slots=4)
+    with k3client.connect(srv.cfg.endpoint, name="a") as a, k3client.connect(srv.cfg.endpoint, name="b") as b:
+        a.fetch(0, [0, 1, 2])
+        with pytest.raises(k3client.CacheFull, match="3 of 4 slots pinned"):
+            b.fetch(0, [3, 4])
+        assert b.fetch(0, [3])[0].expert == 3
+        a.begin_token()
+        assert len(b.fetch(1, [0, 1, 2])) == 3     # a's pins are gone: evictable
+
+
+def test_predict_then_unused_counts(server):
+    srv = server(slots=8)
+    with k3client.connect(srv.cfg.endpoint, name="p") as c:
+        assert c.predict([(2, 1), (2, 2)]) == 2
+        ex = c.fetch(2, [1])
+        c.begin_token()
+        st = c.status()["stats"]
+        assert st["prefetched"] == 2 and st["prefetch_hits"] == 1 and st["prefetch_unused"] == 1
+        assert st["hits"] == 1 and st["misses"] == 0
+        assert bytes(ex[0].memory()) == reference(srv, (2, 1))
+
+
+def raw_dealer(endpoint):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    return s
+
+
+def ask(s, payload: bytes):
+    s.send(payload)
+    assert s.poll(1000), "no answer within 1 s"
+    return unpack(s.recv())
+
+
+@pytest.mark.parametrize("payload,code,words", [
+    (b"\xc1\xff garbage", "bad_request", "not msgpack"),
+    (msgpack.packb([1, 2, 3]), "bad_request", "must be a msgpack map"),
+    (pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": "x"}), "bad_request", "'id' must be an integer"),
+    (pack({"v": PROTOCOL_VERSION, "op": "explode", "id": 1}), "bad_request", "unknown op 'explode'"),
+    (pack({"v": 99, "op": "hello", "id": 1}), "version_mismatch", "protocol 99"),
+    (pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": 1, "keys": [[0, 1]]}), "not_attached", "hello first"),
+    (b"\x00" * (MAX_MESSAGE_BYTES + 1), "bad_request", "exceeds"),
+])
+def test_malformed_messages_get_one_line_errors(server, payload, code, words):
+    srv = server()
+    s = raw_dealer(srv.cfg.endpoint)
+    r = ask(s, payload)
+    assert r["ok"] is False and r["error"]["code"] == code and words in r["error"]["message"]
+    assert "\n" not in r["error"]["message"]
+    s.close()
+    with k3client.connect(srv.cfg.endpoint, name="ok") as c:
+        assert c.fetch(0, [0])[0].expert == 0
+
+
+@pytest.mark.parametrize("keys,exc,words", [
+    ([], k3client.BadRequest, "zero keys"),
+    ([[0, 1], [0, 1]], k3client.BadRequest, "duplicate key (layer 0, expert 1)"),
+    ([[0, 99]], k3client.UnknownExpert, "(layer 0, expert 99)"),
+    ([[-1, 0]], k3client.UnknownExpert, "layers 0-3"),
+    ([[0, "1"]], k3client.BadRequest, "pair of integers"),
+    ([[0, True]], k3client.BadRequest, "pair of integers"),
+    ("nope", k3client.BadRequest, "list of [layer, expert]"),
+])
+def test_bad_fetches_are_refused_and_nothing_changes(server, keys, exc, words):
+    srv = server()
+    with k3client.connect(srv.cfg.endpoint, name="bad") as c:
+        with pytest.raises(exc) as ei:
+            c._request("fetch", keys=keys)
+        assert words in str(ei.value)
+        st = c.status()
+        assert st["arena"]["used"] == 0 and st["stats"]["hits"] + st["stats"]["misses"] == 0
+        assert c.fetch(0, [2])[0].expert == 2
+
+
+def test_bad_predicted_field_refuses_whole_fetch(server):
+    srv = server()
+    with k3client.connect(srv.cfg.endpoint, name="bad") as c:
+        with pytest.raises(k3client.UnknownExpert):
+            c.fetch(0, [1], predicted=[(0, 77)])
+        assert c.status()["arena"]["used"] == 0
+
+
+def test_status_has_the_documented_fields(server):
+    srv = server()
+    with k3client.connect(srv.cfg.endpoint, name="s") as c:
+        c.fetch(0, [0])
+        st = c.status()
+    for k in ("version", "pid", "uptime_s"):
+        assert k in st
+    assert set(st["arena"]) >= {"bytes", "slots", "slot_bytes", "used", "pinned", "loading"}
+    assert set(st["stats"]) >= {"hits", "misses", "waited", "prefetched", "prefetch_unused", "evictions",
+                                "bytes_read", "errors"}
+    [cl] = st["clients"]
+    assert cl["name"] == "s" and cl["pid"] == os.getpid() and cl["epoch"] == 0 and cl["pins"] == 1
+
+
+def test_not_running_is_a_clear_error(tmp_path):
+    with pytest.raises(k3client.DaemonNotRunning, match="not running at ipc://"):
+        k3client.connect(f"ipc://{tmp_path}/none.sock")
