@@ -1,0 +1,184 @@
+"""Integration: the real ``k3d start`` and ``k3ctl`` as subprocesses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import k3client
+from conftest import spawn_daemon
+
+
+def shm():
+    return set(os.listdir("/dev/shm"))
+
+
+def k3ctl(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "k3d.ctl", *args], capture_output=True, text=True,
+                          timeout=30, env=env)
+
+
+def k3d(*args):
+    return subprocess.run([sys.executable, "-m", "k3d.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_ready_status_sigterm_leaves_nothing(checkpoint, start_daemon):
+    before = shm()
+    d = start_daemon(checkpoint, "--arena", "4MiB")
+    assert "pre-faulting arena" in d.log()
+    r = k3ctl("status", "--endpoint", d.endpoint, "--json")
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    assert st["pid"] == d.pid and st["arena"]["slots"] == 4 * 2**20 // st["arena"]["slot_bytes"]
+    human = k3ctl("status", "--endpoint", d.endpoint)
+    assert human.returncode == 0 and "hit rate" in human.stdout
+    assert d.stop(signal.SIGTERM) == 0
+    assert shm() - before == set()
+    sock = d.endpoint[len("ipc://"):]
+    assert not os.path.exists(sock) and not os.path.exists(sock + ".arena")
+    r = k3ctl("status", "--endpoint", d.endpoint)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "not running" in r.stderr
+
+
+def test_sigint_also_exits_zero(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--arena", "4MiB")
+    assert d.stop(signal.SIGINT) == 0
+
+
+def test_kill9_leaves_nothing_and_next_start_takes_over(checkpoint, start_daemon):
+    """The arena is a memfd: nothing is ever in /dev/shm; the next start removes stale sockets."""
+    before = shm()
+    d = start_daemon(checkpoint, "--arena", "4MiB")
+    with k3client.connect(d.endpoint, name="x") as c:
+        c.fetch(0, [1])
+    d.stop(signal.SIGKILL)
+    assert shm() - before == set()
+    d2 = start_daemon(checkpoint, "--arena", "4MiB", endpoint=d.endpoint)
+    assert "stale sockets" in d2.log()
+    with k3client.connect(d.endpoint, name="y") as c:
+        assert c.fetch(0, [1])[0].expert == 1
+    assert d2.stop() == 0
+
+
+def test_second_daemon_on_same_endpoint_is_refused(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--arena", "4MiB")
+    r = k3d("start", "--source", checkpoint, "--endpoint", d.endpoint, "--arena", "4MiB")
+    assert r.returncode == 1 and "already serving" in r.stderr
+    assert k3ctl("status", "--endpoint", d.endpoint).returncode == 0
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--source", "/nonexistent/ckpt"], "checkpoint not found: /nonexistent/ckpt"),
+    (["--arena", "4KiB"], "smaller than one slot"),
+    (["--arena", "100TiB"], "exceeds available memory"),
+    (["--arena", "lots"], "bad value 'lots' for arena"),
+    (["--readers", "0"], "readers"),
+    (["--pattern", "x.{layer}.{name}"], "{expert}"),
+])
+def test_bad_start_is_one_line(checkpoint, tmp_path, args, words):
+    base = ["start", "--endpoint", f"ipc://{tmp_path}/k.sock"]
+    if "--source" not in args:
+        base += ["--source", checkpoint]
+    r = k3d(*base, *args)
+    assert r.returncode == 1
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert words in r.stderr
+
+
+def test_broken_config_file(checkpoint, tmp_path):
+    cfg = tmp_path / "k3d.toml"
+    cfg.write_text("readers = [\n")
+    r = k3d("start", "--config", str(cfg), "--source", checkpoint)
+    assert r.returncode == 1 and "does not parse" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_config_file_is_used(checkpoint, tmp_path, start_daemon):
+    cfg = tmp_path / "k3d.toml"
+    cfg.write_text(f'source = "{checkpoint}"\narena = "2MiB"\nreaders = 3\n')
+    d = start_daemon(None, "--config", str(cfg))
+    st = json.loads(k3ctl("status", "--endpoint", d.endpoint, "--json").stdout)
+    assert st["arena"]["bytes"] <= 2 * 2**20 and st["model"]["path"] == checkpoint
+
+
+def test_env_endpoint_for_k3ctl(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--arena", "4MiB")
+    env = dict(os.environ, K3D_ENDPOINT=d.endpoint)
+    assert k3ctl("status", env=env).returncode == 0
+
+
+CLIENT = """
+import sys, time, k3client
+c = k3client.connect(sys.argv[1], name="victim")
+c.fetch(0, [0, 1, 2])
+print("pinned", flush=True)
+time.sleep(60)
+"""
+
+
+def _wait_client(endpoint, name, present, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with k3client.connect(endpoint, name="observer") as o:
+            st = o.status()
+        names = [c["name"] for c in st["clients"]]
+        if (name in names) == present:
+            return st, time.monotonic()
+        time.sleep(0.05)
+    raise AssertionError(f"client {name} still {'absent' if present else 'present'}: {st['clients']}")
+
+
+def test_killed_client_loses_pins_within_2s(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--arena", "4MiB")
+    p = subprocess.Popen([sys.executable, "-c", CLIENT, d.endpoint], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "pinned"
+    st, _ = _wait_client(d.endpoint, "victim", True, 5)
+    assert [c["pins"] for c in st["clients"] if c["name"] == "victim"] == [3]
+    assert st["arena"]["pinned"] == 3
+    t_kill = time.monotonic()
+    p.kill()
+    p.wait()
+    st, t_gone = _wait_client(d.endpoint, "victim", False, 5)
+    assert t_gone - t_kill < 2.0
+    assert st["arena"]["pinned"] == 0 and st["stats"]["clients_dead"] == 1
+    assert "victim" in d.log() and "released 3 pins" in d.log()
+
+
+def test_hung_client_loses_pins_after_lease(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--arena", "4MiB", "--lease", "1")
+    p = subprocess.Popen([sys.executable, "-c", CLIENT, d.endpoint], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "pinned"
+        p.send_signal(signal.SIGSTOP)
+        st, _ = _wait_client(d.endpoint, "victim", False, 5)
+        assert st["arena"]["pinned"] == 0 and "silent for" in d.log()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_route_trace_survives_kill9(checkpoint, start_daemon, tmp_path):
+    trace = tmp_path / "route.trace"
+    d = start_daemon(checkpoint, "--arena", "4MiB", "--trace", str(trace))
+    with k3client.connect(d.endpoint, name="t") as c:
+        c.fetch(2, [4, 6], predicted=[(3, 1), (3, 2)])
+        c.fetch(3, [1])              # served by the prediction
+        c.begin_token()              # (3, 2) was never fetched: unused
+        c.fetch(2, [4])
+    d.stop(signal.SIGKILL)
+    lines = [l.split() for l in trace.read_text().splitlines()]
+    assert len(lines) == 3
+    assert lines[0][1:] == ["L2", "n=2", "miss=2", "evict=0", "wait=0", "pf=0", "pfu=0", "4,6"]
+    assert 0 < int(lines[0][0]) <= int(lines[1][0]) <= int(lines[2][0])
+    assert lines[1][1:4] == ["L3", "n=1", "miss=0"] and lines[1][6:] == ["pf=1", "pfu=0", "1"]
+    assert lines[2][1:] == ["L2", "n=1", "miss=0", "evict=0", "wait=0", "pf=0", "pfu=1", "4"]
+
+
+def test_demo_runs_and_verifies():
+    r = subprocess.run([sys.executable, "-m", "k3d.cli", "demo", "--tokens", "20"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "demo: OK" in r.stdout and "hit rate" in r.stdout and "PSS" in r.stdout
