@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 import socket
 import time
@@ -378,7 +379,7 @@ class Server:
         while True:
             try:
                 d = done.get_nowait()
-            except Exception:
+            except queue.Empty:
                 return
             load = self.store.loads[d.load_id]
             load.parts_left -= 1
