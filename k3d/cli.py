@@ -19,7 +19,7 @@ from .config import ConfigError, resolve
 def _start_parser(sub):
     p = sub.add_parser("start", help="run the daemon in the foreground")
     p.add_argument("--config", help="TOML config file (keys as the long options, e.g. arena = \"8GiB\")")
-    p.add_argument("--source", help="checkpoint: safetensors directory/file")
+    p.add_argument("--source", help="checkpoint: safetensors directory/file, .gguf or .k3pack file")
     p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name}")
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes (rounded down to whole slots)")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
@@ -29,6 +29,18 @@ def _start_parser(sub):
     p.add_argument("--lease", dest="lease_s", type=float, help="seconds a silent client keeps its pins (default 10)")
     p.add_argument("--pin-quota", dest="pin_quota", type=int, help="slots one client may pin per token (0: no limit)")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
+    p.add_argument("--read-mode", dest="read_mode",
+                   help="packed files: buffered (page cache, dropped after reading) or direct (O_DIRECT)")
+    return p
+
+
+def _pack_parser(sub):
+    p = sub.add_parser("pack", help="convert a safetensors directory or GGUF file to the packed format")
+    p.add_argument("src", help="safetensors directory/file or .gguf file")
+    p.add_argument("out", help="output file (conventionally NAME.k3pack); written atomically")
+    p.add_argument("--pattern", help="safetensors tensor name pattern with {layer}, {expert}, {name}")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
 
@@ -37,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--version", action="version", version=f"k3d {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _start_parser(sub)
+    _pack_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
     d.add_argument("--tokens", type=int, default=200)
     d.add_argument("--clients", type=int, default=3)
@@ -45,6 +58,10 @@ def main(argv=None) -> int:
     if args.cmd == "demo":
         from .demo import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+    if args.cmd == "pack":
+        from .config import DEFAULT_PATTERN
+        from .packed import pack_main
+        return pack_main(args.src, args.out, args.pattern or DEFAULT_PATTERN, args.force, args.progress)
     cli = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
     try:
         cfg = resolve(cli, os.environ, args.config)

@@ -40,6 +40,7 @@ class Config:
     lease_s: float = 10.0             # a client silent this long loses its pins
     pin_quota: int = 0                # slots one client may pin per token; 0 = no limit
     log_level: str = "info"
+    read_mode: str = "buffered"       # packed sources: buffered | direct (O_DIRECT)
 
 
 def parse_size(text) -> int:
@@ -75,6 +76,11 @@ def _convert(name: str, value, origin: str):
             v = str(value).lower()
             if v not in ("debug", "info", "warning", "error"):
                 raise ValueError("use debug, info, warning or error")
+            return v
+        if name == "read_mode":
+            v = str(value).lower()
+            if v not in ("buffered", "direct"):
+                raise ValueError("use buffered or direct")
             return v
         if not isinstance(value, str):
             raise ValueError("must be a string")

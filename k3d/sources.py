@@ -129,12 +129,33 @@ def split_extents(extents: list[Extent], parts: int) -> list[list[Extent]]:
     return out
 
 
-def open_source(spec: str, pattern: str) -> Source:
-    """Pick the source for a path (directory or file); raises SourceError."""
+def open_source(spec: str, pattern: str, read_mode: str = "buffered") -> Source:
+    """Pick the source for a path (directory or file); raises SourceError.
+
+    Files are recognised by their magic (``GGUF``, ``K3DPACK``), else by extension;
+    ``read_mode`` (buffered | direct) applies to packed files, whose experts are
+    4096-aligned; direct reads of other formats are refused.
+    """
+    from .packed import MAGIC as PACK_MAGIC, PackedSource
+    from .source_gguf import MAGIC as GGUF_MAGIC, GGUFSource
     from .source_safetensors import SafetensorsSource
 
     if not os.path.exists(spec):
         raise SourceError(f"checkpoint not found: {spec}")
+    head = b""
+    if os.path.isfile(spec):
+        with open(spec, "rb") as f:
+            head = f.read(8)
+    if head == PACK_MAGIC or spec.endswith(".k3pack"):
+        return PackedSource(spec, read_mode)
+    if read_mode not in ("buffered", "direct"):
+        raise SourceError(f"unknown read mode {read_mode!r} (use buffered or direct)")
+    if read_mode == "direct":
+        raise SourceError(f"--read-mode direct needs a packed file (4096-aligned experts); "
+                          f"convert {spec} with `k3d pack {spec} OUT.k3pack`")
+    if head[:4] == GGUF_MAGIC or spec.endswith(".gguf"):
+        return GGUFSource(spec)
     if os.path.isdir(spec) or spec.endswith(".safetensors") or spec.endswith(".json"):
         return SafetensorsSource(spec, pattern)
-    raise SourceError(f"unsupported source {spec}: expected a safetensors directory or file")
+    raise SourceError(f"unsupported source {spec}: expected a safetensors directory or file, "
+                      "a .gguf file or a .k3pack file")

@@ -1,0 +1,437 @@
+"""The packed format (``.k3pack``): every expert at a fixed stride, one read per expert.
+
+File layout (format version 1)::
+
+    offset 0        b"K3DPACK\\n"                        8-byte magic
+    offset 8        u64 little-endian N                  JSON header length
+    offset 16       N bytes of JSON header (UTF-8)
+                    zero padding to data_offset          (a multiple of 4096)
+    data_offset     expert keys[0]   span bytes, zero padding to stride
+    + stride        expert keys[1]
+    ...             expert keys[i] at data_offset + i * stride, i in (layer, expert) order
+    file end        = data_offset + len(keys) * stride   (exactly: a short file is refused)
+
+    header = {"format": "k3d-pack", "version": 1,
+              "tensor_format": "raw" | "ggml:MXFP4" | ..., "tensor_types": {...} (optional),
+              "source": {"kind": ..., "path": ...},
+              "layout": [[name, dtype, shape, offset, nbytes], ...],   # as the wire TensorSpec
+              "span": bytes of one expert (layout end), "stride": align(span, 4096),
+              "data_offset": ..., "layers": [...], "experts": [...],
+              "keys": [[layer, expert], ...], "checksum": "crc32",
+              "checksums": ["%08x" of zlib.crc32 over the expert's stride bytes], ...}
+
+Inside an expert's stride, tensors lie at their layout offsets (the slot
+layout), so one read of ``stride`` bytes fills a slot with no scatter.
+
+Invariants:
+- Offsets and lengths of every expert are 4096-aligned, and so are arena slots,
+  so ``--read-mode direct`` reads with O_DIRECT straight into slot memory.
+- Atomic writes: ``write_pack`` writes ``OUT.partial`` (data first, the header
+  last), fsyncs it and renames it to ``OUT``.  An interrupted pack leaves only a
+  ``.partial`` whose header is still zero bytes: ``k3d start`` refuses it.
+- Read-time verification: the crc32 of every expert is checked after its bytes
+  land in the slot; a mismatch raises ``ChecksumError`` naming the expert, so
+  the daemon fails that load and never serves it.  The server may split one
+  expert into page-aligned parts read by several threads: each part's crc is
+  recorded and the part that completes the expert combines them
+  (``crc32_combine``) and checks.  Parts of one load share one slot
+  memoryview object (the server makes one per load); that object identifies
+  the load, so parts of an earlier, failed load of the same expert are never
+  mixed in.
+
+Read modes: ``buffered`` preads through the page cache and then drops what it
+read (``POSIX_FADV_DONTNEED``: the arena is the cache; a second copy in the page
+cache only wastes RAM); ``direct`` preads from an O_DIRECT descriptor, so misses
+bypass the page cache entirely.  A piece that is not 4096-aligned (offset,
+length or slot address) is read through the buffered descriptor instead, so
+direct mode never fails on alignment.
+
+Thread-safety: ``PackedSource.read`` is called by many reader threads at once;
+the pending-part table is the only shared mutable state and has its own lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import mmap
+import os
+import sys
+import threading
+import time
+import zlib
+
+from k3client.layout import DTYPES, TensorSpec, align, build_layout, layout_bytes
+
+from .sources import PAGE, Extent, Source, SourceError, read_fully
+
+MAGIC = b"K3DPACK\n"
+FORMAT = "k3d-pack"
+VERSION = 1
+MAX_HEADER = 1 << 30
+READ_MODES = ("buffered", "direct")
+
+
+class ChecksumError(SourceError):
+    """An expert's bytes do not match the checksum in the packed header."""
+
+
+# -- crc32 of a concatenation from the crcs of its parts (zlib's crc32_combine) --------
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial (bit-reflected, as zlib)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+_X2N = [1 << 30]  # x^(2^n) mod p, n = 0..63
+for _ in range(63):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32(A + B) given crc32(A), crc32(B) and len(B)."""
+    # x^(8 * len2) mod p, as zlib's x2nmodp(len2, 3)
+    p, k, n = 1 << 31, 3, len2
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 63], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
+# -- header -------------------------------------------------------------------------------
+def _fail(path: str, msg: str):
+    raise SourceError(f"{path}: {msg}")
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """Validate a packed file's header against the file; returns (header, file size)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SourceError(f"{path}: cannot open ({e.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 16, 0)
+        if len(head) < 16 or head[:8] != MAGIC:
+            if len(head) >= 8 and head[:8] == bytes(8):
+                _fail(path, "not a k3d packed file: the header is empty (an interrupted `k3d pack`?)")
+            _fail(path, "not a k3d packed file (bad magic)")
+        n = int.from_bytes(head[8:16], "little")
+        if n > MAX_HEADER or 16 + n > size:
+            _fail(path, f"header length {n} runs past the end of the file ({size} bytes)")
+        raw = os.pread(fd, n, 16)
+    finally:
+        os.close(fd)
+    try:
+        h = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        _fail(path, f"header is not valid JSON ({e})")
+    if not isinstance(h, dict) or h.get("format") != FORMAT:
+        _fail(path, f"header format is not {FORMAT!r}")
+    if h.get("version") != VERSION:
+        _fail(path, f"packed format version {h.get('version')!r} is not supported (this k3d reads {VERSION})")
+    try:
+        layout = [TensorSpec.from_wire(w) for w in h["layout"]]
+        span, stride, data_offset = h["span"], h["stride"], h["data_offset"]
+        keys = [(int(l), int(e)) for l, e in h["keys"]]
+        sums = h["checksums"]
+        tensor_format = h["tensor_format"]
+    except (KeyError, TypeError, ValueError) as e:
+        _fail(path, f"header lacks or mangles a field ({type(e).__name__}: {e})")
+    for s in layout:
+        if s.dtype not in DTYPES:
+            _fail(path, f"layout tensor {s.name!r} has unknown dtype {s.dtype!r}")
+        if s.nbytes != math.prod(s.shape) * DTYPES[s.dtype][0]:
+            _fail(path, f"layout tensor {s.name!r} spans {s.nbytes} bytes but {s.dtype}{list(s.shape)} needs "
+                        f"{math.prod(s.shape) * DTYPES[s.dtype][0]}")
+    rebuilt = build_layout([(s.name, s.dtype, s.shape, s.nbytes) for s in layout])
+    if rebuilt != sorted(layout, key=lambda s: s.name) or not layout:
+        _fail(path, "layout offsets are not the slot layout (sorted names, 64-byte aligned)")
+    if span != layout_bytes(layout):
+        _fail(path, f"span {span} is not the layout's {layout_bytes(layout)} bytes")
+    if stride != align(span, PAGE):
+        _fail(path, f"stride {stride} is not the span {span} rounded up to 4096")
+    if not isinstance(data_offset, int) or data_offset % PAGE or data_offset < 16 + n:
+        _fail(path, f"data offset {data_offset!r} is not a 4096 multiple past the header")
+    if len(set(keys)) != len(keys) or keys != sorted(keys):
+        _fail(path, "keys are not unique and in (layer, expert) order")
+    if not isinstance(sums, list) or len(sums) != len(keys):
+        _fail(path, f"{len(sums) if isinstance(sums, list) else 'no'} checksums for {len(keys)} experts")
+    try:
+        h["_crcs"] = [int(c, 16) for c in sums]
+    except (TypeError, ValueError):
+        _fail(path, "checksums are not hex crc32 strings")
+    want = data_offset + len(keys) * stride
+    if size != want:
+        what = "truncated" if size < want else "has trailing bytes"
+        _fail(path, f"{what}: {size} bytes, the header describes {want} ({len(keys)} experts x {stride})")
+    h["_layout"], h["_keys"] = layout, keys
+    if not isinstance(tensor_format, str):
+        _fail(path, "tensor_format is not a string")
+    return h, size
+
+
+# -- reading ------------------------------------------------------------------------------
+def _address(mv: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+
+
+class PackedSource(Source):
+    kind = "packed"
+
+    def __init__(self, path: str, read_mode: str = "buffered"):
+        super().__init__()
+        if read_mode not in READ_MODES:
+            raise SourceError(f"unknown read mode {read_mode!r} (use buffered or direct)")
+        self.path, self.read_mode = path, read_mode
+        h, _ = read_header(path)
+        self.header = {k: v for k, v in h.items() if not k.startswith("_")}
+        self.layout = h["_layout"]
+        self.tensor_format = h["tensor_format"]
+        self.tensor_types = h.get("tensor_types") or {}
+        self.stride, self.data_offset = h["stride"], h["data_offset"]
+        self._crcs = h["_crcs"]
+        self._names = h["_keys"]
+        for i, key in enumerate(self._names):
+            self.keys[key] = [Extent(0, self.data_offset + i * self.stride, 0, self.stride)]
+        self.files = [path]
+        self.fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
+        self._dfd = None
+        if read_mode == "direct":
+            try:
+                self._dfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            except OSError as e:
+                self.close()
+                raise SourceError(f"{path}: --read-mode direct: this file system refuses O_DIRECT "
+                                  f"({e.strerror}); use --read-mode buffered") from None
+        self._lock = threading.Lock()
+        # expert index -> (load token, [(start, length, crc)]); see the module docstring
+        self._pending: dict[int, tuple[object, list]] = {}
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d["read_mode"] = self.read_mode
+        d["packed_from"] = self.header.get("source", {}).get("kind")
+        if self.tensor_types:
+            d["tensor_types"] = dict(self.tensor_types)
+        return d
+
+    def read(self, extents: list[Extent], slot: memoryview) -> int:
+        total = 0
+        for e in extents:
+            dest = slot[e.slot_offset:e.slot_offset + e.length]
+            if self._dfd is not None:
+                self._read_direct(e.offset, dest)
+            else:
+                read_fully(self.fds[0], [dest], e.offset, self.path)
+                os.posix_fadvise(self.fds[0], e.offset, e.length, os.POSIX_FADV_DONTNEED)
+            total += e.length
+            self._verify(e, dest, slot)
+        return total
+
+    def _read_direct(self, offset: int, dest: memoryview) -> None:
+        """O_DIRECT for the 4096-aligned middle; the unaligned head/tail (if any) buffered."""
+        n = len(dest)
+        addr = _address(dest)
+        if (addr - offset) % PAGE:
+            # file and memory alignment differ: O_DIRECT cannot serve any of it
+            read_fully(self.fds[0], [dest], offset, self.path)
+            return
+        head = -offset % PAGE
+        mid = max(0, (n - head) // PAGE * PAGE)
+        if head:
+            read_fully(self.fds[0], [dest[:min(head, n)]], offset, self.path)
+        if mid:
+            read_fully(self._dfd, [dest[head:head + mid]], offset + head, self.path)
+        if head + mid < n:
+            read_fully(self.fds[0], [dest[head + mid:]], offset + head + mid, self.path)
+
+    def _expert(self, offset: int) -> tuple[int, int]:
+        rel = offset - self.data_offset
+        return rel // self.stride, rel % self.stride
+
+    def _verify(self, e: Extent, data: memoryview, slot: memoryview) -> None:
+        i, start = self._expert(e.offset)
+        crc = zlib.crc32(data)
+        if start == 0 and e.length == self.stride:
+            return self._check(i, crc)
+        with self._lock:
+            token, parts = self._pending.get(i, (None, None))
+            if token is not slot:
+                # a new load of this expert: forget any earlier (failed) load's parts
+                token, parts = slot, []
+                self._pending[i] = (token, parts)
+            parts.append((start, e.length, crc))
+            if sum(p[1] for p in parts) < self.stride:
+                return
+            del self._pending[i]
+        parts.sort()
+        pos, whole = 0, 0
+        for s, length, c in parts:
+            if s != pos:
+                raise ChecksumError(f"expert {self._names[i]}: parts read overlap or leave a hole at {pos}")
+            whole = crc32_combine(whole, c, length) if pos else c
+            pos += length
+        self._check(i, whole)
+
+    def _check(self, i: int, crc: int) -> None:
+        if crc != self._crcs[i]:
+            l, e = self._names[i]
+            raise ChecksumError(f"checksum mismatch in expert (layer {l}, expert {e}) of {self.path}: "
+                                f"crc32 {crc:08x}, header says {self._crcs[i]:08x}; the file is corrupt, repack it")
+
+    def close(self):
+        if getattr(self, "_dfd", None) is not None:
+            os.close(self._dfd)
+            self._dfd = None
+        self._pending = {}
+        super().close()
+
+
+# -- writing ------------------------------------------------------------------------------
+class _Progress:
+    """A progress bar on stderr: redrawn in place on a terminal, a line per 10% otherwise."""
+
+    def __init__(self, total: int, nbytes: int, out=None):
+        self.total, self.nbytes, self.out = total, nbytes, out or sys.stderr
+        self.tty = self.out.isatty()
+        self.t0 = self.last = time.monotonic()
+        self.decile = -1
+
+    def update(self, done: int, final: bool = False) -> None:
+        now = time.monotonic()
+        frac = done / self.total if self.total else 1.0
+        if not final:
+            if self.tty and now - self.last < 0.1:
+                return
+            if not self.tty and int(frac * 10) == self.decile:
+                return
+        self.last, self.decile = now, int(frac * 10)
+        rate = done * self.nbytes / self.total / max(now - self.t0, 1e-9) / 1e6 if self.total else 0
+        bar = "#" * int(frac * 30)
+        line = f"k3d pack: [{bar:<30}] {frac * 100:5.1f}% {done}/{self.total} experts {rate:7.0f} MB/s"
+        if self.tty:
+            self.out.write("\r" + line + ("\n" if final else ""))
+        else:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+
+def _header_bytes(src: Source, keys, span, stride, data_offset, sums) -> bytes:
+    h = {"format": FORMAT, "version": VERSION, "tensor_format": src.tensor_format,
+         "source": {"kind": src.kind, "path": os.path.abspath(src.path)},
+         "layout": [s.to_wire() for s in src.layout], "span": span, "stride": stride,
+         "data_offset": data_offset,
+         "layers": sorted({l for l, _ in keys}), "experts": sorted({e for _, e in keys}),
+         "keys": [list(k) for k in keys], "checksum": "crc32", "checksums": sums}
+    types = getattr(src, "tensor_types", None)
+    if types:
+        h["tensor_types"] = types
+    return json.dumps(h, separators=(",", ":")).encode()
+
+
+def _pwrite_fully(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        with data[done:] as rest:
+            done += os.pwrite(fd, rest, offset + done)
+
+
+def write_pack(src: Source, out: str, progress: bool = True) -> dict:
+    """Write ``src`` as a packed file at ``out`` (atomically); returns a summary."""
+    keys = sorted(src.keys)
+    if not keys:
+        raise SourceError(f"{src.path}: no experts to pack")
+    span = src.expert_bytes
+    stride = align(span, PAGE)
+    # checksums are fixed-width hex, so the placeholder header has the final length
+    placeholder = _header_bytes(src, keys, span, stride, 0, ["0" * 8] * len(keys))
+    data_offset = align(16 + len(placeholder) + 32, PAGE)  # +32: room for data_offset's digits
+    partial = out + ".partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    bar = _Progress(len(keys), stride) if progress else None
+    t0 = time.monotonic()
+    try:
+        os.ftruncate(fd, data_offset + len(keys) * stride)
+        # one zeroed, page-aligned buffer: every expert writes the same tensor ranges, so
+        # the alignment gaps and the tail padding stay zero (checksums are deterministic)
+        buf = mmap.mmap(-1, stride)
+        view = memoryview(buf)
+        sums = []
+        try:
+            for i, key in enumerate(keys):
+                src.read(src.keys[key], view)
+                sums.append(f"{zlib.crc32(view):08x}")
+                _pwrite_fully(fd, view, data_offset + i * stride)
+                if bar:
+                    bar.update(i + 1, final=i + 1 == len(keys))
+        finally:
+            view.release()
+            buf.close()
+        header = _header_bytes(src, keys, span, stride, data_offset, sums)
+        if 16 + len(header) > data_offset:
+            raise SourceError(f"{out}: header grew past its reserved space (internal error)")
+        blob = MAGIC + len(header).to_bytes(8, "little") + header
+        os.pwrite(fd, blob + bytes(data_offset - len(blob)), 0)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.rename(partial, out)
+        dfd = os.open(os.path.dirname(os.path.abspath(out)), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
+        raise
+    return {"path": out, "experts": len(keys), "span": span, "stride": stride,
+            "bytes": data_offset + len(keys) * stride, "seconds": time.monotonic() - t0}
+
+
+def pack_main(src_spec: str, out: str, pattern: str, force: bool = False, progress: bool = True) -> int:
+    """``k3d pack SRC OUT``: returns the exit code; every failure is one line on stderr."""
+    from .sources import open_source
+
+    if os.path.exists(out) and not force:
+        print(f"k3d: error: {out} exists; pass --force to replace it", file=sys.stderr)
+        return 1
+    try:
+        src = open_source(src_spec, pattern)
+    except SourceError as e:
+        print(f"k3d: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        if isinstance(src, PackedSource):
+            print(f"k3d: error: {src_spec} is already a packed file", file=sys.stderr)
+            return 1
+        s = write_pack(src, out, progress=progress)
+    except (SourceError, OSError) as e:
+        print(f"k3d: error: pack failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nk3d: pack interrupted; {out} not written", file=sys.stderr)
+        return 130
+    finally:
+        src.close()
+    print(f"k3d: packed {s['experts']} experts ({s['span']} bytes each, stride {s['stride']}) "
+          f"into {out}: {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.1f}s", file=sys.stderr)
+    return 0
