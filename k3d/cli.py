@@ -72,7 +72,7 @@ def main(argv=None) -> int:
                         format="k3d: %(levelname)s %(message)s")
     from .daemon import StartupError, run
     try:
-        return run(cfg, os.environ)
+        return run(cfg, os.environ, reload=lambda: resolve(cli, os.environ, args.config))
     except StartupError as e:
         print(f"k3d: error: {e}", file=sys.stderr)
         return 1

@@ -5,8 +5,9 @@ memory is taken), size the arena, refuse to steal the endpoint of a live
 daemon (a stale socket left by ``kill -9`` is removed), reserve and pre-fault
 the arena, bind, then print ``ready`` and tell systemd READY=1.
 
-Signal handlers only ask the loop to stop (gunicorn's arbiter rule); the loop
-drains and returns, and ``run`` releases the arena and exits 0.
+Signal handlers only ask the loop to act (gunicorn's arbiter rule): SIGTERM/
+SIGINT to stop (the loop drains and returns, ``run`` releases the arena and
+exits 0), SIGHUP to reload the config (``reload`` re-resolves it).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _progress(done: int, total: int, seconds: float) -> None:
           file=sys.stderr, flush=True)
 
 
-def run(cfg, env) -> int:
+def run(cfg, env, reload=None) -> int:
     notifier = Notifier(env)
     if not cfg.source:
         raise StartupError("no checkpoint: pass --source PATH (or set source in the config file / K3D_SOURCE)")
@@ -92,7 +93,12 @@ def run(cfg, env) -> int:
         log.info("source %s: %d experts, %d bytes each; arena %d slots x %d bytes",
                  source.path, len(source.keys), source.expert_bytes, slots, slot_bytes)
         try:
-            arena = Arena(slots, slot_bytes, progress=_progress)
+            def progress(done, total, seconds):
+                _progress(done, total, seconds)
+                notifier.status(f"pre-faulting arena {done >> 20}/{total >> 20} MiB")
+                if notifier.watchdog_interval:   # a long pre-fault is not a hang
+                    notifier.watchdog()
+            arena = Arena(slots, slot_bytes, progress=progress)
         except ArenaError as e:
             raise StartupError(str(e)) from None
         try:
@@ -101,6 +107,8 @@ def run(cfg, env) -> int:
             raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_stop())
+        server.reloader = reload
+        signal.signal(signal.SIGHUP, lambda *_: server.request_reload())
         print(f"k3d: ready endpoint={cfg.endpoint} slots={slots} slot_bytes={slot_bytes} "
               f"experts={len(source.keys)} pid={os.getpid()}", file=sys.stderr, flush=True)
         notifier.ready(server.status_line())

@@ -15,18 +15,28 @@ Every reply that names slots is checked against the store first (each slot
 READY and holding the requested key): a reply never names a loading or reused
 slot, whatever a client does.
 
-Signals: the CLI's handlers only call ``request_stop`` (sets a flag and writes
-the eventfd); the loop then drains: stop accepting, cancel queued reads, wait
-for running ones, answer parked fetches with an error, release the arena.
+Signals: the CLI's handlers only call ``request_stop`` / ``request_reload``
+(set a flag and write the eventfd); the loop acts.  Stop drains: stop
+accepting, cancel queued reads, wait for running ones, answer parked fetches
+with an error, release the arena.  Reload (SIGHUP) re-resolves the config and
+applies the settings that can change live (``LIVE``); the others are kept
+until a restart, with a log line saying so.
+
+Access: both sockets are created mode 0660 in a 0750 directory, and every
+peer is checked again from its kernel credentials (ZeroMQ ``Peer-Address`` on
+hello, SO_PEERCRED on the arena socket): the daemon's uid, root, or a member
+of the daemon's gid; anyone else gets PermissionDenied and a log line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
 import random
 import socket
+import struct
 import time
 
 import psutil
@@ -49,16 +59,20 @@ log = logging.getLogger("k3d")
 DEFERRED = object()      # handler parked the request; it replies later
 NO_REPLY = object()      # heartbeat: nothing to send
 REAP_INTERVAL = 0.5
+LIVE = ("log_level", "lease_s", "pin_quota", "trace")   # what SIGHUP may change
 
 
 class Session:
     __slots__ = ("routing", "client_id", "name", "pid", "create_time", "epoch", "last_seen",
-                 "pfu", "alive", "fetches")
+                 "pfu", "alive", "fetches", "lease_s")
 
-    def __init__(self, routing, client_id, name, pid, create_time, now):
+    def __init__(self, routing, client_id, name, pid, create_time, now, lease_s=0.0):
         self.routing, self.client_id, self.name = routing, client_id, name
         self.pid, self.create_time = pid, create_time
         self.epoch, self.last_seen, self.pfu, self.alive, self.fetches = 0, now, 0, True, 0
+        # The lease told to the client at hello: it heartbeats at a quarter of it,
+        # so a reload that shortens the lease applies to new clients only.
+        self.lease_s = lease_s
 
     @property
     def holder(self):
@@ -82,6 +96,41 @@ def peer_pid(frame) -> tuple[int | None, int | None]:
         return None, None
 
 
+def peer_cred(frame) -> tuple[int | None, int | None, int | None]:
+    """(uid, gid, pid) of an ipc peer from ``Peer-Address``; Nones over tcp."""
+    try:
+        parts = frame.get("Peer-Address").split(":")
+        return int(parts[1]), int(parts[2]), int(parts[3])
+    except (zmq.ZMQError, AttributeError, IndexError, ValueError):
+        return None, None, None
+
+
+def peer_allowed(uid, gid, pid) -> bool:
+    """Same uid as the daemon, root, or a member of the daemon's gid.
+
+    ``uid is None`` (a tcp peer: no credentials) is allowed; access control
+    needs an ipc endpoint.  Supplementary groups are read from the peer's
+    /proc status (the process's real credentials, not the group database)."""
+    if uid is None or uid == 0 or uid == os.getuid():
+        return True
+    mine = os.getgid()
+    if gid == mine:
+        return True
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return str(mine) in line.split()[1:]
+    except (OSError, TypeError):
+        pass
+    return False
+
+
+def _refusal(uid, gid, pid) -> str:
+    return (f"permission denied: uid {uid} (pid {pid}) is not k3d's user (uid {os.getuid()}), root, "
+            f"or in k3d's group (gid {os.getgid()}); add the user to that group")
+
+
 class Server:
     def __init__(self, cfg, source, arena, arena_socket: str, notifier=None):
         self.cfg, self.source, self.arena = cfg, source, arena
@@ -97,6 +146,8 @@ class Server:
         self.waiters: dict[int, list[Pending]] = {}
         self._next_client = 1
         self._stop = False
+        self._reload = False
+        self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -105,10 +156,21 @@ class Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.LINGER, 500)
         self.sock.setsockopt(zmq.SNDHWM, 100000)
-        self.sock.bind(cfg.endpoint)
         self.arena_socket = arena_socket
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self.listener.bind(arena_socket)
+        # Sockets are born 0660 (umask during bind; chmod again in case the
+        # umask was ignored): only the daemon's user and group may connect.
+        old_umask = os.umask(0o117)
+        try:
+            self.sock.bind(cfg.endpoint)
+            self.listener.bind(arena_socket)
+        finally:
+            os.umask(old_umask)
+        for path in (ipc_path(cfg.endpoint), arena_socket):
+            if path:
+                os.chmod(path, 0o660)
+        if not ipc_path(cfg.endpoint):
+            log.warning("endpoint %s is not ipc: peers have no credentials, so no uid check", cfg.endpoint)
         self.listener.listen(64)
         self.listener.setblocking(False)
         self.readers = ReaderPool(cfg.readers)
@@ -121,6 +183,53 @@ class Server:
             os.eventfd_write(self.readers.wake_fd, 1)
         except OSError:
             pass
+
+    def request_reload(self) -> None:
+        """Safe from a signal handler (SIGHUP): the loop re-reads the config."""
+        self._reload = True
+        try:
+            os.eventfd_write(self.readers.wake_fd, 1)
+        except OSError:
+            pass
+
+    def _do_reload(self) -> None:
+        self._reload = False
+        if self.notifier is not None:
+            self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            new = self.reloader() if self.reloader else self.cfg
+        except Exception as e:   # a bad file must not take a serving daemon down
+            log.error("reload failed, keeping the running config: %s", e)
+        else:
+            self.apply_config(new)
+        if self.notifier is not None:
+            self.notifier.send("READY=1", f"STATUS={self.status_line()}")
+
+    def apply_config(self, new) -> None:
+        """Apply the ``LIVE`` settings of ``new``; log the rest as needing a restart."""
+        cur = self.cfg
+        changed = [f"{n} {getattr(cur, n)!r} -> {getattr(new, n)!r}" for n in LIVE
+                   if getattr(cur, n) != getattr(new, n)]
+        fixed = [f.name for f in dataclasses.fields(cur)
+                 if f.name not in LIVE and getattr(cur, f.name) != getattr(new, f.name)]
+        trace = self.trace
+        if new.trace:
+            try:   # always reopen: after logrotate moved the file, a new one starts
+                trace = RouteTrace(new.trace, self.t0)
+            except OSError as e:
+                log.error("reload: cannot open trace %s (%s); keeping the old one", new.trace, e)
+                new = dataclasses.replace(new, trace=cur.trace)
+        else:
+            trace = None
+        if self.trace is not None and trace is not self.trace:
+            self.trace.close()
+        self.trace = trace
+        logging.getLogger().setLevel(new.log_level.upper())
+        self.store.pin_quota = new.pin_quota
+        self.cfg = dataclasses.replace(cur, **{n: getattr(new, n) for n in LIVE})
+        if fixed:
+            log.warning("reload: %s only change on restart; keeping the running values", ", ".join(fixed))
+        log.info("reloaded config: %s", ", ".join(changed) or "no live setting changed")
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -140,6 +249,8 @@ class Server:
                     raise
                 if self.readers.wake_fd in events:
                     self.readers.drain_wake()
+                if self._reload:
+                    self._do_reload()
                 self._apply_done()
                 if self.sock in events:
                     self._recv_all()
@@ -262,7 +373,10 @@ class Server:
         name = msg.get("name")
         if not isinstance(name, str) or not name:
             raise BadRequest("hello: name must be a non-empty string")
-        _, pid = peer_pid(frame)
+        uid, gid, pid = peer_cred(frame)
+        if not peer_allowed(uid, gid, pid):
+            log.warning("refused client %r: uid %s gid %s pid %s is not allowed", name[:200], uid, gid, pid)
+            raise errors.PermissionDenied(_refusal(uid, gid, pid))
         if pid is None and type(msg.get("pid")) is int:
             pid = msg["pid"]
         create_time = None
@@ -275,7 +389,7 @@ class Server:
         if old is not None:
             self._drop(old, "said hello again", dead=False)
         now = time.monotonic()
-        s = Session(routing, self._next_client, name[:200], pid, create_time, now)
+        s = Session(routing, self._next_client, name[:200], pid, create_time, now, self.cfg.lease_s)
         self._next_client += 1
         self.sessions[routing] = s
         self.by_id[s.client_id] = s
@@ -324,12 +438,18 @@ class Server:
         Keys not resident get slots while one is free or evictable (stopping at
         the first that is not) and are read BACKGROUND, behind every urgent
         read.  Unfetched by the predictor's next begin_token, they count
-        prefetch_unused and are demoted to the LRU end."""
+        prefetch_unused and are demoted to the LRU end.  With a pin quota, a
+        client has at most that many predictions outstanding (the rest are
+        dropped), so a flood of predictions cannot sweep the cache."""
         s = self._session(routing)
         return {"queued": self._predict(s, self._keys(msg, "keys", unique=False))}
 
     def _predict(self, s: Session, keys) -> int:
-        started = self.store.predict(s.client_id, list(dict.fromkeys(keys)))
+        keys = list(dict.fromkeys(keys))
+        if self.cfg.pin_quota:
+            room = self.cfg.pin_quota - len(self.store.predictions.get(s.client_id, ()))
+            keys = [k for k in keys if k not in self.store.key_slot][:max(0, room)]
+        started = self.store.predict(s.client_id, keys)
         self._start_loads(started, urgent=False)
         return len(started)
 
@@ -342,7 +462,12 @@ class Server:
         return {"epoch": s.epoch, "released": released}
 
     def op_heartbeat(self, routing, msg, frame):
-        """heartbeat {client_id} -> no reply; renews the client's lease."""
+        """heartbeat {client_id, gen?} -> no reply; renews the client's lease.
+
+        A heartbeat for another generation (queued while this daemon was
+        restarting) is ignored: its client_id names someone else here."""
+        if msg.get("gen", self.gen) != self.gen:
+            return NO_REPLY
         s = self.by_id.get(msg.get("client_id")) if type(msg.get("client_id")) is int else None
         if s is not None:
             s.last_seen = time.monotonic()
@@ -430,6 +555,18 @@ class Server:
                 return
             with conn:
                 conn.setblocking(False)
+                try:
+                    pid, uid, gid = struct.unpack("3i", conn.getsockopt(
+                        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+                except OSError:
+                    continue
+                if not peer_allowed(uid, gid, pid):
+                    log.warning("refused the arena to uid %d gid %d pid %d: not allowed", uid, gid, pid)
+                    try:
+                        conn.send(_refusal(uid, gid, pid).encode())
+                    except OSError:
+                        pass
+                    continue
                 meta = pack({"gen": self.gen, "arena_bytes": self.arena.size,
                              "slot_bytes": self.arena.slot_bytes, "slots": self.arena.slots})
                 try:
@@ -452,8 +589,9 @@ class Server:
                     reason = "exited"
                 except psutil.Error:
                     pass
-            if reason is None and now - s.last_seen > self.cfg.lease_s:
-                reason = f"silent for {now - s.last_seen:.1f}s (lease {self.cfg.lease_s:g}s)"
+            lease = max(self.cfg.lease_s, s.lease_s)
+            if reason is None and now - s.last_seen > lease:
+                reason = f"silent for {now - s.last_seen:.1f}s (lease {lease:g}s)"
             if reason:
                 self._drop(s, reason, dead=True)
 
