@@ -1,0 +1,272 @@
+"""Packed format: `k3d pack` (real CLI) from safetensors and GGUF, served by the real daemon in both
+read modes, checksums verified at read time, interrupted packs and lying headers refused."""
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import k3client
+from k3d.config import DEFAULT_PATTERN, ConfigError, resolve
+from k3d.packed import MAGIC, ChecksumError, PackedSource, crc32_combine, read_header, write_pack
+from k3d.source_gguf import write_synthetic_gguf
+from k3d.sources import SourceError, open_source, split_extents
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def k3d(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "k3d.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def packed(checkpoint, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("pack") / "model.k3pack")
+    r = k3d("pack", checkpoint, out)
+    assert r.returncode == 0, r.stderr
+    assert "100.0% 64/64 experts" in r.stderr and f"into {out}" in r.stderr
+    assert not os.path.exists(out + ".partial")
+    return out
+
+
+def reference(checkpoint, key, name):
+    with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
+        wm = json.load(f)["weight_map"]
+    t = DEFAULT_PATTERN.format(layer=key[0], expert=key[1], name=name)
+    with safe_open(os.path.join(checkpoint, wm[t]), "np") as f:
+        return f.get_tensor(t)
+
+
+def test_file_layout(packed, checkpoint):
+    h, size = read_header(packed)
+    assert open(packed, "rb").read(8) == MAGIC
+    assert h["format"] == "k3d-pack" and h["version"] == 1 and h["tensor_format"] == "raw"
+    assert h["stride"] % 4096 == 0 and h["data_offset"] % 4096 == 0
+    assert h["keys"] == [[l, e] for l in range(4) for e in range(16)]
+    assert size == h["data_offset"] + 64 * h["stride"]
+    with open(packed, "rb") as f:
+        for i, (l, e) in enumerate(h["keys"]):
+            f.seek(h["data_offset"] + i * h["stride"])
+            blob = f.read(h["stride"])
+            assert f"{zlib.crc32(blob):08x}" == h["checksums"][i]
+            for name, dtype, shape, off, nb in h["layout"]:
+                assert blob[off:off + nb] == reference(checkpoint, (l, e), name).tobytes()
+
+
+@pytest.mark.parametrize("mode", ["buffered", "direct"])
+def test_daemon_serves_packed(packed, checkpoint, start_daemon, mode):
+    d = start_daemon(packed, "--read-mode", mode, "--arena", "4MiB", "--readers", "3")
+    with k3client.connect(d.endpoint, name=f"packed-{mode}") as c:
+        assert c.model["kind"] == "packed" and c.model["read_mode"] == mode
+        assert c.model["packed_from"] == "safetensors" and c.model["tensor_format"] == "raw"
+        # one key per fetch splits the read over all readers; many keys read one each
+        for layer in range(4):
+            c.begin_token()
+            for ex in c.fetch(layer, [layer * 3 % 16]) + c.fetch(layer, [1, 9, 15, 4]):
+                for spec in c.layout:
+                    assert ex.array(spec.name).tobytes() == reference(checkpoint, (layer, ex.expert), spec.name).tobytes()
+        st = c.status()
+        assert st["stats"]["errors"] == 0
+    assert d.stop() == 0
+
+
+def test_pack_gguf_keeps_tensor_format(tmp_path, start_daemon):
+    g = write_synthetic_gguf(str(tmp_path / "m.gguf"), layers=2, experts=4, types=("MXFP4", "Q8_0", "F16"))
+    out = str(tmp_path / "m.k3pack")
+    r = k3d("pack", g, out, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    gsrc, psrc = open_source(g, ""), open_source(out, "", "direct")
+    try:
+        assert psrc.tensor_format == gsrc.tensor_format and psrc.tensor_types == gsrc.tensor_types
+        assert psrc.layout == gsrc.layout and sorted(psrc.keys) == sorted(gsrc.keys)
+    finally:
+        gsrc.close()
+        psrc.close()
+    d = start_daemon(out, "--read-mode", "direct", "--arena", "4MiB")
+    gsrc = open_source(g, "")
+    try:
+        with k3client.connect(d.endpoint) as c:
+            assert c.model["tensor_types"]["ffn_gate_exps.weight"] == "ggml:MXFP4"
+            slot = bytearray(gsrc.expert_bytes)
+            for ex in c.fetch(1, [3, 0]):
+                gsrc.read(gsrc.keys[(1, ex.expert)], memoryview(slot))
+                assert bytes(ex.memory()) == bytes(slot)
+    finally:
+        gsrc.close()
+    assert d.stop() == 0
+
+
+def _corrupt(path, index, at=5000):
+    h, _ = read_header(path)
+    pos = h["data_offset"] + index * h["stride"] + at
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_checksum_mismatch_fails_read_in_parts(packed, tmp_path):
+    bad = tmp_path / "bad.k3pack"
+    bad.write_bytes(open(packed, "rb").read())
+    _corrupt(str(bad), 1 * 16 + 3, at=100_000)
+    for mode in ("buffered", "direct"):
+        src = PackedSource(str(bad), mode)
+        buf = mmap.mmap(-1, src.stride)
+        slot = memoryview(buf)
+        try:
+            for parts in (1, 2, 3, 5):
+                groups = split_extents(src.keys[(1, 3)], parts)
+                assert len(groups) == parts
+                with pytest.raises(ChecksumError, match=r"expert \(layer 1, expert 3\)"):
+                    for g in reversed(groups):     # completion order does not matter
+                        src.read(g, slot)
+                for g in split_extents(src.keys[(1, 4)], parts):
+                    src.read(g, slot)              # a good expert, in parts, passes
+            # a failed load's leftover parts are not mixed into the next load of the expert
+            groups = split_extents(src.keys[(1, 4)], 3)
+            src.read(groups[0], slot)
+            fresh = memoryview(buf)
+            for g in groups:
+                src.read(g, fresh)
+            fresh.release()
+        finally:
+            slot.release()
+            src.close()
+            buf.close()
+
+
+def test_daemon_never_serves_corrupt_expert(packed, tmp_path, start_daemon):
+    bad = tmp_path / "bad.k3pack"
+    bad.write_bytes(open(packed, "rb").read())
+    _corrupt(str(bad), 2 * 16 + 7)
+    d = start_daemon(str(bad), "--read-mode", "direct", "--arena", "4MiB")
+    with k3client.connect(d.endpoint) as c:
+        for _ in range(2):
+            with pytest.raises(k3client.errors.ReadFailed, match=r"checksum mismatch in expert \(layer 2, expert 7\)"):
+                c.fetch(2, [7])
+        assert len(c.fetch(2, [6, 8])) == 2
+        assert c.status()["stats"]["errors"] >= 2
+    assert d.stop() == 0
+
+
+def test_crc32_combine():
+    rng = np.random.default_rng(0)
+    for n1, n2 in [(1, 1), (4096, 12288), (100_003, 7), (0, 5)]:
+        a, b = rng.bytes(n1), rng.bytes(n2)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
+
+
+def test_interrupted_pack_is_refused(checkpoint, tmp_path):
+    out = str(tmp_path / "cut.k3pack")
+    code = textwrap.dedent(f"""
+        import os, signal
+        from k3d.sources import open_source
+        from k3d.packed import write_pack
+        src = open_source({checkpoint!r}, {DEFAULT_PATTERN!r})
+        real, n = src.read, [0]
+        def read(ext, slot):
+            n[0] += 1
+            if n[0] == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(ext, slot)
+        src.read = read
+        write_pack(src, {out!r}, progress=False)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60)
+    assert r.returncode == -signal.SIGKILL
+    assert not os.path.exists(out) and os.path.exists(out + ".partial")
+    r = k3d("start", "--source", out + ".partial", "--endpoint", f"ipc://{tmp_path}/k.sock")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
+    assert "unsupported source" in r.stderr
+    os.rename(out + ".partial", out)
+    r = k3d("start", "--source", out, "--endpoint", f"ipc://{tmp_path}/k.sock")
+    assert r.returncode == 1 and "interrupted `k3d pack`" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_exception_mid_pack_leaves_nothing(checkpoint, tmp_path):
+    src = open_source(checkpoint, DEFAULT_PATTERN)
+    real, n = src.read, [0]
+
+    def read(ext, slot):
+        n[0] += 1
+        if n[0] == 7:
+            raise OSError("disk went away")
+        return real(ext, slot)
+    src.read = read
+    out = str(tmp_path / "x.k3pack")
+    with pytest.raises(OSError, match="disk went away"):
+        write_pack(src, out, progress=False)
+    src.close()
+    assert os.listdir(tmp_path) == []
+
+
+def _rewrite_header(path, edit):
+    with open(path, "rb") as f:
+        f.seek(8)
+        n = int.from_bytes(f.read(8), "little")
+        h = json.loads(f.read(n))
+    edit(h)
+    raw = json.dumps(h).encode()
+    assert 16 + len(raw) <= h["data_offset"]
+    with open(path, "r+b") as f:
+        f.write(MAGIC + len(raw).to_bytes(8, "little") + raw)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda h: h.update(stride=h["stride"] + 4096), r"stride \d+ is not the span"),
+    (lambda h: h.update(span=h["span"] - 1), r"span \d+ is not the layout"),
+    (lambda h: h["layout"][1].__setitem__(3, h["layout"][1][3] + 64), "layout offsets are not the slot layout"),
+    (lambda h: h["layout"][0].__setitem__(4, 7), r"spans 7 bytes but U8"),
+    (lambda h: h["checksums"].pop(), "63 checksums for 64 experts"),
+    (lambda h: h["keys"].reverse(), r"keys are not unique and in \(layer, expert\) order"),
+    (lambda h: h.update(version=2), "packed format version 2 is not supported"),
+    (lambda h: h.update(data_offset=h["data_offset"] + 100), "data offset"),
+    (lambda h: h.pop("keys"), "header lacks or mangles a field"),
+])
+def test_lying_header(packed, tmp_path, edit, message):
+    p = tmp_path / "lie.k3pack"
+    p.write_bytes(open(packed, "rb").read())
+    _rewrite_header(str(p), edit)
+    with pytest.raises(SourceError, match=message):
+        open_source(str(p), "")
+
+
+def test_truncated_and_garbage(packed, tmp_path):
+    raw = open(packed, "rb").read()
+    p = tmp_path / "t.k3pack"
+    p.write_bytes(raw[:-4096])
+    with pytest.raises(SourceError, match=r"truncated: \d+ bytes, the header describes \d+ \(64 experts"):
+        open_source(str(p), "")
+    p.write_bytes(raw[:100])
+    with pytest.raises(SourceError, match="header length .* runs past the end"):
+        open_source(str(p), "")
+    p.write_bytes(b"not a pack file at all")
+    with pytest.raises(SourceError, match="bad magic"):
+        open_source(str(p), "")
+
+
+def test_read_mode_option(checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="--read-mode: bad value 'fast' for read_mode: use buffered or direct"):
+        resolve({"read_mode": "fast"}, {})
+    assert resolve({}, {"K3D_READ_MODE": "direct"}).read_mode == "direct"
+    r = k3d("start", "--source", checkpoint, "--read-mode", "direct", "--endpoint", f"ipc://{tmp_path}/k.sock")
+    assert r.returncode == 1 and "--read-mode direct needs a packed file" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_pack_refuses_to_overwrite(packed, checkpoint):
+    r = k3d("pack", checkpoint, packed)
+    assert r.returncode == 1 and "exists; pass --force" in r.stderr
+    r = k3d("pack", packed, packed + "2")
+    assert r.returncode == 1 and "already a packed file" in r.stderr
