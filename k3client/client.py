@@ -10,6 +10,19 @@ valid until this client's next ``begin_token()`` (the daemon keeps the slot
 pinned until then) or ``close()``.  Views are read-only; the mapping is
 PROT_READ and the memfd is sealed, so a write through a numpy view raises
 ``ValueError`` and a write through a torch view faults the process.
+
+Daemon restarts: every reply carries the daemon's generation ``gen``.  The
+client notices a restart when a reply's ``gen`` changes, when the daemon
+process exits while a request waits (a pidfd on the daemon, from the ipc
+peer credentials, polled beside the socket), when the ipc socket file is
+replaced, or when the daemon answers ``ShuttingDown``.  It then re-attaches
+(new DEALER socket, ``hello``, the new arena's memfd) and re-issues the
+request it was making, within ``reconnect_timeout`` seconds, else raises
+``DaemonNotRunning``.  Invariant: an ``Expert`` is bound to the generation
+that named its slot; after a re-attach it raises ``DaemonRestarted`` instead
+of building a view, so nothing ever reads a slot number of the old arena in
+the new one.  Views made before the restart keep the old mapping (the kernel
+keeps that memfd alive while it is mapped), so their bytes stay correct.
 """
 
 from __future__ import annotations
@@ -33,13 +46,27 @@ from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 _UNSET = object()
 
 
+class _Gone(errors.DaemonRestarted):
+    """Internal: the daemon this client attached to went away or was replaced."""
+
+
 class Expert:
     """One fetched expert: ``layer``, ``expert``, ``slot``; views into the arena."""
 
-    __slots__ = ("layer", "expert", "slot", "_client")
+    __slots__ = ("layer", "expert", "slot", "gen", "_client")
 
     def __init__(self, client: "Client", layer: int, expert: int, slot: int):
         self.layer, self.expert, self.slot, self._client = layer, expert, slot, client
+        self.gen = client.gen
+
+    def _mapping(self):
+        """The arena this expert's slot number refers to, or DaemonRestarted."""
+        c = self._client
+        if self.gen != c.gen or c._mm is None:
+            raise errors.DaemonRestarted(
+                f"expert (layer {self.layer}, expert {self.expert}) was fetched from a daemon that has "
+                "since restarted (or this client is closed); its slot means nothing now: fetch it again")
+        return c._mm
 
     def __repr__(self):
         return f"Expert(layer={self.layer}, expert={self.expert}, slot={self.slot})"
@@ -52,29 +79,32 @@ class Expert:
 
     def memory(self) -> memoryview:
         """Read-only view of the whole expert span in its slot."""
+        mm = self._mapping()
         c = self._client
         base = self.slot * c.slot_bytes
-        return memoryview(c._mm)[base:base + c.expert_bytes]
+        return memoryview(mm)[base:base + c.expert_bytes]
 
     def array(self, name: str) -> np.ndarray:
         """Read-only numpy view of one tensor (bf16/fp8 as same-width uints)."""
+        mm = self._mapping()
         spec = self._spec(name)
         dt = numpy_dtype(spec.dtype)
         off = self.slot * self._client.slot_bytes + spec.offset
-        return np.frombuffer(self._client._mm, dtype=dt, count=spec.nbytes // dt.itemsize,
+        return np.frombuffer(mm, dtype=dt, count=spec.nbytes // dt.itemsize,
                              offset=off).reshape(spec.shape)
 
     def tensor(self, name: str):
         """torch view of one tensor, no copy (needs torch). Do not write to it."""
         import torch
 
+        mm = self._mapping()
         spec = self._spec(name)
         tdt = getattr(torch, DTYPES[spec.dtype][2])
         off = self.slot * self._client.slot_bytes + spec.offset
         with warnings.catch_warnings():
             # torch warns that the buffer is not writable; that is the point.
             warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(self._client._mm, dtype=tdt,
+            t = torch.frombuffer(mm, dtype=tdt,
                                  count=spec.nbytes // DTYPES[spec.dtype][0], offset=off)
         return t.view(spec.shape)
 
@@ -83,41 +113,60 @@ class Client:
     """A connection to the k3d daemon.  Use ``k3client.connect``."""
 
     def __init__(self, endpoint: str | None = None, name: str | None = None,
-                 timeout: float = 120.0, connect_timeout: float = 5.0):
+                 timeout: float = 120.0, connect_timeout: float = 5.0,
+                 reconnect_timeout: float = 30.0):
         self.endpoint = resolve_endpoint(endpoint, os.environ)
         self.name = name or f"pid-{os.getpid()}"
         self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout   # 0: raise DaemonRestarted at once
+        self.restarts = 0                            # re-attachments so far
+        self.gen = None
+        self.layout = None
         self._ids = itertools.count(1)
         self._mm = None
         self._ctx = zmq.Context()
         self._sock = None
+        self._poller = None
+        self._pidfd = None
+        self._sock_ino = None
         self._hb_stop = threading.Event()
         self._hb_thread = None
         try:
             self._connect(connect_timeout)
+            self._hb_thread = threading.Thread(target=self._heartbeat, name="k3client-lease", daemon=True)
+            self._hb_thread.start()
         except BaseException:
             self._teardown()
             raise
 
     # -- connection ---------------------------------------------------------
     def _connect(self, connect_timeout: float):
+        """One attempt: new DEALER socket, hello, the arena's memfd."""
         path = ipc_path(self.endpoint)
         if path is not None and not os.path.exists(path):
             raise errors.DaemonNotRunning(
                 f"k3d daemon not running at {self.endpoint}: no socket {path} (start it with `k3d start`)")
+        self._sock_ino = self._socket_inode()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64 * MAX_MESSAGE_BYTES)
         self._sock.connect(self.endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
         self.gen = None
         try:
             h = self._request("hello", timeout=connect_timeout, name=self.name, pid=os.getpid())
         except errors.Timeout:
             raise errors.DaemonNotRunning(
                 f"k3d daemon not running at {self.endpoint}: no answer in {connect_timeout:g}s") from None
+        layout = [TensorSpec.from_wire(w) for w in h["layout"]]
+        if self.layout is not None and (layout != self.layout or h["expert_bytes"] != self.expert_bytes):
+            raise errors.DaemonRestarted(
+                f"the daemon at {self.endpoint} came back serving a different expert layout "
+                f"({h['model'].get('path')}); connect again")
         self.gen = h["gen"]
         self.client_id = h["client_id"]
-        self.layout = [TensorSpec.from_wire(w) for w in h["layout"]]
+        self.layout = layout
         self._specs = {s.name: s for s in self.layout}
         self.model = h["model"]
         self.slots = h["slots"]
@@ -125,8 +174,64 @@ class Client:
         self.expert_bytes = h["expert_bytes"]
         self.lease_s = h["lease_s"]
         self._attach_arena(h["arena_socket"], h["arena_bytes"])
-        self._hb_thread = threading.Thread(target=self._heartbeat, name="k3client-lease", daemon=True)
-        self._hb_thread.start()
+
+    def _socket_inode(self):
+        path = ipc_path(self.endpoint)
+        try:
+            return os.stat(path).st_ino if path else None
+        except OSError:
+            return None
+
+    def _watch_daemon(self, frame) -> None:
+        """pidfd on the daemon (pid from the reply's ipc peer credentials)."""
+        try:
+            pid = int(frame.get("Peer-Address").split(":")[3])
+            self._pidfd = os.pidfd_open(pid)
+        except (zmq.ZMQError, AttributeError, IndexError, ValueError, OSError):
+            return   # tcp or an old kernel: the socket-inode check still works
+        self._poller.register(self._pidfd, zmq.POLLIN)
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._poller = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # views still alive; the old mapping goes when they do
+            self._mm = None
+
+    def _reattach(self, why: str) -> None:
+        """Attach to the restarted daemon within ``reconnect_timeout`` or raise."""
+        old = self.gen
+        self._disconnect()
+        self.gen = old      # until the new hello: old Experts keep refusing after a failure
+        if not self.reconnect_timeout:
+            raise errors.DaemonRestarted(f"the daemon at {self.endpoint} went away ({why}); reconnect")
+        deadline = time.monotonic() + self.reconnect_timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.gen = None   # no arena: every Expert refuses
+                raise errors.DaemonNotRunning(
+                    f"k3d daemon at {self.endpoint} did not come back within {self.reconnect_timeout:g}s "
+                    f"({why}); check `systemctl status k3d` / `k3ctl status`")
+            try:
+                self._connect(min(left, 2.0))
+                break
+            except (errors.DaemonNotRunning, errors.DaemonRestarted, errors.ShuttingDown,
+                    errors.Timeout) as e:
+                if "different expert layout" in str(e):
+                    raise
+                self._disconnect()
+                self.gen = old
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        self.restarts += 1
 
     def _attach_arena(self, path: str, size: int):
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
@@ -154,14 +259,27 @@ class Client:
         period = max(0.2, self.lease_s / 4)
         try:
             while not self._hb_stop.wait(period):
+                # gen: a heartbeat queued across a restart must not renew a stranger
                 s.send(pack({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 0,
-                             "client_id": self.client_id}), zmq.NOBLOCK)
+                             "client_id": self.client_id, "gen": self.gen}), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         finally:
             s.close(0)
 
+    def _call(self, op: str, **fields):
+        """``_request``, re-attaching and re-issuing it across daemon restarts."""
+        while True:
+            if self._sock is None:
+                self._reattach("not attached")
+                continue
+            try:
+                return self._request(op, **fields)
+            except _Gone as e:
+                self._reattach(str(e))
+
     def _request(self, op: str, timeout=_UNSET, **fields):
+        """One request/reply on the current connection; ``_Gone`` if the daemon went away."""
         rid = next(self._ids)
         msg = {"v": PROTOCOL_VERSION, "op": op, "id": rid}
         msg.update(fields)
@@ -169,24 +287,38 @@ class Client:
         timeout = self.timeout if timeout is _UNSET else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            wait_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._sock.poll(wait_ms):
-                raise errors.Timeout(f"{op}: no reply from {self.endpoint} in {timeout:g}s")
-            reply = unpack(self._sock.recv())
+            # Wake at least every 0.5 s to notice a replaced socket without a pidfd.
+            wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+            events = dict(self._poller.poll(int(wait * 1000)))
+            if self._sock not in events:
+                if self.gen is not None:
+                    if self._pidfd is not None and self._pidfd in events:
+                        raise _Gone(f"the daemon process exited during {op}")
+                    if self._socket_inode() != self._sock_ino:
+                        raise _Gone(f"the daemon's socket was replaced during {op}")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise errors.Timeout(f"{op}: no reply from {self.endpoint} in {timeout:g}s")
+                continue
+            frame = self._sock.recv(copy=False)
+            reply = unpack(frame.bytes)
             if reply.get("id") != rid:
                 continue  # a late reply to a request that timed out earlier
             if self.gen is not None and reply.get("gen") != self.gen:
-                raise errors.DaemonRestarted(
-                    f"the daemon at {self.endpoint} restarted (generation changed); reconnect")
+                raise _Gone(f"the daemon at {self.endpoint} restarted (generation changed)")
             if not reply.get("ok"):
                 e = reply.get("error") or {}
-                raise errors.from_wire(e.get("code", "error"), e.get("message", "unknown error"))
+                code = e.get("code", "error")
+                if code == errors.ShuttingDown.code and self.gen is not None:
+                    raise _Gone(f"the daemon shut down during {op}")
+                raise errors.from_wire(code, e.get("message", "unknown error"))
+            if op == "hello":
+                self._watch_daemon(frame)
             return reply
 
     # -- public API ---------------------------------------------------------
     def begin_token(self) -> int:
         """Start the next epoch; the previous epoch's pins (and views) are released."""
-        return self._request("begin_token")["epoch"]
+        return self._call("begin_token")["epoch"]
 
     def fetch(self, layer: int, experts, predicted=None) -> list[Expert]:
         """Experts of ``layer`` in request order, once all are in the arena."""
@@ -195,15 +327,15 @@ class Client:
         fields = {"keys": keys}
         if predicted:
             fields["predicted"] = [[int(l), int(e)] for l, e in predicted]
-        slots = self._request("fetch", **fields)["slots"]
+        slots = self._call("fetch", **fields)["slots"]
         return [Expert(self, int(layer), e, s) for e, s in zip(experts, slots)]
 
     def predict(self, keys) -> int:
         """Queue background reads for ``[(layer, expert), ...]``; returns how many were queued."""
-        return self._request("predict", keys=[[int(l), int(e)] for l, e in keys])["queued"]
+        return self._call("predict", keys=[[int(l), int(e)] for l, e in keys])["queued"]
 
     def status(self) -> dict:
-        r = self._request("status")
+        r = self._call("status")
         return r["status"]
 
     def close(self):
@@ -213,20 +345,13 @@ class Client:
             except errors.K3Error:
                 pass
         self._teardown()
+        self.gen = None
 
     def _teardown(self):
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # views still alive; the mapping goes when they do
-            self._mm = None
+        self._disconnect()
         self._ctx.term()
 
     def __enter__(self):
