@@ -76,7 +76,8 @@ def dequantize(packed, scales=None, layout: str = "ocp", name: str = "tensor", d
         _check_nan(name, scales)
         vals = lut[np.stack([packed & 0x0F, packed >> 4], axis=-1)]           # [..., K/2, 2]
         vals = vals.reshape(packed.shape[:-1] + (scales.shape[-1], BLOCK))
-        out = vals * _SCALE[scales][..., None]
+        with np.errstate(over="ignore"):    # scale 254 x |FP4| >= 4 is inf, as in ggml
+            out = vals * _SCALE[scales][..., None]
     else:
         if scales is not None:
             raise ValueError(f"{name}: layout 'ggml' keeps its scales inside the blocks; pass scales=None")
@@ -84,7 +85,8 @@ def dequantize(packed, scales=None, layout: str = "ocp", name: str = "tensor", d
         e, qs = blocks[..., 0], blocks[..., 1:]
         _check_nan(name, e)
         vals = np.concatenate([lut[qs & 0x0F], lut[qs >> 4]], axis=-1)         # [..., nb, 32]
-        out = vals * _SCALE[e][..., None]
+        with np.errstate(over="ignore"):
+            out = vals * _SCALE[e][..., None]
     out = out.reshape(out.shape[:-2] + (out.shape[-2] * BLOCK,))
     return out if dtype is None else out.astype(dtype)
 
