@@ -1,0 +1,138 @@
+"""A real forward pass: one MoE FFN layer (top-k routing, SwiGLU over w1/w3/w2) on CPU with torch,
+from experts served by the real daemon, equal to the same layer computed from the checkpoint read
+directly by the safetensors / gguf libraries.
+
+The served side decodes with ``k3client.mxfp4``; the GGUF reference decodes with ``gguf.quants``, so
+equal outputs also mean the two dequantizers agree bit for bit on real weights.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGUFReader, GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from safetensors import safe_open
+
+import k3client
+from k3client.mxfp4 import dequantize
+from k3d.config import DEFAULT_PATTERN
+from k3d.source_gguf import write_synthetic_gguf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOP_K = 4
+
+
+def moe_ffn(x, router_w, weights):
+    """y = sum over the top-k experts of gate * w2 @ (silu(w1 @ x) * (w3 @ x)); ``weights(e)`` -> (w1, w3, w2)."""
+    top, idx = torch.topk(x @ router_w.T, TOP_K, dim=-1)
+    gates = torch.softmax(top, dim=-1)
+    out = torch.zeros_like(x)
+    for e in sorted(set(idx.flatten().tolist())):
+        tok, k = (idx == e).nonzero(as_tuple=True)
+        w1, w3, w2 = weights(e)
+        h = F.silu(x[tok] @ w1.T) * (x[tok] @ w3.T)
+        out.index_add_(0, tok, (h @ w2.T) * gates[tok, k, None])
+    return out, sorted(set(idx.flatten().tolist()))
+
+
+def tokens(hidden, n=24, seed=0):
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal((n, hidden)).astype(np.float32) * 0.05)
+
+
+def served(client, layer, experts, decode):
+    client.begin_token()
+    got = {ex.expert: ex for ex in client.fetch(layer, experts)}
+    return lambda e: decode(got[e])
+
+
+def test_safetensors_ocp_layer(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--arena", "8MiB")
+    with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
+        wm = json.load(f)["weight_map"]
+
+    def st(name):
+        with safe_open(os.path.join(checkpoint, wm[name]), "pt") as f:
+            return f.get_tensor(name)
+
+    def ref_weights(layer):
+        def w(e):
+            t = lambda n: st(DEFAULT_PATTERN.format(layer=layer, expert=e, name=n))
+            return tuple(dequantize(t(f"{m}.weight_packed"), t(f"{m}.weight_scale"), name=m) for m in ("w1", "w3", "w2"))
+        return w
+
+    def decode(ex):
+        return tuple(dequantize(ex.tensor(f"{m}.weight_packed"), ex.tensor(f"{m}.weight_scale"), name=m)
+                     for m in ("w1", "w3", "w2"))
+
+    with k3client.connect(d.endpoint, name="forward") as c:
+        for layer in (0, 3):
+            router = st(f"model.layers.{layer}.mlp.router.weight").float()
+            x = tokens(router.shape[1], seed=layer)
+            ref, used = moe_ffn(x, router, ref_weights(layer))
+            out, used2 = moe_ffn(x, router, served(c, layer, used, decode))
+            assert used == used2 and len(used) > TOP_K
+            assert torch.isfinite(ref).all() and ref.abs().max() > 0
+            assert torch.equal(out, ref)
+    assert d.stop() == 0
+
+
+def _gguf_reference(path):
+    r = GGUFReader(path)
+    by = {t.name: t for t in r.tensors}
+
+    def weights(layer):
+        def w(e):
+            out = []
+            for part in ("gate", "up", "down"):
+                t = by[f"blk.{layer}.ffn_{part}_exps.weight"]
+                out.append(torch.from_numpy(np.array(gguf_dequantize(t.data[e], t.tensor_type), np.float32)))
+            return tuple(out)
+        return w
+
+    return by, weights
+
+
+def _ggml_decode(ex, types):
+    out = []
+    for part in ("gate", "up", "down"):
+        name = f"ffn_{part}_exps.weight"
+        fmt = types[name]
+        if fmt == "ggml:MXFP4":
+            out.append(dequantize(ex.tensor(name), layout="ggml", name=name))
+        elif fmt in ("ggml:F16", "ggml:F32"):
+            out.append(ex.tensor(name).float())
+        else:   # other block types: the gguf library decodes the served bytes
+            out.append(torch.from_numpy(gguf_dequantize(ex.array(name), T[fmt.split(":")[1]])))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("types,packed", [(("MXFP4",) * 3, False), (("MXFP4", "Q8_0", "F16"), True)])
+def test_gguf_layer(tmp_path, start_daemon, types, packed):
+    path = write_synthetic_gguf(str(tmp_path / "m.gguf"), layers=2, experts=16, hidden=256, inter=128,
+                                types=types, seed=11)
+    by, ref_weights = _gguf_reference(path)
+    source, args = path, []
+    if packed:
+        source = str(tmp_path / "m.k3pack")
+        r = subprocess.run([sys.executable, "-m", "k3d.cli", "pack", path, source, "--no-progress"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        args = ["--read-mode", "direct"]
+    d = start_daemon(source, "--arena", "8MiB", *args)
+    with k3client.connect(d.endpoint, name="forward-gguf") as c:
+        ttypes = c.model["tensor_types"]
+        assert ttypes["ffn_gate_exps.weight"] == "ggml:MXFP4"
+        for layer in range(2):
+            router = torch.from_numpy(np.array(by[f"blk.{layer}.ffn_gate_inp.weight"].data, np.float32))
+            x = tokens(256, seed=10 + layer)
+            ref, used = moe_ffn(x, router, ref_weights(layer))
+            out, _ = moe_ffn(x, router, served(c, layer, used, lambda ex: _ggml_decode(ex, ttypes)))
+            assert torch.isfinite(ref).all() and ref.abs().max() > 0
+            assert torch.equal(out, ref)
+    assert d.stop() == 0
