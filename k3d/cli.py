@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _start_parser(sub)
     _pack_parser(sub)
+    from . import units
+    units.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
     d.add_argument("--tokens", type=int, default=200)
     d.add_argument("--clients", type=int, default=3)
@@ -58,6 +60,8 @@ def main(argv=None) -> int:
     if args.cmd == "demo":
         from .demo import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+    if args.cmd == "install-unit":
+        return units.main(args)
     if args.cmd == "pack":
         from .config import DEFAULT_PATTERN
         from .packed import pack_main
