@@ -320,7 +320,7 @@ class _Progress:
             if not self.tty and int(frac * 10) == self.decile:
                 return
         self.last, self.decile = now, int(frac * 10)
-        rate = done * self.nbytes / self.total / max(now - self.t0, 1e-9) / 1e6 if self.total else 0
+        rate = done * self.nbytes / max(now - self.t0, 1e-9) / 1e6
         bar = "#" * int(frac * 30)
         line = f"k3d pack: [{bar:<30}] {frac * 100:5.1f}% {done}/{self.total} experts {rate:7.0f} MB/s"
         if self.tty:
