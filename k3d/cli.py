@@ -19,7 +19,8 @@ from .config import ConfigError, resolve
 def _start_parser(sub):
     p = sub.add_parser("start", help="run the daemon in the foreground")
     p.add_argument("--config", help="TOML config file (keys as the long options, e.g. arena = \"8GiB\")")
-    p.add_argument("--source", help="checkpoint: safetensors directory/file, .gguf or .k3pack file")
+    p.add_argument("--source", help="checkpoint: safetensors directory/file, .gguf or .k3pack file, "
+                   "or an http(s):// or s3:// URL of one")
     p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name}")
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes (rounded down to whole slots)")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
@@ -31,6 +32,16 @@ def _start_parser(sub):
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
     p.add_argument("--read-mode", dest="read_mode",
                    help="packed files: buffered (page cache, dropped after reading) or direct (O_DIRECT)")
+    p.add_argument("--http-conns", dest="http_conns", type=int,
+                   help="remote sources: persistent connections per host (default 4)")
+    p.add_argument("--http-timeout", dest="http_timeout", type=float,
+                   help="remote sources: seconds per connect or socket read (default 30)")
+    p.add_argument("--http-retries", dest="http_retries", type=int,
+                   help="remote sources: retries of a failing request, full-jitter backoff (default 5)")
+    p.add_argument("--disk-cache", dest="disk_cache",
+                   help="remote sources: keep fetched experts in DIR (crash-safe, survives restarts)")
+    p.add_argument("--disk-cache-size", dest="disk_cache_size",
+                   help="bytes the disk cache may hold, e.g. 100GiB (LRU beyond; default 16GiB)")
     return p
 
 

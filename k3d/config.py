@@ -41,6 +41,11 @@ class Config:
     pin_quota: int = 0                # slots one client may pin per token; 0 = no limit
     log_level: str = "info"
     read_mode: str = "buffered"       # packed sources: buffered | direct (O_DIRECT)
+    http_conns: int = 4               # remote sources: persistent connections per host
+    http_timeout: float = 30.0        # remote sources: seconds per connect / socket read
+    http_retries: int = 5             # remote sources: retries of a transient failure per request
+    disk_cache: str | None = None     # remote sources: directory of the disk tier
+    disk_cache_size: int = 16 * 2**30 # bytes the disk tier may hold (LRU beyond)
 
 
 def parse_size(text) -> int:
@@ -55,6 +60,24 @@ def parse_size(text) -> int:
 
 def _convert(name: str, value, origin: str):
     try:
+        if name == "disk_cache_size":
+            v = parse_size(value)
+            if v <= 0:
+                raise ValueError("must be positive")
+            return v
+        if name in ("http_conns", "http_retries"):
+            if isinstance(value, bool):
+                raise ValueError("not an integer")
+            v = int(value)
+            lo, hi = (1, 256) if name == "http_conns" else (0, 20)
+            if not lo <= v <= hi:
+                raise ValueError(f"out of range ({lo}..{hi})")
+            return v
+        if name == "http_timeout":
+            v = float(value)
+            if not v > 0:
+                raise ValueError("must be positive")
+            return v
         if name == "arena":
             v = parse_size(value)
             if v <= 0:
@@ -125,6 +148,8 @@ def resolve(cli: dict, env, config_file: str | None = None) -> Config:
             values[name] = _convert(name, v, f"--{name.replace('_', '-')}")
     # CLI, env and file are merged above; the default is the rule clients share.
     values["endpoint"] = values.get("endpoint") or default_endpoint(env)
+    if values.get("disk_cache"):
+        values["disk_cache"] = os.path.abspath(values["disk_cache"])
     if values.get("trace"):
         values["trace"] = os.path.abspath(values["trace"])
     return Config(**values)

@@ -82,7 +82,7 @@ def run(cfg, env, reload=None) -> int:
     if not cfg.source:
         raise StartupError("no checkpoint: pass --source PATH (or set source in the config file / K3D_SOURCE)")
     try:
-        source = open_source(cfg.source, cfg.pattern, cfg.read_mode)
+        source = open_source(cfg.source, cfg.pattern, cfg.read_mode, cfg=cfg)
     except SourceError as e:
         raise StartupError(str(e)) from None
     arena = server = None

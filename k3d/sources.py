@@ -129,13 +129,17 @@ def split_extents(extents: list[Extent], parts: int) -> list[list[Extent]]:
     return out
 
 
-def open_source(spec: str, pattern: str, read_mode: str = "buffered") -> Source:
-    """Pick the source for a path (directory or file); raises SourceError.
+def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg=None) -> Source:
+    """Pick the source for a path (directory or file) or URL; raises SourceError.
 
     Files are recognised by their magic (``GGUF``, ``K3DPACK``), else by extension;
     ``read_mode`` (buffered | direct) applies to packed files, whose experts are
-    4096-aligned; direct reads of other formats are refused.
+    4096-aligned; direct reads of other formats are refused.  ``http(s)://`` and
+    ``s3://`` specs are remote sources (source_http.py, source_s3.py) configured
+    from ``cfg`` (connections, timeouts, retries, the disk cache tier).
     """
+    if spec.startswith(("http://", "https://", "s3://")):
+        return open_remote(spec, pattern, cfg)
     from .packed import MAGIC as PACK_MAGIC, PackedSource
     from .source_gguf import MAGIC as GGUF_MAGIC, GGUFSource
     from .source_safetensors import SafetensorsSource
@@ -159,3 +163,16 @@ def open_source(spec: str, pattern: str, read_mode: str = "buffered") -> Source:
         return SafetensorsSource(spec, pattern)
     raise SourceError(f"unsupported source {spec}: expected a safetensors directory or file, "
                       "a .gguf file or a .k3pack file")
+
+
+def open_remote(spec: str, pattern: str, cfg=None) -> Source:
+    """An HTTP(S) or S3 source; ``cfg`` (a Config, or None for defaults) supplies the tunables."""
+    kw = {"disk_cache": getattr(cfg, "disk_cache", None),
+          "disk_cache_size": getattr(cfg, "disk_cache_size", 16 * 2**30),
+          "retries": getattr(cfg, "http_retries", 5)}
+    conns, timeout = getattr(cfg, "http_conns", 4), getattr(cfg, "http_timeout", 30.0)
+    if spec.startswith("s3://"):
+        from .source_s3 import S3Source
+        return S3Source(spec, pattern, conns=conns, timeout=timeout, **kw)
+    from .source_http import HttpSource
+    return HttpSource(spec, pattern, conns=conns, timeout=timeout, **kw)
