@@ -326,6 +326,8 @@ class Server:
 
     def _send_error(self, routing: bytes, rid, e: K3Error) -> None:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if len(msg) > 1024:   # messages may quote client input: keep replies within the decode limits
+            msg = msg[:1021] + "..."
         self._send_raw(routing, {"id": rid, "ok": False, "gen": self.gen,
                                  "error": {"code": e.code, "message": msg}})
 
