@@ -14,7 +14,7 @@ next ``times`` matching ranged GETs (``times=None``: all of them)::
     short_length   206 whose Content-Length is one byte short of the range
 
 ``set_etag(name, etag)`` changes a file's ETag mid-run (as a re-upload would).
-Every request is logged in ``requests`` (method, path, Range, If-Match).
+Every request is logged in ``requests`` (method, path, Range, If-Match, client port).
 
 ``Nginx``: starts the system nginx (Debian) on a loopback port with a generated
 config, daemon off, pid/logs/temp files under a private directory; used as
@@ -69,7 +69,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self):
         rel, full = self._file()
-        self.server.log(("HEAD", rel, None, None))
+        self.server.log(("HEAD", rel, None, None, self.client_address[1]))
         if full is None:
             return self._empty(404)
         size = os.path.getsize(full)
@@ -86,7 +86,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         rel, full = self._file()
         rng, im = self.headers.get("Range"), self.headers.get("If-Match")
-        self.server.log(("GET", rel, rng, im))
+        self.server.log(("GET", rel, rng, im, self.client_address[1]))
         if full is None:
             return self._empty(404)
         size = os.path.getsize(full)
