@@ -35,6 +35,49 @@ class StartupError(Exception):
     pass
 
 
+def cgroup_memory_room() -> tuple[int, int, str] | None:
+    """(bytes left, limit, cgroup dir) of the tightest memory cgroup limit above us.
+
+    The arena's pages are charged to the daemon's cgroup (systemd's MemoryMax=),
+    and a posix_fallocate past that limit gets the process OOM-killed instead of
+    an error, so the limit is checked before reserving.  Usage counts the
+    working set (inactive page cache is reclaimable).  None: no limit found."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best = None
+    for line in lines:
+        hid, ctrls, path = line.split(":", 2)
+        if hid == "0" and ctrls == "":
+            base, names = "/sys/fs/cgroup", ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in ctrls.split(","):
+            base, names = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                    "total_inactive_file")
+        else:
+            continue
+        while True:
+            d = os.path.normpath(base + "/" + path)
+            try:
+                with open(os.path.join(d, names[0])) as f:
+                    limit = f.read().strip()
+                if limit != "max" and int(limit) < 2**60:
+                    with open(os.path.join(d, names[1])) as f:
+                        usage = int(f.read())
+                    with open(os.path.join(d, "memory.stat")) as f:
+                        stat = dict(l.split() for l in f if l.strip())
+                    usage -= int(stat.get(names[2], 0))
+                    if best is None or int(limit) - usage < best[0]:
+                        best = (int(limit) - usage, int(limit), d)
+            except (OSError, ValueError):
+                pass
+            if path in ("/", ""):
+                break
+            path = os.path.dirname(path)
+    return best
+
+
 def size_arena(cfg, expert_bytes: int) -> tuple[int, int]:
     """(slots, slot_bytes) for the config; StartupError if it cannot fit."""
     slot_bytes = align(max(expert_bytes, 1), PAGE)
@@ -47,6 +90,11 @@ def size_arena(cfg, expert_bytes: int) -> tuple[int, int]:
     if size > avail:
         raise StartupError(f"arena of {size / 2**30:.2f} GiB ({slots} slots) exceeds available memory "
                            f"{avail / 2**30:.2f} GiB; lower --arena")
+    room = cgroup_memory_room()
+    if room is not None and size + 16 * 2**20 > room[0]:   # + Python, readers, buffers
+        raise StartupError(f"arena of {size / 2**30:.2f} GiB ({slots} slots) does not fit the memory cgroup "
+                           f"{room[2]}: {max(room[0], 0) / 2**30:.2f} GiB left of its {room[1] / 2**30:.2f} GiB "
+                           "limit (systemd: MemoryMax=); raise the limit or lower --arena")
     return slots, slot_bytes
 
 
