@@ -493,6 +493,17 @@ class RemoteSource(Source):
         return total
 
     @staticmethod
+    def _tiles(parts) -> list:
+        """Merged (start, end) slot ranges of ``parts``; overlapping parts make it differ."""
+        out = []
+        for so, length, _ in sorted(parts):
+            if out and out[-1][1] == so:
+                out[-1][1] = so + length
+            else:
+                out.append([so, so + length])
+        return out
+
+    @staticmethod
     def _combine(parts) -> int:
         crc, first = 0, True
         for _, length, c in sorted(parts):
@@ -504,6 +515,8 @@ class RemoteSource(Source):
         """The last part of ``key`` landed: verify, count, and write through to disk."""
         from_disk = load.entry is not None
         if self._want_crc(load, key):
+            if self._tiles(load.parts) != self._tiles([(e.slot_offset, e.length, 0) for e in self.keys[key]]):
+                raise SourceError(f"internal: the parts read of expert {key} do not tile it exactly")
             crc = self._combine(load.parts)
             if from_disk and crc != load.entry.crc32:
                 log.warning("disk cache entry of expert (layer %d, expert %d) fails its crc32 "
