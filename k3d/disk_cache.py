@@ -248,6 +248,7 @@ class DiskCache:
             with memoryview(image) as mv:
                 _pwrite_all(fd, mv, DATA_OFFSET)
             os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # written for later, not for now
             os.close(fd)
             fd = -1
             os.rename(tmp, final)

@@ -460,6 +460,8 @@ class RemoteSource(Source):
                             if n <= 0:
                                 break      # a short entry: the crc check below refetches
                             got += n
+                        # the arena is the cache: a second copy in the page cache only wastes RAM
+                        os.posix_fadvise(fd, DATA_OFFSET + e.slot_offset, e.length, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
                 return [(e.slot_offset, e.length, zlib.crc32(slot[e.slot_offset:e.slot_offset + e.length]))
