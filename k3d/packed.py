@@ -41,8 +41,11 @@ Invariants:
 
 Read modes: ``buffered`` preads through the page cache and then drops what it
 read (``POSIX_FADV_DONTNEED``: the arena is the cache; a second copy in the page
-cache only wastes RAM); ``direct`` preads from an O_DIRECT descriptor, so misses
-bypass the page cache entirely.  A piece that is not 4096-aligned (offset,
+cache only wastes RAM), with readahead off (``POSIX_FADV_RANDOM``: pages read
+ahead would stay cached after their expert's drop; the header is read the same
+way, because a readahead window leaves a mark whose later hit starts async
+readahead even on a RANDOM descriptor); ``direct`` preads from an O_DIRECT
+descriptor, so misses bypass the page cache entirely.  A piece that is not 4096-aligned (offset,
 length or slot address) is read through the buffered descriptor instead, so
 direct mode never fails on alignment.
 
@@ -123,6 +126,7 @@ def read_header(path: str) -> tuple[dict, int]:
     except OSError as e:
         raise SourceError(f"{path}: cannot open ({e.strerror})") from None
     try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)   # read the header, not the experts after it
         size = os.fstat(fd).st_size
         head = os.pread(fd, 16, 0)
         if len(head) < 16 or head[:8] != MAGIC:
@@ -209,6 +213,9 @@ class PackedSource(Source):
             self.keys[key] = [Extent(0, self.data_offset + i * self.stride, 0, self.stride)]
         self.files = [path]
         self.fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
+        # no readahead: experts are wanted in routing order, not file order, and pages the
+        # kernel read ahead would land in the page cache after their expert's DONTNEED
+        os.posix_fadvise(self.fds[0], 0, 0, os.POSIX_FADV_RANDOM)
         self._dfd = None
         if read_mode == "direct":
             try:

@@ -148,8 +148,14 @@ def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg=None) 
         raise SourceError(f"checkpoint not found: {spec}")
     head = b""
     if os.path.isfile(spec):
-        with open(spec, "rb") as f:
-            head = f.read(8)
+        fd = os.open(spec, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            # no readahead: its window would leave a PG_readahead mark that later sets off
+            # async readahead of expert pages the reads never asked for (see packed.py)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            head = os.pread(fd, 8, 0)
+        finally:
+            os.close(fd)
     if head == PACK_MAGIC or spec.endswith(".k3pack"):
         return PackedSource(spec, read_mode)
     if read_mode not in ("buffered", "direct"):

@@ -270,3 +270,56 @@ def test_pack_refuses_to_overwrite(packed, checkpoint):
     assert r.returncode == 1 and "exists; pass --force" in r.stderr
     r = k3d("pack", packed, packed + "2")
     assert r.returncode == 1 and "already a packed file" in r.stderr
+
+
+def _resident_fraction(path, start, end) -> float:
+    """Fraction of the file's pages in [start, end) that are in the page cache (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+        pages = (size + 4095) // 4096
+        vec = ctypes.create_string_buffer(pages)
+        assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+        libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    resident = [b & 1 for b in vec.raw[start // 4096:end // 4096]]
+    return sum(resident) / max(1, len(resident))
+
+
+def _drop(path):
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+def test_reads_leave_page_cache_clean(packed, tmp_path, start_daemon, mode):
+    p = str(tmp_path / "pc.k3pack")
+    with open(packed, "rb") as f, open(p, "wb") as g:
+        g.write(f.read())
+    h, size = read_header(p)
+    _drop(p)
+    if _resident_fraction(p, h["data_offset"], size) > 0.05:
+        pytest.skip("this file system does not drop clean pages on POSIX_FADV_DONTNEED")
+    d = start_daemon(p, "--read-mode", mode, "--arena", "16MiB")
+    with k3client.connect(d.endpoint) as c:
+        for layer in range(4):
+            c.begin_token()
+            c.fetch(layer, list(range(16)))
+        assert c.status()["stats"]["misses"] == 64
+    assert _resident_fraction(p, h["data_offset"], size) < 0.05
+    with open(p, "rb") as f:          # control: a plain buffered read does fill the cache
+        f.read()
+    assert _resident_fraction(p, h["data_offset"], size) > 0.9
+    assert d.stop() == 0
