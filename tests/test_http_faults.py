@@ -288,3 +288,48 @@ def test_daemon_fetch_errors_then_recovers(server, ref, start_daemon):
                        capture_output=True, text=True, timeout=30)
     assert json.loads(r.stdout)["model"]["kind"] == "http"
     assert d.stop() == 0
+
+
+def test_bad_remote_header_names_the_url(server):
+    srv, root = server
+    bad = root / "bad"
+    bad.mkdir(exist_ok=True)
+    with open(bad / "model.safetensors", "wb") as f:
+        f.write((40).to_bytes(8, "little") + b'{"x": {"dtype": "U8", "shape": [4], "data_' + bytes(100))
+    with pytest.raises(SourceError) as ei:
+        source(srv, "bad/")
+    msg = str(ei.value)
+    assert msg.startswith(srv.url + "bad/model.safetensors: header is not valid JSON"), msg
+    assert "k3d-remote-hdr" not in msg
+
+
+def test_gguf_header_longer_than_the_first_fetch(server, monkeypatch):
+    """The GGUF header is fetched progressively until the parser sees all of it."""
+    import k3d.source_http as sh
+    from k3d.source_gguf import GGUFSource, write_synthetic_gguf
+    srv, root = server
+    write_synthetic_gguf(str(root / "m.gguf"), layers=2, experts=4, seed=5)
+    monkeypatch.setattr(sh, "GGUF_HEAD_START", 64)
+    remote = source(srv, "m.gguf")
+    local = GGUFSource(str(root / "m.gguf"))
+    assert remote.layout == local.layout and remote.keys == local.keys
+    slot = memoryview(bytearray(remote.expert_bytes))
+    want = bytearray(local.expert_bytes)
+    remote.read(remote.keys[(1, 2)], slot)
+    local.read(local.keys[(1, 2)], memoryview(want))
+    for s in local.layout:
+        assert slot[s.offset:s.offset + s.nbytes] == want[s.offset:s.offset + s.nbytes]
+    remote.close()
+    local.close()
+
+
+def test_config_options():
+    from k3d.config import ConfigError, resolve
+    cfg = resolve({"http_conns": 8, "disk_cache": "dc", "disk_cache_size": "2GiB", "http_timeout": "2.5",
+                   "http_retries": 0}, {})
+    assert cfg.http_conns == 8 and cfg.disk_cache.endswith("/dc") and cfg.disk_cache_size == 2 * 2**30
+    assert cfg.http_timeout == 2.5 and cfg.http_retries == 0
+    assert resolve({}, {"K3D_HTTP_CONNS": "2"}).http_conns == 2
+    for bad in ({"http_conns": 0}, {"disk_cache_size": "lots"}, {"http_retries": 99}, {"http_timeout": 0}):
+        with pytest.raises(ConfigError, match=f"--{next(iter(bad)).replace('_', '-')}"):
+            resolve(bad, {})
