@@ -688,6 +688,10 @@ class HttpSource(RemoteSource):
         try:
             conn.request(method, target, headers={"User-Agent": self._ua, "Accept-Encoding": "identity", **headers})
             resp = conn.getresponse()
+        except ssl.SSLCertVerificationError as e:
+            pool.put(conn, False)
+            raise SourceError(f"{method} {url}: TLS certificate not trusted ({e.verify_message}); "
+                              "point SSL_CERT_FILE at its CA bundle") from None
         except (OSError, http.client.HTTPException) as e:
             pool.put(conn, False)
             stale = reused and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError))
@@ -726,9 +730,7 @@ class HttpSource(RemoteSource):
                 time.sleep(random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt)))
 
     def _stat(self, url: str) -> tuple[int, dict]:
-        resp, _ = self._simple("HEAD", url, ok_missing=True)
-        if _ is None and resp.status == 404:
-            raise SourceError(f"HEAD {url}: HTTP 404 (not found)")
+        resp, _ = self._simple("HEAD", url, ok_missing=False)
         length = resp.getheader("Content-Length")
         if length is None or not length.isdigit():
             raise SourceError(f"HEAD {url}: no Content-Length; cannot serve ranges of it")

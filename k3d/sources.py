@@ -139,6 +139,9 @@ def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg=None) 
     from ``cfg`` (connections, timeouts, retries, the disk cache tier).
     """
     if spec.startswith(("http://", "https://", "s3://")):
+        if read_mode == "direct":
+            raise SourceError(f"--read-mode direct reads local packed files; {spec} is remote "
+                              "(its disk cache tier reads buffered)")
         return open_remote(spec, pattern, cfg)
     from .packed import MAGIC as PACK_MAGIC, PackedSource
     from .source_gguf import MAGIC as GGUF_MAGIC, GGUFSource

@@ -221,6 +221,15 @@ def nginx_binary(install: bool = True) -> str | None:
     return None
 
 
+def self_signed(directory: str) -> tuple[str, str]:
+    """A throwaway certificate for 127.0.0.1 (openssl CLI); returns (cert.pem, key.pem)."""
+    cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -230,8 +239,9 @@ def free_port() -> int:
 class Nginx:
     """``with Nginx(root) as n: n.url`` -- nginx serving ``root`` on 127.0.0.1."""
 
-    def __init__(self, root: str, binary: str | None = None, workers: int = 2):
+    def __init__(self, root: str, binary: str | None = None, workers: int = 2, tls: tuple | None = None):
         self.root = os.path.realpath(root)
+        self.tls = tls                      # (cert.pem, key.pem): serve https
         self.binary = binary or nginx_binary()
         if self.binary is None:
             raise RuntimeError("nginx is not installed (apt-get install -y nginx-light)")
@@ -242,11 +252,14 @@ class Nginx:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}/"
 
     def config(self) -> str:
         d = self.dir
         user = "user root;\n" if os.geteuid() == 0 else ""   # workers must read root-owned tmp dirs
+        listen = f"127.0.0.1:{self.port}"
+        if self.tls:
+            listen += f" ssl;\n        ssl_certificate {self.tls[0]};\n        ssl_certificate_key {self.tls[1]}"
         return f"""{user}daemon off;
 worker_processes {self.workers};
 pid {d}/nginx.pid;
@@ -265,7 +278,7 @@ http {{
     keepalive_timeout 75s;
     keepalive_requests 100000;
     server {{
-        listen 127.0.0.1:{self.port};
+        listen {listen};
         root {self.root};
         location / {{ }}
     }}

@@ -252,3 +252,15 @@ def test_daemon_kill9_during_write_behind_then_restart(origin, start_daemon, tmp
         t = c.status()["model"]["tiers"]
     assert t["disk"]["hits"] + t["origin"]["fetches"] == 4 and t["disk"]["corrupt"] == 0
     assert d.stop() == 0
+
+
+def test_full_write_backlog_skips_instead_of_slowing_fetches(origin, tmp_path, monkeypatch):
+    import k3d.source_http as sh
+    srv, ref = origin
+    monkeypatch.setattr(sh, "WRITE_BACKLOG", 1)
+    src = open_src(srv, tmp_path)
+    ref.check(src, (0, 2), read_expert(src, (0, 2)))
+    src.flush()
+    d = src.tier_stats()["disk"]
+    assert d["write_skipped"] == 1 and d["entries"] == 0
+    src.close()

@@ -333,3 +333,10 @@ def test_config_options():
     for bad in ({"http_conns": 0}, {"disk_cache_size": "lots"}, {"http_retries": 99}, {"http_timeout": 0}):
         with pytest.raises(ConfigError, match=f"--{next(iter(bad)).replace('_', '-')}"):
             resolve(bad, {})
+
+
+def test_direct_read_mode_is_refused_for_remote_sources(server):
+    from k3d.sources import open_source
+    srv, _ = server
+    with pytest.raises(SourceError, match="--read-mode direct reads local packed files"):
+        open_source(srv.url + "ck/", DEFAULT_PATTERN, "direct")

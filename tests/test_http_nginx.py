@@ -164,3 +164,21 @@ def test_disk_cache_survives_daemon_restart(site, start_daemon, tmp_path):
         tiers = c.status()["model"]["tiers"]
     assert tiers["disk"]["hits"] == 8 and tiers["origin"]["fetches"] == 0 and tiers["origin"]["bytes"] == 0
     assert d.stop() == 0
+
+
+def test_https_with_a_trusted_ca_and_a_clear_error_without(site, tmp_path, monkeypatch):
+    n, root = site
+    if not shutil.which("openssl"):
+        pytest.skip("openssl CLI not installed")
+    from faulty_http import self_signed
+    cert, key = self_signed(str(tmp_path))
+    with Nginx(str(root), n.binary, workers=1, tls=(cert, key)) as tn:
+        assert tn.url.startswith("https://")
+        with pytest.raises(SourceError, match="TLS certificate not trusted"):
+            HttpSource(tn.url + "ck/", DEFAULT_PATTERN, retries=3)
+        monkeypatch.setenv("SSL_CERT_FILE", cert)      # read by OpenSSL's default verify paths
+        remote = HttpSource(tn.url + "ck/", DEFAULT_PATTERN)
+        local = open_source(str(root / "ck"), DEFAULT_PATTERN)
+        same_as_local(remote, local)
+        remote.close()
+        local.close()
