@@ -1,6 +1,6 @@
 """Cold misses: k3d ``direct`` and ``buffered`` against the O_DIRECT floor and mmap demand paging.
 
-    python bench/cold_read.py [--mb 400] [--reps 9] [--readers 4] [--batch 16]
+    python bench/cold_read.py [--mb 400] [--reps 12] [--readers 4] [--batch 16]
 
 One packed file of about ``--mb`` MB (a synthetic MXFP4 checkpoint written by
 safetensors, converted by ``k3d pack``; cached under /tmp/k3d-bench-cold).
@@ -156,7 +156,7 @@ def k3d_pass(client, keys, batch) -> tuple[float, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=400)
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--readers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
     args = ap.parse_args()
