@@ -112,3 +112,53 @@ def test_daemon_from_s3_with_disk_cache(s3, start_daemon, tmp_path):
         t = c.status()["model"]["tiers"]
     assert t["disk"]["hits"] == 4 and t["origin"]["fetches"] == 0
     assert d.stop() == 0
+
+
+# -- the S3 transport against the fault-injecting server (a path-style "bucket" directory) -----
+from faulty_http import Fault, FaultyServer  # noqa: E402
+
+
+@pytest.fixture
+def faulty_s3(s3, tmp_path, monkeypatch):
+    _, _, ref, ck = s3
+    bucket = tmp_path / "fault-bucket" / "ck"
+    bucket.mkdir(parents=True)
+    for f in os.listdir(ck):
+        (bucket / f).write_bytes(open(os.path.join(ck, f), "rb").read())
+    srv = FaultyServer(str(tmp_path)).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", srv.url.rstrip("/"))
+    src = S3Source("s3://fault-bucket/ck/", DEFAULT_PATTERN, retries=2, timeout=1)
+    srv.clear()
+    yield srv, src, ref
+    src.close()
+    srv.stop()
+
+
+@pytest.mark.parametrize("kind", ["truncate", "reset", "status"])
+def test_s3_transient_faults_are_retried(faulty_s3, kind):
+    srv, src, ref = faulty_s3
+    srv.add(Fault(kind, times=2, status=503))
+    ref.check(src, (1, 1), read_expert(src, (1, 1)))
+    assert src.tier_stats()["origin"]["retries"] >= 1
+
+
+@pytest.mark.parametrize("fault,match", [
+    (Fault("ignore_range", times=None), "ignored the Range"),
+    (Fault("status", times=None, status=500), "after 3 attempts.*500"),
+    (Fault("bad_range", times=None), "ContentRange is 'bytes "),
+])
+def test_s3_bad_answers_are_errors(faulty_s3, fault, match):
+    srv, src, ref = faulty_s3
+    srv.add(fault)
+    with pytest.raises(SourceError, match=match):
+        read_expert(src, (0, 2))
+    srv.clear()
+    ref.check(src, (0, 2), read_expert(src, (0, 2)))
+
+
+def test_s3_etag_change_mid_run(faulty_s3):
+    srv, src, ref = faulty_s3
+    srv.set_etag("fault-bucket/ck/model-00002-of-00002.safetensors", '"other"')
+    with pytest.raises(SourceError, match="origin changed: s3://fault-bucket/ck/model-00002-of-00002"):
+        read_expert(src, (1, 0))
+    ref.check(src, (0, 0), read_expert(src, (0, 0)))
