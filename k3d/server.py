@@ -60,11 +60,12 @@ DEFERRED = object()      # handler parked the request; it replies later
 NO_REPLY = object()      # heartbeat: nothing to send
 REAP_INTERVAL = 0.5
 LIVE = ("log_level", "lease_s", "pin_quota", "trace")   # what SIGHUP may change
+WASTE_LIMIT = 0.9        # share of unused predictions above which a client is throttled
 
 
 class Session:
     __slots__ = ("routing", "client_id", "name", "pid", "create_time", "epoch", "last_seen",
-                 "pfu", "alive", "fetches", "lease_s")
+                 "pfu", "alive", "fetches", "lease_s", "pf_started", "pf_waste")
 
     def __init__(self, routing, client_id, name, pid, create_time, now, lease_s=0.0):
         self.routing, self.client_id, self.name = routing, client_id, name
@@ -73,6 +74,9 @@ class Session:
         # The lease told to the client at hello: it heartbeats at a quarter of it,
         # so a reload that shortens the lease applies to new clients only.
         self.lease_s = lease_s
+        # Background reads this client started this epoch, and the moving share
+        # of its predictions nobody fetched (the quota's prediction throttle).
+        self.pf_started, self.pf_waste = 0, 0.0
 
     @property
     def holder(self):
@@ -442,7 +446,9 @@ class Server:
         read.  Unfetched by the predictor's next begin_token, they count
         prefetch_unused and are demoted to the LRU end.  With a pin quota, a
         client has at most that many predictions outstanding (the rest are
-        dropped), so a flood of predictions cannot sweep the cache."""
+        dropped), and a client whose predictions go almost all unused (moving
+        share > WASTE_LIMIT) may start one read per token: a flood of
+        predictions can neither sweep the cache nor monopolise the readers."""
         s = self._session(routing)
         return {"queued": self._predict(s, self._keys(msg, "keys", unique=False))}
 
@@ -450,8 +456,11 @@ class Server:
         keys = list(dict.fromkeys(keys))
         if self.cfg.pin_quota:
             room = self.cfg.pin_quota - len(self.store.predictions.get(s.client_id, ()))
+            if s.pf_waste > WASTE_LIMIT:
+                room = min(room, 1 - s.pf_started)
             keys = [k for k in keys if k not in self.store.key_slot][:max(0, room)]
         started = self.store.predict(s.client_id, keys)
+        s.pf_started += len(started)
         self._start_loads(started, urgent=False)
         return len(started)
 
@@ -460,6 +469,9 @@ class Server:
         s = self._session(routing)
         released, unused = self.store.end_epoch(s.client_id, s.holder)
         s.pfu += unused
+        if s.pf_started:
+            s.pf_waste = 0.8 * s.pf_waste + 0.2 * min(1.0, unused / s.pf_started)
+        s.pf_started = 0
         s.epoch += 1
         return {"epoch": s.epoch, "released": released}
 

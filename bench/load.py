@@ -1,0 +1,291 @@
+"""Load test: 16 model processes, skewed routing, predictions, random deaths, one abuser.
+
+    python bench/load.py [--seconds 60] [--clients 16] [--seed N]
+
+One real ``k3d start`` on a synthetic checkpoint (8 layers x 64 experts,
+~108 MB; arena 384 slots: the cache cannot hold everything).  Each
+well-behaved client runs tokens: for every layer it fetches 4 experts drawn
+from a Zipf distribution (the same popular experts for every client, as
+routers are), predicts the next layer, "computes" for ``--think-ms``, and
+compares every fetched expert byte for byte with ``safetensors.safe_open``.
+Every ``--death-every`` seconds one client is killed with SIGKILL (wherever
+it is, mid-fetch included) and replaced.
+
+The run is cut into segments alternating without / with one abusive client
+(which pins its whole quota every token with uniformly random, mostly cold
+experts and floods predictions); alternating cancels drift.  Reported:
+p50/p99 fetch latency of the well-behaved clients in both conditions and
+the ratio of p99s (goal <= 1.25), wrong bytes (goal 0), leaked pins after
+every client exits (goal 0), and the daemon's RSS in the first vs the last
+window (a minute, or 10 s for runs under 2 minutes; goal <= 5 % growth).
+Exit status 0 when every goal holds.  The seed is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LAYERS, EXPERTS, TOPK = 8, 64, 4
+
+
+# -- client processes -----------------------------------------------------------
+def zipf(seed):
+    import numpy as np
+    p = 1.0 / np.arange(1, EXPERTS + 1) ** 1.1
+    p /= p.sum()
+    rng = np.random.default_rng(seed)
+    perms = [rng.permutation(EXPERTS) for _ in range(LAYERS)]   # popular experts per layer
+    return p, perms
+
+
+def worker(endpoint, ckpt, seed, name, out, deadline, think_ms, routing_seed):
+    import numpy as np
+    from safetensors import safe_open
+
+    import k3client
+
+    wm = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
+    files = {f: safe_open(os.path.join(ckpt, f), "np") for f in set(wm.values())}
+    p, perms = zipf(routing_seed)
+    rng = np.random.default_rng(seed)
+    refs: dict = {}
+    f = open(out, "a", buffering=1)
+    c = k3client.connect(endpoint, name=name)
+
+    def reference(layer, expert):
+        key = (layer, expert)
+        if key not in refs:
+            buf = bytearray(c.expert_bytes)
+            for spec in c.layout:
+                t = files[wm[f"model.layers.{layer}.mlp.experts.{expert}.{spec.name}"]].get_tensor(
+                    f"model.layers.{layer}.mlp.experts.{expert}.{spec.name}")
+                buf[spec.offset:spec.offset + spec.nbytes] = t.tobytes()
+            refs[key] = np.frombuffer(bytes(buf), dtype=np.uint8)
+        return refs[key]
+
+    while time.time() < deadline:
+        c.begin_token()
+        lats = []
+        for layer in range(LAYERS):
+            experts = perms[layer][rng.choice(EXPERTS, TOPK, replace=False, p=p)]
+            pred = None
+            if layer + 1 < LAYERS:
+                pred = [(layer + 1, int(e)) for e in perms[layer + 1][:2]]
+            t0 = time.perf_counter()
+            try:
+                exs = c.fetch(layer, [int(e) for e in experts], predicted=pred)
+            except (k3client.CacheFull, k3client.QuotaExceeded) as e:
+                f.write(f"E {type(e).__name__}\n")
+                break
+            lats.append(time.perf_counter() - t0)
+            for ex in exs:
+                # numpy compare: memoryview == bytes goes item by item (20x slower)
+                if not np.array_equal(np.frombuffer(ex.memory(), dtype=np.uint8), reference(ex.layer, ex.expert)):
+                    f.write(f"W {ex.layer} {ex.expert}\n")
+            del exs
+            if think_ms:
+                time.sleep(think_ms / 1000)
+        f.write(f"L {time.time():.4f} " + " ".join(f"{x * 1e6:.0f}" for x in lats) + "\n")
+    c.close()
+    f.write("DONE\n")
+
+
+def abuser(endpoint, seed, deadline, quota, pause_ms):
+    import k3client
+
+    rng = random.Random(seed)
+    c = k3client.connect(endpoint, name="abuser")
+    while time.time() < deadline:
+        c.begin_token()
+        layer = rng.randrange(LAYERS)
+        try:       # pin the whole quota with uniformly random, mostly cold experts
+            c.fetch(layer, rng.sample(range(EXPERTS), min(quota, EXPERTS)))
+        except (k3client.CacheFull, k3client.QuotaExceeded):
+            pass
+        c.predict([(rng.randrange(LAYERS), rng.randrange(EXPERTS)) for _ in range(512)])
+        if pause_ms:
+            time.sleep(pause_ms / 1000)
+    c.close()
+
+
+# -- controller ------------------------------------------------------------------------
+def spawn(args_list):
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), *map(str, args_list)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--slots", type=int, default=384)
+    ap.add_argument("--pin-quota", type=int, default=32)
+    ap.add_argument("--readers", type=int, default=4)
+    ap.add_argument("--think-ms", type=float, default=2.0, help="simulated compute per layer")
+    ap.add_argument("--death-every", type=float, default=3.0, help="seconds between client kills")
+    ap.add_argument("--segments", type=int, default=4, help="alternating without/with abuser")
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--abuser-pause-ms", type=float, default=0.0,
+                    help="pause between the abuser's rounds (0: flat out, as hard as it can)")
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    print(f"seed {seed} (rerun with --seed {seed})", flush=True)
+    rng = random.Random(seed)
+
+    import psutil
+
+    import k3client
+    from k3d.synthetic import write_checkpoint
+
+    ckpt = f"/tmp/k3d-load-ckpt-{LAYERS}x{EXPERTS}"
+    if not os.path.exists(os.path.join(ckpt, "model.safetensors.index.json")):
+        write_checkpoint(ckpt, layers=LAYERS, experts=EXPERTS, shards=4, seed=11)
+    run = tempfile.mkdtemp(prefix="k3d-load-", dir="/tmp")
+    endpoint = f"ipc://{run}/k.sock"
+    log = open(os.path.join(run, "daemon.log"), "w")
+    daemon = subprocess.Popen([sys.executable, "-m", "k3d.cli", "start", "--source", ckpt, "--endpoint", endpoint,
+                               "--slots", str(args.slots), "--pin-quota", str(args.pin_quota),
+                               "--readers", str(args.readers), "--lease", "5"],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    while "k3d: ready" not in open(os.path.join(run, "daemon.log")).read():
+        if daemon.poll() is not None:
+            sys.exit(f"daemon failed:\n{open(os.path.join(run, 'daemon.log')).read()}")
+        time.sleep(0.05)
+    dproc = psutil.Process(daemon.pid)
+
+    t_start = time.time() + 1.0
+    t_measure = t_start + args.warmup
+    seg_len = args.seconds / args.segments
+    t_end = t_measure + args.seconds
+    segments = [(t_measure + i * seg_len, t_measure + (i + 1) * seg_len, i % 2 == 1) for i in range(args.segments)]
+    routing_seed = seed
+
+    def new_worker(i):
+        out = os.path.join(run, f"w{i}.log")
+        return spawn(["--worker", endpoint, ckpt, rng.randrange(1 << 30), f"w{i}", out, t_end, args.think_ms,
+                      routing_seed]), out
+
+    workers = {i: new_worker(i) for i in range(args.clients)}
+    outs = [o for _, o in workers.values()]
+    next_id = args.clients
+    deaths = 0
+    rss: list[tuple[float, int]] = []
+    ab = None
+    next_death = t_start + args.death_every
+    while time.time() < t_end:
+        now = time.time()
+        want_abuser = any(a <= now < b and abusive for a, b, abusive in segments)
+        if want_abuser and ab is None:
+            ab = spawn(["--abuser", endpoint, rng.randrange(1 << 30), t_end, args.pin_quota, args.abuser_pause_ms])
+        elif not want_abuser and ab is not None:
+            ab.kill()
+            ab.wait()
+            ab = None
+        if now >= next_death:
+            victim = rng.choice(sorted(workers))
+            workers[victim][0].kill()
+            workers[victim][0].wait()
+            del workers[victim]
+            workers[next_id] = new_worker(next_id)
+            outs.append(workers[next_id][1])
+            next_id += 1
+            deaths += 1
+            next_death += args.death_every
+        rss.append((now, dproc.memory_info().rss))
+        time.sleep(0.25)
+    if ab is not None:
+        ab.kill()
+        ab.wait()
+    for p, _ in workers.values():
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    failed = [p.stderr.read()[-500:] for p, _ in workers.values() if p.returncode]
+
+    # -- after every client exited: nothing may stay pinned -------------------------
+    time.sleep(0.5)
+    deadline = time.time() + 10
+    with k3client.connect(endpoint, name="final-check") as c:
+        while True:
+            st = c.status()
+            others = [x for x in st["clients"] if x["name"] != "final-check"]
+            if (not others and st["arena"]["pinned"] == 0) or time.time() > deadline:
+                break
+            time.sleep(0.2)
+    daemon.send_signal(signal.SIGTERM)
+    rc = daemon.wait(60)
+
+    # -- figures ----------------------------------------------------------------------
+    lat = {False: [], True: []}
+    wrong = errors = fetches = 0
+    for out in outs:
+        if not os.path.exists(out):       # killed before it started
+            continue
+        for line in open(out):
+            if line.startswith("W "):
+                wrong += 1
+            elif line.startswith("E "):
+                errors += 1
+            elif line.startswith("L "):
+                parts = line.split()
+                t, xs = float(parts[1]), [int(x) / 1000 for x in parts[2:]]
+                fetches += len(xs)
+                for a, b, abusive in segments:
+                    if a <= t < b:
+                        lat[abusive].extend(xs)
+    window = 60.0 if args.seconds >= 120 else 10.0
+    first = [r for t, r in rss if t_measure <= t < t_measure + window]
+    last = [r for t, r in rss if t_end - window <= t < t_end]
+    growth = statistics.mean(last) / statistics.mean(first) - 1 if first and last else float("nan")
+    p99 = {k: pct(v, 0.99) for k, v in lat.items()}
+    ratio = p99[True] / p99[False]
+    s = st["stats"]
+    hit = s["hits"] / max(1, s["hits"] + s["misses"])
+    print(f"{args.clients} clients, {args.seconds:g} s measured in {args.segments} alternating segments "
+          f"(+{args.warmup:g} s warm-up), {deaths} clients killed with SIGKILL, think {args.think_ms:g} ms/layer")
+    print(f"fetches verified: {fetches} ({wrong} wrong), cache_full/quota errors: {errors}, "
+          f"daemon hit rate {hit:.1%}, {s['evictions']} evictions, {s['clients_dead']} dead clients reaped")
+    for abusive in (False, True):
+        xs = lat[abusive]
+        print(f"well-behaved fetch latency {'with' if abusive else 'without'} abuser: n={len(xs)} "
+              f"p50 {pct(xs, 0.5):.3f} ms  p99 {pct(xs, 0.99):.3f} ms")
+    print(f"p99 with/without abuser: {ratio:.3f} (goal <= 1.25)")
+    print(f"daemon RSS first {window:g} s {statistics.mean(first) / 2**20:.1f} MiB, last {window:g} s "
+          f"{statistics.mean(last) / 2**20:.1f} MiB: growth {growth:+.2%} (goal <= 5%)")
+    print(f"after exit: {len(others)} clients, {st['arena']['pinned']} pinned slots (goal 0); daemon exit {rc}")
+    if failed:
+        print(f"{len(failed)} workers failed: {failed[:2]}")
+    ok = (wrong == 0 and not others and st["arena"]["pinned"] == 0 and growth <= 0.05 and ratio <= 1.25
+          and rc == 0 and not failed)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        a = sys.argv[2:]
+        worker(a[0], a[1], int(a[2]), a[3], a[4], float(a[5]), float(a[6]), int(a[7]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--abuser":
+        a = sys.argv[2:]
+        abuser(a[0], int(a[1]), float(a[2]), int(a[3]), float(a[4]))
+    else:
+        sys.exit(main())
