@@ -132,7 +132,7 @@ def demand_paging(path, offsets, stride, threads) -> float:
     try:
         return parallel(offsets, threads, work)
     finally:
-        del src
+        src = None          # drop the export before closing the map
         mm.close()
         os.close(fd)
 

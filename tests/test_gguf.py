@@ -3,7 +3,6 @@
 The daemon test runs the real ``k3d start`` on a GGUF file and a real client.
 """
 
-import os
 import struct
 import subprocess
 import sys
