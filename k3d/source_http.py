@@ -56,7 +56,9 @@ rename); if more than ``WRITE_BACKLOG`` bytes are waiting, the copy is skipped
 
 Thread-safety: ``read`` runs in many reader threads.  Shared mutable state:
 the connection pool (its lock + semaphore), the pending-load table and the
-counters (``self._mu``), the disk cache index (its own lock), the write queue.
+counters (``self._mu``), the disk cache index (its own lock), the write queue;
+the per-key fingerprint memo is filled idempotently (a racing duplicate
+computes the same string).
 Lock order: ``_mu`` before the disk cache's lock; no I/O under ``_mu``.
 """
 

@@ -7,6 +7,9 @@ threads work on one expert, and each part is read by ``Source.read`` straight
 into slot memory (``os.preadv`` scatters one file-contiguous range over the
 slot's tensor buffers: adjacent tensors cost one syscall, no bounce buffer).
 
+Remote origins (``http(s)://``, ``s3://``) live in source_http.py / source_s3.py,
+with their disk tier in disk_cache.py; ``open_source`` dispatches on the scheme.
+
 Thread-safety: after construction a source is read-only; ``read`` is called from
 many reader threads at once (pread on a shared fd is position-free).
 """

@@ -206,18 +206,23 @@ class FaultyServer(ThreadingHTTPServer):
 
 # -- nginx -------------------------------------------------------------------------------------
 def nginx_binary(install: bool = True) -> str | None:
-    """The nginx executable; installs Debian's nginx-light when root and missing."""
+    """The nginx executable; installs Debian's nginx(-light) with apt-get when root and missing."""
     for cand in (shutil.which("nginx"), "/usr/sbin/nginx"):
         if cand and os.access(cand, os.X_OK):
             return cand
     if install and os.geteuid() == 0 and shutil.which("apt-get"):
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        try:
-            subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "nginx-light"],
-                           env=env, capture_output=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return nginx_binary(install=False)
+        # nginx-light is Debian 12's small build; later releases ship only ``nginx``
+        for pkg in ("nginx-light", "nginx"):
+            try:
+                subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", pkg],
+                               env=env, capture_output=True, timeout=300)
+            except (OSError, subprocess.TimeoutExpired):
+                return None
+            found = nginx_binary(install=False)
+            if found:
+                return found
+        return None
     return None
 
 
