@@ -199,3 +199,20 @@ def test_member_of_daemon_group_gets_in(checkpoint, start_daemon, other_user, ho
     assert "error" not in out, out
     assert out["fetched"] > 0 and out["arena_fds"] == 1
     assert d.stop() == 0
+
+
+def test_wasted_predictions_are_throttled_useful_ones_are_not(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--slots", "16", "--pin-quota", "4")
+    with k3client.connect(d.endpoint, name="flood") as bad, k3client.connect(d.endpoint, name="useful") as good:
+        bad_q, good_q = [], []
+        for t in range(20):
+            bad.begin_token()
+            good.begin_token()
+            # the flooder never fetches what it predicts
+            bad_q.append(bad.predict([(t % 2, (4 * (t // 2) + i) % 16) for i in range(4)]))
+            keys = [(2 + t % 2, (4 * (t // 2) + i) % 16) for i in range(4)]
+            good_q.append(good.predict(keys))
+            good.fetch(keys[0][0], [e for _, e in keys])     # uses every prediction
+        assert max(bad_q[12:]) <= 1, bad_q            # ~all unused for 11+ tokens: one read per token
+        assert sum(bad_q[:5]) > 5                      # not before
+        assert sum(good_q[12:]) > len(good_q[12:]), good_q
