@@ -50,6 +50,10 @@ class _Gone(errors.DaemonRestarted):
     """Internal: the daemon this client attached to went away or was replaced."""
 
 
+class _LayoutChanged(errors.DaemonRestarted):
+    """The restarted daemon serves another layout: re-attaching would mislead the caller."""
+
+
 class Expert:
     """One fetched expert: ``layer``, ``expert``, ``slot``; views into the arena."""
 
@@ -161,7 +165,7 @@ class Client:
                 f"k3d daemon not running at {self.endpoint}: no answer in {connect_timeout:g}s") from None
         layout = [TensorSpec.from_wire(w) for w in h["layout"]]
         if self.layout is not None and (layout != self.layout or h["expert_bytes"] != self.expert_bytes):
-            raise errors.DaemonRestarted(
+            raise _LayoutChanged(
                 f"the daemon at {self.endpoint} came back serving a different expert layout "
                 f"({h['model'].get('path')}); connect again")
         self.gen = h["gen"]
@@ -224,10 +228,11 @@ class Client:
             try:
                 self._connect(min(left, 2.0))
                 break
-            except (errors.DaemonNotRunning, errors.DaemonRestarted, errors.ShuttingDown,
-                    errors.Timeout) as e:
-                if "different expert layout" in str(e):
-                    raise
+            except _LayoutChanged:
+                self._disconnect()
+                self.gen = None
+                raise
+            except (errors.DaemonNotRunning, errors.DaemonRestarted, errors.ShuttingDown, errors.Timeout):
                 self._disconnect()
                 self.gen = old
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))

@@ -167,3 +167,17 @@ def test_reconnect_timeout_zero_raises_daemon_restarted(checkpoint, start_daemon
         with pytest.raises(k3client.DaemonRestarted, match="reconnect"):
             c.fetch(0, [2])
     assert d.stop() == 0
+
+
+def test_daemon_back_with_another_layout_is_an_error(checkpoint, start_daemon, tmp_path):
+    from k3d.synthetic import write_checkpoint
+    other = write_checkpoint(str(tmp_path / "other"), layers=2, experts=4, hidden=256, inter=128, seed=3)
+    endpoint = fresh_endpoint()
+    d = start_daemon(checkpoint, "--slots", "8", endpoint=endpoint)
+    with k3client.connect(endpoint, name="layout", reconnect_timeout=10) as c:
+        c.fetch(0, [1])
+        assert d.stop() == 0
+        d = start_daemon(other, "--slots", "8", endpoint=endpoint)
+        with pytest.raises(k3client.DaemonRestarted, match="different expert layout"):
+            c.fetch(0, [1])
+    assert d.stop() == 0
