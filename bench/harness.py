@@ -1,0 +1,134 @@
+"""Shared pieces of the benchmarks: a real ``k3d start`` subprocess, timing, reporting.
+
+Every benchmark starts its own daemon on a private ipc endpoint under /tmp,
+measures its floor in the same run, and reports medians over repetitions as
+ratios (absolute figures on a shared 2-core VM mean little).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVER_CPUS: set[int] | None = None     # a benchmark may pin the daemon (and its floor's server) here
+
+
+def server_affinity() -> None:
+    """``preexec_fn`` for server subprocesses: apply SERVER_CPUS, if set."""
+    if SERVER_CPUS:
+        os.sched_setaffinity(0, SERVER_CPUS)
+
+
+class Daemon:
+    """``k3d start`` as a subprocess; ``stop()`` sends SIGTERM and returns the exit code."""
+
+    def __init__(self, source: str, *args, readers: int = 4, timeout: float = 60.0):
+        self.dir = tempfile.mkdtemp(prefix="k3d-b-", dir="/tmp")   # ipc paths must stay short
+        self.endpoint = f"ipc://{self.dir}/k.sock"
+        self.log_path = os.path.join(self.dir, "daemon.log")
+        cmd = [sys.executable, "-m", "k3d.cli", "start", "--source", source,
+               "--endpoint", self.endpoint, "--readers", str(readers), *map(str, args)]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     preexec_fn=server_affinity if SERVER_CPUS else None)
+        deadline = time.monotonic() + timeout
+        while "ready" not in self.log():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"k3d start exited {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"k3d start not ready in {timeout:g}s:\n{self.log()}")
+            time.sleep(0.02)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            rc = self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return rc
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        rc = self.stop()
+        if rc != 0 and exc[0] is None:
+            raise RuntimeError(f"k3d exited {rc} after SIGTERM")
+
+
+def checkpoint(layers: int, experts: int, hidden: int, inter: int, seed: int = 0) -> str:
+    """A synthetic MXFP4-shaped checkpoint in a fresh temp dir (caller removes it)."""
+    from k3d.synthetic import write_checkpoint
+
+    path = tempfile.mkdtemp(prefix="k3d-bench-ckpt-", dir="/tmp")
+    return write_checkpoint(path, layers=layers, experts=experts, hidden=hidden, inter=inter, seed=seed)
+
+
+def safetensors_experts(path: str, pattern: str = "model.layers.{layer}.mlp.experts.{expert}."):
+    """{(layer, expert): (file_offset, nbytes)} of each expert's byte span, from the header
+    (parsed here, independently of the daemon).  Each synthetic expert is one contiguous span."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    base = 8 + n
+    spans: dict[tuple[int, int], list[int]] = {}
+    for name, t in header.items():
+        if name == "__metadata__" or ".mlp.experts." not in name:
+            continue
+        parts = name.split(".")
+        key = (int(parts[2]), int(parts[5]))
+        b, e = t["data_offsets"]
+        lo, hi = spans.get(key, (1 << 62, 0))
+        spans[key] = [min(lo, base + b), max(hi, base + e)]
+    return {k: (lo, hi - lo) for k, (lo, hi) in spans.items()}
+
+
+def warm_page_cache(path: str) -> float:
+    """Read the whole file once (so it is page-cache resident); returns seconds."""
+    t0 = time.perf_counter()
+    buf = bytearray(64 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t0
+
+
+def pct(samples, q: float) -> float:
+    """q-th percentile (0..100), nearest-rank."""
+    s = sorted(samples)
+    if not s:
+        return float("nan")
+    i = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
+    return s[i]
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def banner(name: str, text: str) -> None:
+    print(f"[{name}] {text}", flush=True)
