@@ -443,6 +443,14 @@ class RemoteSource(Source):
                 self._pending[key] = load
             return load
 
+    def _padding(self) -> dict[int, int]:
+        """{end of a layout tensor: start of the next one} (the gap between is padding only)."""
+        pad = getattr(self, "_pad", None)
+        if pad is None:
+            specs = sorted(self.layout, key=lambda s: s.offset)
+            pad = self._pad = {a.offset + a.nbytes: b.offset for a, b in zip(specs, specs[1:])}
+        return pad
+
     def _want_crc(self, load: _Load, key) -> bool:
         return load.entry is not None or key in self.expected_crc
 
@@ -454,16 +462,25 @@ class RemoteSource(Source):
                 fd = -1        # evicted since the lookup: this part from the origin (crc still checked)
             if fd >= 0:
                 try:
-                    for e in extents:
-                        dest = slot[e.slot_offset:e.slot_offset + e.length]
-                        got = os.preadv(fd, [dest], DATA_OFFSET + e.slot_offset)
-                        while got < e.length:
-                            n = os.preadv(fd, [dest[got:]], DATA_OFFSET + e.slot_offset + got)
+                    # the entry is the slot image: one pread per run of extents separated only by
+                    # the padding between two layout tensors (one ends, the next begins), so a run
+                    # writes no byte that another part of the load owns
+                    pad = self._padding()
+                    runs: list[list[int]] = []
+                    for e in sorted(extents, key=lambda x: x.slot_offset):
+                        if runs and (runs[-1][1] == e.slot_offset or pad.get(runs[-1][1]) == e.slot_offset):
+                            runs[-1][1] = e.slot_offset + e.length
+                        else:
+                            runs.append([e.slot_offset, e.slot_offset + e.length])
+                    for lo, hi in runs:
+                        got = 0
+                        while got < hi - lo:
+                            n = os.preadv(fd, [slot[lo + got:hi]], DATA_OFFSET + lo + got)
                             if n <= 0:
                                 break      # a short entry: the crc check below refetches
                             got += n
                         # the arena is the cache: a second copy in the page cache only wastes RAM
-                        os.posix_fadvise(fd, DATA_OFFSET + e.slot_offset, e.length, os.POSIX_FADV_DONTNEED)
+                        os.posix_fadvise(fd, DATA_OFFSET + lo, hi - lo, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
                 return [(e.slot_offset, e.length, zlib.crc32(slot[e.slot_offset:e.slot_offset + e.length]))
