@@ -1,6 +1,6 @@
 """Cold misses: k3d ``direct`` and ``buffered`` against the O_DIRECT floor and mmap demand paging.
 
-    python bench/cold_read.py [--mb 400] [--reps 12] [--readers 4] [--batch 16]
+    python bench/cold_read.py [--mb 400] [--reps 12] [--readers 4] [--batch 16] [--predict]
 
 One packed file of about ``--mb`` MB (a synthetic MXFP4 checkpoint written by
 safetensors, converted by ``k3d pack``; cached under /tmp/k3d-bench-cold).
@@ -16,7 +16,9 @@ comes from the disk.  In one run, interleaved rep by rep:
 - k3d direct / buffered: a real ``k3d start --read-mode MODE`` (arena a quarter
             of the file, so a sequential scan misses on every key), one client
             fetching every expert in (layer, expert) order, ``--batch`` keys per
-            fetch, ``begin_token`` between fetches.  Each pass must be all misses.
+            fetch, ``begin_token`` between fetches.  Each pass must be all misses;
+- predict (``--predict``): k3d direct with each fetch naming the next batch as
+            ``predicted=``, so reads run while the client handles replies.
 
 Reported: GB/s per method (median over reps) and the ratios (median of the
 per-rep ratios: the methods run back to back in each rep, in rotating order,
@@ -137,20 +139,25 @@ def demand_paging(path, offsets, stride, threads) -> float:
         os.close(fd)
 
 
-def k3d_pass(client, keys, batch) -> tuple[float, int]:
-    """Fetch every key once in order; returns (seconds, misses)."""
-    before = client.status()["stats"]["misses"]
+def k3d_pass(client, keys, batch, predict=False) -> tuple[float, int]:
+    """Fetch every key once in order (``predict``: name the next batch as predicted); (seconds, misses)."""
+    before = client.status()["stats"]["misses"] + (client.status()["stats"]["prefetched"] if predict else 0)
+    batches = []
     by_layer: dict[int, list[int]] = {}
     for l, e in keys:
         by_layer.setdefault(l, []).append(e)
-    t0 = time.perf_counter()
     for layer, experts in by_layer.items():
-        for i in range(0, len(experts), batch):
-            client.begin_token()
-            client.fetch(layer, experts[i:i + batch])
+        batches += [(layer, experts[i:i + batch]) for i in range(0, len(experts), batch)]
+    t0 = time.perf_counter()
+    for i, (layer, experts) in enumerate(batches):
+        client.begin_token()
+        nxt = [(batches[i + 1][0], e) for e in batches[i + 1][1]] if predict and i + 1 < len(batches) else None
+        client.fetch(layer, experts, predicted=nxt)
     dt = time.perf_counter() - t0
     client.begin_token()
-    return dt, client.status()["stats"]["misses"] - before
+    st = client.status()["stats"]
+    # a predicted key read ahead counts as prefetched, not as a miss: both came cold from disk
+    return dt, st["misses"] + (st["prefetched"] if predict else 0) - before
 
 
 def main() -> int:
@@ -159,6 +166,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--readers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--predict", action="store_true",
+                    help="also run k3d direct with the next batch passed as predicted= (reads overlap the client)")
     args = ap.parse_args()
 
     path = build(args.mb)
@@ -170,7 +179,7 @@ def main() -> int:
     harness.banner("cold_read", f"{path}: {n} experts x {stride} bytes = {total / 1e6:.0f} MB; "
                                 f"{args.readers} threads, batch {args.batch}, {args.reps} reps")
     arena = max(args.batch * 2, n // 4) * stride
-    methods = ["floor", "mmap", "mmap1", "direct", "buffered"]
+    methods = ["floor", "mmap", "mmap1", "direct", "buffered"] + (["predict"] if args.predict else [])
     results: dict[str, list[float]] = {m: [] for m in methods}
     daemons = {m: harness.Daemon(path, "--read-mode", m, "--arena", arena, readers=args.readers)
                for m in ("direct", "buffered")}
@@ -182,7 +191,7 @@ def main() -> int:
             return floor_odirect(path, offsets, stride, args.readers)
         if m in ("mmap", "mmap1"):
             return demand_paging(path, offsets, stride, args.readers if m == "mmap" else 1)
-        dt, misses = k3d_pass(clients[m], keys, args.batch)
+        dt, misses = k3d_pass(clients["direct" if m == "predict" else m], keys, args.batch, m == "predict")
         if misses != n:
             raise SystemExit(f"k3d {m}: pass had {misses} misses of {n} keys (arena too large?)")
         return dt
@@ -210,7 +219,9 @@ def main() -> int:
     print(f"{'method':<36}{'GB/s (median)':>14}{'x floor':>10}{'x mmap':>10}{'x mmap1':>10}")
     for m, label in (("floor", "O_DIRECT preadv (floor)"), ("mmap", f"mmap demand paging, {args.readers} threads"),
                      ("mmap1", "mmap demand paging, 1 thread"), ("direct", "k3d --read-mode direct"),
-                     ("buffered", "k3d --read-mode buffered")):
+                     ("buffered", "k3d --read-mode buffered"), ("predict", "k3d direct, predicted= next batch")):
+        if m not in med:
+            continue
         print(f"{label:<36}{med[m]:>14.2f}{ratio(m, 'floor'):>10.2f}{ratio(m, 'mmap'):>10.2f}{ratio(m, 'mmap1'):>10.2f}")
     print("(ratios are medians of per-rep ratios)")
     r_floor, r_mmap, r_mmap1 = ratio("direct", "floor"), ratio("direct", "mmap"), ratio("direct", "mmap1")
