@@ -192,14 +192,16 @@ def main() -> int:
         harness.banner("http_read", f"{ck}: {len(keys)} experts, {total / 1e6:.0f} MB over nginx {base}; "
                                     f"{args.readers} readers/conns, batch {args.batch}, {args.reps} reps")
         common = ("--arena", arena, "--http-conns", args.readers)
-        daemons = {
-            "k3d": harness.Daemon(base, *common, readers=args.readers),
-            "disk": harness.Daemon(base, *common, "--disk-cache", dc, "--disk-cache-size", "4GiB",
-                                   readers=args.readers),
-            "packed": harness.Daemon(pack, "--arena", arena, "--read-mode", "buffered", readers=args.readers),
+        specs = {
+            "k3d": (base, *common),
+            "disk": (base, *common, "--disk-cache", dc, "--disk-cache-size", "4GiB"),
+            "packed": (pack, "--arena", arena, "--read-mode", "buffered"),
         }
-        clients = {m: k3client.connect(d.endpoint, name=f"http-{m}") for m, d in daemons.items()}
+        daemons, clients = {}, {}
         try:
+            for m, spec in specs.items():
+                daemons[m] = harness.Daemon(*spec, readers=args.readers)
+                clients[m] = k3client.connect(daemons[m].endpoint, name=f"http-{m}")
             # fill the disk tier (origin fetches), then let the writer finish
             k3d_pass(clients["disk"], keys, args.batch)
             deadline = time.monotonic() + 120
