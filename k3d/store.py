@@ -81,6 +81,13 @@ class Store:
     def fetch(self, holder, keys: list[tuple[int, int]]) -> FetchPlan:
         """Plan a fetch of distinct, known keys for ``holder`` (client, epoch)."""
         have = [self.key_slot.get(k) for k in keys]
+        if self._all_plain_hits(have):
+            for s in have:
+                self.policy.pin(s, holder)
+                self.policy.touch(s)
+            self.stats.fetches += 1
+            self.stats.hits += len(keys)
+            return FetchPlan(slots=have, new_loads=[], waiting=set(), promote=[])
         resident = {s for s in have if s is not None}
         need = sum(1 for s in have if s is None)
         if need:
@@ -129,6 +136,13 @@ class Store:
         st.evictions += plan.evictions
         st.prefetch_hits += plan.prefetched_hits
         return plan
+
+    def _all_plain_hits(self, have: list) -> bool:
+        """Every key READY, none a pending prediction, no quota: nothing can refuse."""
+        if self.pin_quota or None in have:
+            return False
+        state, predicted = self.state, self.predicted_by
+        return all(state[s] == READY and s not in predicted for s in have)
 
     def _assign(self, key, urgent: bool) -> tuple[int, int]:
         """A slot for ``key`` (free, else the LRU victim), now LOADING."""
