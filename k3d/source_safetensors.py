@@ -130,6 +130,24 @@ def index_shards(index: str) -> list[str]:
     return shards
 
 
+def detect_tensor_format(layout) -> str:
+    """``ocp:MXFP4`` when every ``X.weight_packed`` has its E8M0 ``X.weight_scale``.
+
+    The OCP / gpt-oss / compressed-tensors layout: U8 ``[..., n]`` packed nibbles
+    (two elements a byte) and U8 ``[..., n / 16]`` scales (one per 32 elements).
+    Anything else is ``raw``: the tensors are what their dtypes say."""
+    specs = {t.name: t for t in layout}
+    packed = [n for n in specs if n.endswith(".weight_packed")]
+    if not packed:
+        return "raw"
+    for name in packed:
+        p, sc = specs[name], specs.get(name[: -len("packed")] + "scale")
+        if (sc is None or p.dtype != "U8" or sc.dtype != "U8" or p.shape[:-1] != sc.shape[:-1]
+                or p.shape[-1] != sc.shape[-1] * 16):
+            return "raw"
+    return "ocp:MXFP4"
+
+
 class SafetensorsSource(Source):
     kind = "safetensors"
 
@@ -162,6 +180,7 @@ class SafetensorsSource(Source):
                               for spec in self.layout
                               for (_, _, fi, off, nb, _) in [have[spec.name]]]
         self.fds = [os.open(f, os.O_RDONLY | os.O_CLOEXEC) for f in self.files]
+        self.tensor_format = detect_tensor_format(self.layout)
 
     @staticmethod
     def _mismatch(key, ref_key, want, got) -> str:

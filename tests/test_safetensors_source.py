@@ -22,6 +22,7 @@ def test_extents_match_reference(checkpoint):
         assert len(src.keys) == 64
         names = [s.name for s in src.layout]
         assert names == sorted(names) and "w1.weight_packed" in names
+        assert src.tensor_format == "ocp:MXFP4"
         with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
             wm = json.load(f)["weight_map"]
         slot = bytearray(src.expert_bytes)
@@ -109,3 +110,10 @@ def test_split_extents_covers_every_byte_once():
         assert total == 18000
         for (a0, b0, _, _), (a1, _, _, _) in zip(cover, cover[1:]):
             assert b0 <= a1
+
+
+def test_plain_tensors_are_raw(tmp_path):
+    _write(tmp_path, {P.format(l=0, e=0, n="w1.weight"): np.zeros((4, 4), np.float16)})
+    src = SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+    assert src.tensor_format == "raw"
+    src.close()
