@@ -36,8 +36,9 @@ Invariants:
   mtime across restarts: a hit touches it).
 
 Thread-safety: ``lookup``/``insert``/``discard`` are called from reader threads;
-the index is guarded by one lock, held only for dictionary work (file I/O of
-inserts happens in the caller's thread, outside it, before the entry is added).
+the index is guarded by one lock, held for dictionary work and the unlinks of
+evicted entries only (an insert writes and fsyncs its file outside it, then
+adds the entry).  One writer thread inserts (RemoteSource's write-behind).
 """
 
 from __future__ import annotations
