@@ -22,6 +22,13 @@ with an error, release the arena.  Reload (SIGHUP) re-resolves the config and
 applies the settings that can change live (``LIVE``); the others are kept
 until a restart, with a log line saying so.
 
+Fair share of the readers: a client's urgent reads enter the reader queue at
+most ``FAIR_JOBS`` parts at a time; the rest wait in its backlog and move up
+as its parts finish, so one client's 32-expert cold fetch cannot put every
+other client's miss behind all of it.  Work-conserving (a lone client still
+keeps every reader busy).  A backlogged read jumps the line when another
+client waits on it, when its owner dies, and at shutdown.
+
 Access: both sockets are created mode 0660 in a 0750 directory, and every
 peer is checked again from its kernel credentials (ZeroMQ ``Peer-Address`` on
 hello, SO_PEERCRED on the arena socket): the daemon's uid, root, or a member
@@ -38,6 +45,7 @@ import random
 import socket
 import struct
 import time
+from collections import deque
 
 import psutil
 import zmq
@@ -60,6 +68,7 @@ DEFERRED = object()      # handler parked the request; it replies later
 NO_REPLY = object()      # heartbeat: nothing to send
 REAP_INTERVAL = 0.5
 LIVE = ("log_level", "lease_s", "pin_quota", "trace")   # what SIGHUP may change
+FAIR_JOBS = 8            # a client's urgent read parts queued at once (2 x the default readers)
 WASTE_LIMIT = 0.9        # share of unused predictions above which a client is throttled
 
 
@@ -149,6 +158,9 @@ class Server:
         self.by_id: dict[int, Session] = {}
         self.waiters: dict[int, list[Pending]] = {}
         self._next_client = 1
+        self.backlog: dict[int, deque] = {}      # client -> urgent Jobs held back (fair share)
+        self.queued_jobs: dict[int, int] = {}    # client -> its metered Jobs now in the reader pool
+        self.job_owner: dict[int, int] = {}      # loading slot -> client whose Jobs are metered
         self._stop = False
         self._reload = False
         self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
@@ -432,9 +444,12 @@ class Server:
             raise BadRequest("fetch of zero keys")
         predicted = self._keys(msg, "predicted", unique=False) if msg.get("predicted") is not None else []
         plan = self.store.fetch(s.holder, keys)
-        self._start_loads(plan.new_loads, urgent=True)
+        self._start_loads(plan.new_loads, urgent=True, owner=s.client_id)
         for slot in plan.promote:
             self.readers.promote(slot)
+        for slot in plan.waiting:     # someone else's held-back read: this client waits too
+            if self.job_owner.get(slot, s.client_id) != s.client_id:
+                self._release_backlog(self.job_owner[slot], slot)
         s.fetches += 1
         if self.trace:
             self.trace.fetch(time.monotonic(), keys[0][0], [e for _, e in keys], plan.misses,
@@ -510,7 +525,7 @@ class Server:
         return {}
 
     # -- reads -----------------------------------------------------------------
-    def _start_loads(self, slots: list[int], urgent: bool) -> None:
+    def _start_loads(self, slots: list[int], urgent: bool, owner: int | None = None) -> None:
         if not slots:
             return
         parts = max(1, min(8, self.readers.threads // len(slots)))
@@ -521,7 +536,43 @@ class Server:
             self.store.loads[slot].parts_left = len(groups)
             dest = self.arena.view(slot)
             jobs.extend(Job(slot, i, g, dest, self.source) for i, g in enumerate(groups))
-        self.readers.submit(jobs, urgent)
+        if owner is None or not urgent:
+            self.readers.submit(jobs, urgent)
+            return
+        for slot in slots:
+            self.job_owner[slot] = owner
+        self.backlog.setdefault(owner, deque()).extend(jobs)
+        self._feed(owner)
+
+    def _feed(self, owner: int) -> None:
+        """Move ``owner``'s held-back jobs into the pool, up to its fair share."""
+        q = self.backlog.get(owner)
+        n = self.queued_jobs.get(owner, 0)
+        batch = []
+        while q and n < FAIR_JOBS:
+            batch.append(q.popleft())
+            n += 1
+        if batch:
+            self.readers.submit(batch, True)
+        if q is not None and not q:
+            del self.backlog[owner]
+        self.queued_jobs[owner] = n
+
+    def _release_backlog(self, owner: int, slot: int | None = None) -> None:
+        """Submit ``owner``'s held-back jobs now: those of ``slot``, or all."""
+        q = self.backlog.get(owner)
+        if not q:
+            return
+        moved = [j for j in q if slot is None or j.load_id == slot]
+        if not moved:
+            return
+        rest = deque(j for j in q if slot is not None and j.load_id != slot)
+        if rest:
+            self.backlog[owner] = rest
+        else:
+            del self.backlog[owner]
+        self.queued_jobs[owner] = self.queued_jobs.get(owner, 0) + len(moved)
+        self.readers.submit(moved, True)
 
     def _apply_done(self) -> None:
         done = self.readers.done
@@ -533,6 +584,15 @@ class Server:
                 return
             load = self.store.loads[d.load_id]
             load.parts_left -= 1
+            owner = self.job_owner.get(d.load_id)
+            if owner is not None:
+                self.queued_jobs[owner] -= 1
+                if not load.parts_left:
+                    del self.job_owner[d.load_id]
+                if self.backlog.get(owner):
+                    self._feed(owner)
+                elif not self.queued_jobs[owner]:
+                    del self.queued_jobs[owner]
             if d.error and load.fail is None:
                 load.fail = d.error
             self.stats.bytes_read += d.nbytes
@@ -622,6 +682,7 @@ class Server:
 
     def _drop(self, s: Session, reason: str, dead: bool) -> None:
         released, _ = self.store.end_epoch(s.client_id, s.holder)
+        self._release_backlog(s.client_id)     # others may be waiting on those reads
         s.alive = False
         self.sessions.pop(s.routing, None)
         self.by_id.pop(s.client_id, None)
@@ -650,6 +711,7 @@ class Server:
             "stats": st.as_dict(),
             "readers": {"threads": self.readers.threads, "queued_urgent": urgent,
                         "queued_background": background,
+                        "held_back": sum(len(q) for q in self.backlog.values()),
                         "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
                         "recent_bps": round(self.recent.rate(now))},
             "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
@@ -675,6 +737,8 @@ class Server:
             os.unlink(self.arena_socket)
         except FileNotFoundError:
             pass
+        for owner in list(self.backlog):       # so that stop() cancels and reports them
+            self._release_backlog(owner)
         self.readers.stop()
         self._apply_done()
         for waiting in self.waiters.values():
