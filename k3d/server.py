@@ -23,9 +23,9 @@ applies the settings that can change live (``LIVE``); the others are kept
 until a restart, with a log line saying so.
 
 Fair share of the readers: a client's urgent reads enter the reader queue at
-most ``FAIR_JOBS`` parts at a time; the rest wait in its backlog and move up
-as its parts finish, so one client's 32-expert cold fetch cannot put every
-other client's miss behind all of it.  Work-conserving (a lone client still
+most ``fair_jobs`` (2 x readers) parts at a time; the rest wait in its
+backlog and move up as its parts finish, so one client's 32-expert cold fetch
+cannot put every other client's miss behind all of it.  Work-conserving (a lone client still
 keeps every reader busy).  A backlogged read jumps the line when another
 client waits on it, when its owner dies, and at shutdown.
 
@@ -68,7 +68,6 @@ DEFERRED = object()      # handler parked the request; it replies later
 NO_REPLY = object()      # heartbeat: nothing to send
 REAP_INTERVAL = 0.5
 LIVE = ("log_level", "lease_s", "pin_quota", "trace")   # what SIGHUP may change
-FAIR_JOBS = 8            # a client's urgent read parts queued at once (2 x the default readers)
 WASTE_LIMIT = 0.9        # share of unused predictions above which a client is throttled
 
 
@@ -190,6 +189,9 @@ class Server:
         self.listener.listen(64)
         self.listener.setblocking(False)
         self.readers = ReaderPool(cfg.readers)
+        # Two parts per reader keep the pool busy for a lone client (no idle
+        # reader between a part's end and the next submit).
+        self.fair_jobs = 2 * self.readers.threads
 
     # -- loop -----------------------------------------------------------------
     def request_stop(self) -> None:
@@ -549,7 +551,7 @@ class Server:
         q = self.backlog.get(owner)
         n = self.queued_jobs.get(owner, 0)
         batch = []
-        while q and n < FAIR_JOBS:
+        while q and n < self.fair_jobs:
             batch.append(q.popleft())
             n += 1
         if batch:

@@ -275,3 +275,30 @@ def test_arena_over_memory_cgroup_limit_is_a_clear_start_error(checkpoint, tmp_p
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def test_one_clients_big_cold_fetch_does_not_queue_everyone_behind_it(checkpoint, slow_daemon):
+    """Fair share of the readers: B's miss waits behind a few of A's parts, not all 16."""
+    d = slow_daemon(checkpoint, 0.2, "--slots", "32", "--readers", "2")
+    ref = reference(checkpoint)
+    with k3client.connect(d.endpoint, name="big") as a, k3client.connect(d.endpoint, name="small") as b:
+        result = {}
+
+        def big():
+            t0 = time.monotonic()
+            result["a"] = a.fetch(2, list(range(16)))
+            result["a_s"] = time.monotonic() - t0
+
+        t = threading.Thread(target=big)
+        t.start()
+        wait_until(lambda: b.status()["arena"]["loading"] == 16, 3, "the big fetch to start")
+        t0 = time.monotonic()
+        exs = b.fetch(3, [7])
+        b_s = time.monotonic() - t0
+        t.join(30)
+        verify(b, exs, ref)
+        verify(a, result["a"], ref)
+        # unfair FIFO: 16 parts x 0.2 s / 2 readers ahead of B = 1.6 s; fair: ~0.4 s
+        assert b_s < 1.1, f"small fetch took {b_s:.2f}s behind a big one ({result['a_s']:.2f}s)"
+        assert result["a_s"] < 3.0
+    assert d.stop() == 0
