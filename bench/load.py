@@ -139,9 +139,9 @@ def main():
     ap.add_argument("--slots", type=int, default=384)
     ap.add_argument("--pin-quota", type=int, default=32)
     ap.add_argument("--readers", type=int, default=4)
-    ap.add_argument("--think-ms", type=float, default=2.0, help="simulated compute per layer")
+    ap.add_argument("--think-ms", type=float, default=5.0, help="simulated compute per layer")
     ap.add_argument("--death-every", type=float, default=3.0, help="seconds between client kills")
-    ap.add_argument("--segments", type=int, default=4, help="alternating without/with abuser")
+    ap.add_argument("--segments", type=int, default=6, help="alternating without/with abuser")
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--abuser-pause-ms", type=float, default=0.0,
                     help="pause between the abuser's rounds (0: flat out, as hard as it can)")
