@@ -49,7 +49,7 @@ def reference(checkpoint, key, name):
 def test_file_layout(packed, checkpoint):
     h, size = read_header(packed)
     assert open(packed, "rb").read(8) == MAGIC
-    assert h["format"] == "k3d-pack" and h["version"] == 1 and h["tensor_format"] == "raw"
+    assert h["format"] == "k3d-pack" and h["version"] == 1 and h["tensor_format"] == "ocp:MXFP4"
     assert h["stride"] % 4096 == 0 and h["data_offset"] % 4096 == 0
     assert h["keys"] == [[l, e] for l in range(4) for e in range(16)]
     assert size == h["data_offset"] + 64 * h["stride"]
@@ -67,7 +67,7 @@ def test_daemon_serves_packed(packed, checkpoint, start_daemon, mode):
     d = start_daemon(packed, "--read-mode", mode, "--arena", "4MiB", "--readers", "3")
     with k3client.connect(d.endpoint, name=f"packed-{mode}") as c:
         assert c.model["kind"] == "packed" and c.model["read_mode"] == mode
-        assert c.model["packed_from"] == "safetensors" and c.model["tensor_format"] == "raw"
+        assert c.model["packed_from"] == "safetensors" and c.model["tensor_format"] == "ocp:MXFP4"
         # one key per fetch splits the read over all readers; many keys read one each
         for layer in range(4):
             c.begin_token()
