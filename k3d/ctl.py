@@ -57,8 +57,17 @@ def render(st: dict) -> str:
         f"queued {r['queued_urgent']} urgent / {r['queued_background']} background",
         f"errors  {s['errors']} failed reads, {s['bad_requests']} bad requests, {s['cache_full']} cache full, "
         f"{s['clients_dead']} dead clients",
-        f"clients {len(st['clients'])}",
     ]
+    tiers = m.get("tiers")
+    if tiers:
+        o = tiers["origin"]
+        lines.append(f"origin  {o['url']}: {o['fetches']} fetches, {_mib(o['bytes'])}, {o['bps'] / 1e6:.0f} MB/s, "
+                     f"{o['retries']} retries, {o['errors']} errors")
+        d = tiers.get("disk")
+        if d:
+            lines.append(f"disk    {d['dir']}: {d['hits']} hits, {d['entries']} entries, "
+                         f"{_mib(d['bytes'])} of {_mib(d['limit'])}, {d['corrupt']} corrupt")
+    lines.append(f"clients {len(st['clients'])}")
     for c in st["clients"]:
         lines.append(f"  {c['name']:<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  fetches {c['fetches']}")
     return "\n".join(lines)

@@ -14,6 +14,9 @@ import os
 import shutil
 import signal
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -89,6 +92,9 @@ def test_daemon_serves_safetensors_from_nginx(site, start_daemon):
     o = st["model"]["tiers"]["origin"]
     assert o["fetches"] == 24 and o["errors"] == 0 and o["bytes"] == st["stats"]["bytes_read"]
     assert st["model"]["tiers"]["disk"] is None
+    human = subprocess.run([sys.executable, "-m", "k3d.ctl", "status", "--endpoint", d.endpoint],
+                           capture_output=True, text=True, timeout=30)
+    assert human.returncode == 0 and "origin  " + n.url + "ck/" in human.stdout and "0 retries" in human.stdout
     assert d.stop() == 0
 
 
