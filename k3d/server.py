@@ -530,7 +530,7 @@ class Server:
     def _start_loads(self, slots: list[int], urgent: bool, owner: int | None = None) -> None:
         if not slots:
             return
-        parts = max(1, min(8, self.readers.threads // len(slots)))
+        parts = max(1, min(self.source.max_parts, self.readers.threads // len(slots)))
         jobs = []
         for slot in slots:
             extents = self.source.keys[self.store.slot_key[slot]]

@@ -148,6 +148,7 @@ class _Load:
 
 class RemoteSource(Source):
     kind = "remote"
+    max_parts = 1     # one coalesced single-range request per expert
 
     def __init__(self, url: str, pattern: str, *, disk_cache: str | None = None,
                  disk_cache_size: int = 0, retries: int = 5):

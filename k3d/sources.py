@@ -40,6 +40,10 @@ class Source:
     """Base class: ``layout``, ``keys`` (key -> extents), ``files`` (paths)."""
 
     kind = "?"
+    # How many parts one expert's read may be split into so several readers
+    # share it: local preads gain from it; a remote origin wants one request
+    # per expert (one coalesced range), so remote sources set 1.
+    max_parts = 8
 
     def __init__(self):
         self.layout: list[TensorSpec] = []

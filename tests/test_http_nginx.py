@@ -81,9 +81,11 @@ def test_daemon_serves_safetensors_from_nginx(site, start_daemon):
     ref = tensors_of(root / "ck")
     d = start_daemon(n.url + "ck/", "--arena", "8MiB", "--readers", "4", "--http-conns", "4")
     with k3client.connect(d.endpoint, name="w") as c:
+        header_requests = c.status()["model"]["tiers"]["origin"]["requests"]
         for layer in range(3):
             c.begin_token()
-            for ex in c.fetch(layer, list(range(8))):
+            # Layer 0 one expert a fetch: a lone miss must still be one request, not split per reader.
+            for ex in c.fetch(layer, list(range(8))) if layer else [e for i in range(8) for e in c.fetch(0, [i])]:
                 for spec in c.layout:
                     want = ref[DEFAULT_PATTERN.format(layer=ex.layer, expert=ex.expert, name=spec.name)]
                     assert np.array_equal(ex.array(spec.name), want), (ex.layer, ex.expert, spec.name)
@@ -91,6 +93,7 @@ def test_daemon_serves_safetensors_from_nginx(site, start_daemon):
     assert st["model"]["kind"] == "http" and st["model"]["format"] == "safetensors"
     o = st["model"]["tiers"]["origin"]
     assert o["fetches"] == 24 and o["errors"] == 0 and o["bytes"] == st["stats"]["bytes_read"]
+    assert o["requests"] - header_requests == 24     # one coalesced range per expert
     assert st["model"]["tiers"]["disk"] is None
     human = subprocess.run([sys.executable, "-m", "k3d.ctl", "status", "--endpoint", d.endpoint],
                            capture_output=True, text=True, timeout=30)
