@@ -99,15 +99,6 @@ class Pending:
         self.done = False
 
 
-def peer_pid(frame) -> tuple[int | None, int | None]:
-    """(uid, pid) of an ipc peer from ZeroMQ's ``Peer-Address`` (``localhost:uid:gid:pid``)."""
-    try:
-        parts = frame.get("Peer-Address").split(":")
-        return int(parts[1]), int(parts[3])
-    except (zmq.ZMQError, AttributeError, IndexError, ValueError):
-        return None, None
-
-
 def peer_cred(frame) -> tuple[int | None, int | None, int | None]:
     """(uid, gid, pid) of an ipc peer from ``Peer-Address``; Nones over tcp."""
     try:
