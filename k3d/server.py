@@ -22,12 +22,9 @@ with an error, release the arena.  Reload (SIGHUP) re-resolves the config and
 applies the settings that can change live (``LIVE``); the others are kept
 until a restart, with a log line saying so.
 
-Fair share of the readers: a client's urgent reads enter the reader queue at
-most ``fair_jobs`` (2 x readers) parts at a time; the rest wait in its
-backlog and move up as its parts finish, so one client's 32-expert cold fetch
-cannot put every other client's miss behind all of it.  Work-conserving (a lone client still
-keeps every reader busy).  A backlogged read jumps the line when another
-client waits on it, when its owner dies, and at shutdown.
+Fair share of the readers: a client's urgent reads go through ``FairReads``
+(``k3d/fair_reads.py``), so one client's huge cold fetch cannot put every other
+client's miss behind all of it.
 
 Access: both sockets are created mode 0660 in a 0750 directory, and every
 peer is checked again from its kernel credentials (ZeroMQ ``Peer-Address`` on
@@ -45,7 +42,6 @@ import random
 import socket
 import struct
 import time
-from collections import deque
 
 import psutil
 import zmq
@@ -56,6 +52,7 @@ from k3client.errors import BadRequest, K3Error, NotAttached, ProtocolMismatch, 
 from k3client.protocol import MAX_KEYS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 
 from . import __version__
+from .fair_reads import FairReads
 from .readers import Job, ReaderPool
 from .sources import split_extents
 from .stats import Throughput
@@ -148,9 +145,6 @@ class Server:
         self.by_id: dict[int, Session] = {}
         self.waiters: dict[int, list[Pending]] = {}
         self._next_client = 1
-        self.backlog: dict[int, deque] = {}      # client -> urgent Jobs held back (fair share)
-        self.queued_jobs: dict[int, int] = {}    # client -> its metered Jobs now in the reader pool
-        self.job_owner: dict[int, int] = {}      # loading slot -> client whose Jobs are metered
         self._stop = False
         self._reload = False
         self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
@@ -182,7 +176,7 @@ class Server:
         self.readers = ReaderPool(cfg.readers)
         # Two parts per reader keep the pool busy for a lone client (no idle
         # reader between a part's end and the next submit).
-        self.fair_jobs = 2 * self.readers.threads
+        self.fair = FairReads(self.readers, fair_jobs=2 * self.readers.threads)
 
     # -- loop -----------------------------------------------------------------
     def request_stop(self) -> None:
@@ -441,8 +435,7 @@ class Server:
         for slot in plan.promote:
             self.readers.promote(slot)
         for slot in plan.waiting:     # someone else's held-back read: this client waits too
-            if self.job_owner.get(slot, s.client_id) != s.client_id:
-                self._release_backlog(self.job_owner[slot], slot)
+            self.fair.waited_on(slot, s.client_id)
         s.fetches += 1
         if self.trace:
             self.trace.fetch(time.monotonic(), keys[0][0], [e for _, e in keys], plan.misses,
@@ -531,41 +524,8 @@ class Server:
             jobs.extend(Job(slot, i, g, dest, self.source) for i, g in enumerate(groups))
         if owner is None or not urgent:
             self.readers.submit(jobs, urgent)
-            return
-        for slot in slots:
-            self.job_owner[slot] = owner
-        self.backlog.setdefault(owner, deque()).extend(jobs)
-        self._feed(owner)
-
-    def _feed(self, owner: int) -> None:
-        """Move ``owner``'s held-back jobs into the pool, up to its fair share."""
-        q = self.backlog.get(owner)
-        n = self.queued_jobs.get(owner, 0)
-        batch = []
-        while q and n < self.fair_jobs:
-            batch.append(q.popleft())
-            n += 1
-        if batch:
-            self.readers.submit(batch, True)
-        if q is not None and not q:
-            del self.backlog[owner]
-        self.queued_jobs[owner] = n
-
-    def _release_backlog(self, owner: int, slot: int | None = None) -> None:
-        """Submit ``owner``'s held-back jobs now: those of ``slot``, or all."""
-        q = self.backlog.get(owner)
-        if not q:
-            return
-        moved = [j for j in q if slot is None or j.load_id == slot]
-        if not moved:
-            return
-        rest = deque(j for j in q if slot is not None and j.load_id != slot)
-        if rest:
-            self.backlog[owner] = rest
         else:
-            del self.backlog[owner]
-        self.queued_jobs[owner] = self.queued_jobs.get(owner, 0) + len(moved)
-        self.readers.submit(moved, True)
+            self.fair.submit(jobs, owner)
 
     def _apply_done(self) -> None:
         done = self.readers.done
@@ -577,15 +537,7 @@ class Server:
                 return
             load = self.store.loads[d.load_id]
             load.parts_left -= 1
-            owner = self.job_owner.get(d.load_id)
-            if owner is not None:
-                self.queued_jobs[owner] -= 1
-                if not load.parts_left:
-                    del self.job_owner[d.load_id]
-                if self.backlog.get(owner):
-                    self._feed(owner)
-                elif not self.queued_jobs[owner]:
-                    del self.queued_jobs[owner]
+            self.fair.part_done(d.load_id, last=not load.parts_left)
             if d.error and load.fail is None:
                 load.fail = d.error
             self.stats.bytes_read += d.nbytes
@@ -675,7 +627,7 @@ class Server:
 
     def _drop(self, s: Session, reason: str, dead: bool) -> None:
         released, _ = self.store.end_epoch(s.client_id, s.holder)
-        self._release_backlog(s.client_id)     # others may be waiting on those reads
+        self.fair.release(s.client_id)     # others may be waiting on those reads
         s.alive = False
         self.sessions.pop(s.routing, None)
         self.by_id.pop(s.client_id, None)
@@ -704,7 +656,7 @@ class Server:
             "stats": st.as_dict(),
             "readers": {"threads": self.readers.threads, "queued_urgent": urgent,
                         "queued_background": background,
-                        "held_back": sum(len(q) for q in self.backlog.values()),
+                        "held_back": self.fair.held_back(),
                         "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
                         "recent_bps": round(self.recent.rate(now))},
             "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
@@ -730,8 +682,7 @@ class Server:
             os.unlink(self.arena_socket)
         except FileNotFoundError:
             pass
-        for owner in list(self.backlog):       # so that stop() cancels and reports them
-            self._release_backlog(owner)
+        self.fair.release_all()       # so that stop() cancels and reports them
         self.readers.stop()
         self._apply_done()
         for waiting in self.waiters.values():

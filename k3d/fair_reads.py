@@ -1,0 +1,93 @@
+"""Fair share of the readers among clients' urgent reads.
+
+A client's urgent read jobs enter the ``ReaderPool`` at most ``fair_jobs``
+(2 x readers) at a time; the rest wait in that client's backlog and move up as
+its parts finish.  So one client's 32-expert cold fetch cannot put every other
+client's miss behind all of it, yet a lone client still keeps every reader
+busy (work-conserving).  A backlogged read jumps the line (``release``) when
+another client waits on it, when its owner dies, and at shutdown (so the
+pool's ``stop`` cancels and reports it like any other queued job).
+
+State (server thread only, no lock):
+- ``backlog``: client -> deque of its held-back Jobs;
+- ``in_pool``: client -> how many of its metered Jobs are in the pool now;
+- ``owner``: loading slot -> the client whose Jobs for it are metered.
+Background (predicted) reads are not metered: the pool already serves them
+after every urgent read.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class FairReads:
+    def __init__(self, readers, fair_jobs: int):
+        self.readers = readers
+        self.fair_jobs = fair_jobs
+        self.backlog: dict[int, deque] = {}
+        self.in_pool: dict[int, int] = {}
+        self.owner: dict[int, int] = {}
+
+    def submit(self, jobs: list, owner: int) -> None:
+        """Meter ``owner``'s urgent jobs (all parts of the loads they belong to)."""
+        for j in jobs:
+            self.owner[j.load_id] = owner
+        self.backlog.setdefault(owner, deque()).extend(jobs)
+        self._feed(owner)
+
+    def part_done(self, load_id: int, last: bool) -> None:
+        """A part of ``load_id`` finished (``last``: the load is complete)."""
+        owner = self.owner.get(load_id)
+        if owner is None:
+            return
+        self.in_pool[owner] -= 1
+        if last:
+            del self.owner[load_id]
+        if self.backlog.get(owner):
+            self._feed(owner)
+        elif not self.in_pool[owner]:
+            del self.in_pool[owner]
+
+    def waited_on(self, slot: int, client: int) -> None:
+        """``client`` now waits on ``slot``: if another client's read of it is held back, release it."""
+        owner = self.owner.get(slot, client)
+        if owner != client:
+            self.release(owner, slot)
+
+    def release(self, owner: int, slot: int | None = None) -> None:
+        """Submit ``owner``'s held-back jobs now: those of ``slot``, or all."""
+        q = self.backlog.get(owner)
+        if not q:
+            return
+        moved = [j for j in q if slot is None or j.load_id == slot]
+        if not moved:
+            return
+        rest = deque(j for j in q if slot is not None and j.load_id != slot)
+        if rest:
+            self.backlog[owner] = rest
+        else:
+            del self.backlog[owner]
+        self.in_pool[owner] = self.in_pool.get(owner, 0) + len(moved)
+        self.readers.submit(moved, True)
+
+    def release_all(self) -> None:
+        for owner in list(self.backlog):
+            self.release(owner)
+
+    def held_back(self) -> int:
+        return sum(len(q) for q in self.backlog.values())
+
+    def _feed(self, owner: int) -> None:
+        """Move ``owner``'s held-back jobs into the pool, up to its fair share."""
+        q = self.backlog.get(owner)
+        n = self.in_pool.get(owner, 0)
+        batch = []
+        while q and n < self.fair_jobs:
+            batch.append(q.popleft())
+            n += 1
+        if batch:
+            self.readers.submit(batch, True)
+        if q is not None and not q:
+            del self.backlog[owner]
+        self.in_pool[owner] = n

@@ -1,0 +1,62 @@
+"""Unit: per-client metering of urgent reads (FairReads) with a recording pool."""
+
+from k3d.fair_reads import FairReads
+from k3d.readers import Job
+
+
+class Pool:
+    """Records what would enter the real ReaderPool, in order."""
+
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, jobs, urgent):
+        assert urgent
+        self.submitted.extend((j.load_id, j.part) for j in jobs)
+
+
+def jobs(load_id, parts):
+    return [Job(load_id, i, [], None, None) for i in range(parts)]
+
+
+def test_big_fetch_is_metered_small_one_goes_first():
+    pool = Pool()
+    f = FairReads(pool, fair_jobs=2)
+    f.submit(jobs(1, 3) + jobs(2, 3), owner=10)          # a big cold fetch
+    assert pool.submitted == [(1, 0), (1, 1)] and f.held_back() == 4
+    f.submit(jobs(3, 1), owner=20)                        # another client's small miss
+    assert pool.submitted[-1] == (3, 0)
+    f.part_done(1, last=False)
+    assert pool.submitted[-1] == (1, 2) and f.held_back() == 3
+
+
+def test_work_conserving_and_drains():
+    pool = Pool()
+    f = FairReads(pool, fair_jobs=2)
+    f.submit(jobs(1, 4), owner=10)
+    for i in range(4):
+        f.part_done(1, last=i == 3)
+    assert len(pool.submitted) == 4 and f.held_back() == 0
+    assert f.backlog == {} and f.in_pool == {} and f.owner == {}
+
+
+def test_waiting_client_releases_held_back_read():
+    pool = Pool()
+    f = FairReads(pool, fair_jobs=1)
+    f.submit(jobs(1, 1) + jobs(2, 2), owner=10)
+    assert pool.submitted == [(1, 0)]
+    f.waited_on(2, client=20)                             # another client needs slot 2 now
+    assert pool.submitted[1:] == [(2, 0), (2, 1)] and f.held_back() == 0
+    f.waited_on(1, client=10)                             # its own read: nothing changes
+    assert len(pool.submitted) == 3
+
+
+def test_release_all_for_shutdown_and_dead_owner():
+    pool = Pool()
+    f = FairReads(pool, fair_jobs=1)
+    f.submit(jobs(1, 3), owner=10)
+    f.submit(jobs(2, 3), owner=20)
+    f.release(10)
+    assert f.held_back() == 2
+    f.release_all()
+    assert f.held_back() == 0 and len(pool.submitted) == 6
