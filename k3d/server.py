@@ -26,7 +26,7 @@ Fair share of the readers: a client's urgent reads go through ``FairReads``
 (``k3d/fair_reads.py``), so one client's huge cold fetch cannot put every other
 client's miss behind all of it.
 
-Access: both sockets are created mode 0660 in a 0750 directory, and every
+Access (``k3d/access.py``): both sockets are created mode 0660 in a 0750 directory, and every
 peer is checked again from its kernel credentials (ZeroMQ ``Peer-Address`` on
 hello, SO_PEERCRED on the arena socket): the daemon's uid, root, or a member
 of the daemon's gid; anyone else gets PermissionDenied and a log line.
@@ -40,7 +40,6 @@ import os
 import queue
 import random
 import socket
-import struct
 import time
 
 import psutil
@@ -52,6 +51,7 @@ from k3client.errors import BadRequest, K3Error, NotAttached, ProtocolMismatch, 
 from k3client.protocol import MAX_KEYS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 
 from . import __version__
+from .access import peer_allowed, peer_cred, refusal, unix_peer_cred
 from .fair_reads import FairReads
 from .readers import Job, ReaderPool
 from .sources import split_extents
@@ -94,41 +94,6 @@ class Pending:
     def __init__(self, session, rid, keys, slots, left):
         self.session, self.rid, self.keys, self.slots, self.left = session, rid, keys, slots, left
         self.done = False
-
-
-def peer_cred(frame) -> tuple[int | None, int | None, int | None]:
-    """(uid, gid, pid) of an ipc peer from ``Peer-Address``; Nones over tcp."""
-    try:
-        parts = frame.get("Peer-Address").split(":")
-        return int(parts[1]), int(parts[2]), int(parts[3])
-    except (zmq.ZMQError, AttributeError, IndexError, ValueError):
-        return None, None, None
-
-
-def peer_allowed(uid, gid, pid) -> bool:
-    """Same uid as the daemon, root, or a member of the daemon's gid.
-
-    ``uid is None`` (a tcp peer: no credentials) is allowed; access control
-    needs an ipc endpoint.  Supplementary groups are read from the peer's
-    /proc status (the process's real credentials, not the group database)."""
-    if uid is None or uid == 0 or uid == os.getuid():
-        return True
-    mine = os.getgid()
-    if gid == mine:
-        return True
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return str(mine) in line.split()[1:]
-    except (OSError, TypeError):
-        pass
-    return False
-
-
-def _refusal(uid, gid, pid) -> str:
-    return (f"permission denied: uid {uid} (pid {pid}) is not k3d's user (uid {os.getuid()}), root, "
-            f"or in k3d's group (gid {os.getgid()}); add the user to that group")
 
 
 class Server:
@@ -392,7 +357,7 @@ class Server:
         uid, gid, pid = peer_cred(frame)
         if not peer_allowed(uid, gid, pid):
             log.warning("refused client %r: uid %s gid %s pid %s is not allowed", name[:200], uid, gid, pid)
-            raise errors.PermissionDenied(_refusal(uid, gid, pid))
+            raise errors.PermissionDenied(refusal(uid, gid, pid))
         if pid is None and type(msg.get("pid")) is int:
             pid = msg["pid"]
         create_time = None
@@ -586,14 +551,13 @@ class Server:
             with conn:
                 conn.setblocking(False)
                 try:
-                    pid, uid, gid = struct.unpack("3i", conn.getsockopt(
-                        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+                    uid, gid, pid = unix_peer_cred(conn)
                 except OSError:
                     continue
                 if not peer_allowed(uid, gid, pid):
                     log.warning("refused the arena to uid %d gid %d pid %d: not allowed", uid, gid, pid)
                     try:
-                        conn.send(_refusal(uid, gid, pid).encode())
+                        conn.send(refusal(uid, gid, pid).encode())
                     except OSError:
                         pass
                     continue

@@ -1,0 +1,58 @@
+"""Who may use the daemon: the daemon's uid, root, or a member of its group.
+
+Both sockets are created 0660 in a 0750 directory (the file modes are the first
+gate); every peer is then checked again from its kernel credentials, so a
+socket whose mode was loosened by mistake still refuses strangers: ZeroMQ's
+``Peer-Address`` property (``localhost:uid:gid:pid`` over ipc) on hello, and
+SO_PEERCRED on the arena socket.  Pure functions; safe from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import zmq
+
+
+def peer_cred(frame) -> tuple[int | None, int | None, int | None]:
+    """(uid, gid, pid) of an ipc peer from ``Peer-Address``; Nones over tcp."""
+    try:
+        parts = frame.get("Peer-Address").split(":")
+        return int(parts[1]), int(parts[2]), int(parts[3])
+    except (zmq.ZMQError, AttributeError, IndexError, ValueError):
+        return None, None, None
+
+
+def unix_peer_cred(conn: socket.socket) -> tuple[int, int, int]:
+    """(uid, gid, pid) of a connected Unix socket's peer (SO_PEERCRED)."""
+    pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
+    return uid, gid, pid
+
+
+def peer_allowed(uid, gid, pid) -> bool:
+    """Same uid as the daemon, root, or a member of the daemon's gid.
+
+    ``uid is None`` (a tcp peer: no credentials) is allowed; access control
+    needs an ipc endpoint.  Supplementary groups are read from the peer's
+    /proc status (the process's real credentials, not the group database)."""
+    if uid is None or uid == 0 or uid == os.getuid():
+        return True
+    mine = os.getgid()
+    if gid == mine:
+        return True
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return str(mine) in line.split()[1:]
+    except (OSError, TypeError):
+        pass
+    return False
+
+
+def refusal(uid, gid, pid) -> str:
+    return (f"permission denied: uid {uid} (pid {pid}) is not k3d's user (uid {os.getuid()}), root, "
+            f"or in k3d's group (gid {os.getgid()}); add the user to that group")
