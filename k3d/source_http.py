@@ -83,7 +83,7 @@ import zlib
 
 from .disk_cache import DATA_OFFSET, DiskCache, DiskCacheError
 from .packed import crc32_combine
-from .sources import Extent, Source, SourceError
+from .sources import Extent, Source, SourceError, contiguous_runs
 
 log = logging.getLogger("k3d")
 
@@ -495,20 +495,8 @@ class RemoteSource(Source):
     def _origin_read(self, extents, slot) -> int:
         t0 = time.perf_counter()
         total = 0
-        ext = sorted(extents, key=lambda x: (x.file, x.offset))
-        i = 0
-        while i < len(ext):
-            first = ext[i]
-            bufs = [slot[first.slot_offset:first.slot_offset + first.length]]
-            end = first.offset + first.length
-            j = i + 1
-            while j < len(ext) and ext[j].file == first.file and ext[j].offset == end:
-                e = ext[j]
-                bufs.append(slot[e.slot_offset:e.slot_offset + e.length])
-                end += e.length
-                j += 1
-            total += self.fetch_into(first.file, first.offset, bufs)
-            i = j
+        for f, off, bufs in contiguous_runs(extents, slot, max_buffers=1 << 30):
+            total += self.fetch_into(f, off, bufs)
         with self._mu:
             self.counters["origin_bytes"] += total
             self.counters["origin_seconds"] += time.perf_counter() - t0

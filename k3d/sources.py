@@ -95,9 +95,9 @@ def read_fully(fd: int, buffers: list[memoryview], offset: int, what: str) -> in
     return total
 
 
-def preadv_extents(fds, extents, slot: memoryview, paths=None) -> int:
-    """Read extents, merging file-contiguous ones into one preadv."""
-    total = 0
+def contiguous_runs(extents, slot: memoryview, max_buffers: int = 512):
+    """Yield ``(file, offset, buffers)``: file-contiguous extents merged into one
+    read that scatters over their slot buffers (one preadv / one HTTP range)."""
     ext = sorted(extents, key=lambda x: (x.file, x.offset))
     i = 0
     while i < len(ext):
@@ -105,14 +105,18 @@ def preadv_extents(fds, extents, slot: memoryview, paths=None) -> int:
         bufs = [slot[first.slot_offset:first.slot_offset + first.length]]
         end = first.offset + first.length
         j = i + 1
-        while j < len(ext) and ext[j].file == first.file and ext[j].offset == end and len(bufs) < 512:
+        while j < len(ext) and ext[j].file == first.file and ext[j].offset == end and len(bufs) < max_buffers:
             e = ext[j]
             bufs.append(slot[e.slot_offset:e.slot_offset + e.length])
             end += e.length
             j += 1
-        total += read_fully(fds[first.file], bufs, first.offset, f"file #{first.file}")
+        yield first.file, first.offset, bufs
         i = j
-    return total
+
+
+def preadv_extents(fds, extents, slot: memoryview) -> int:
+    """Read extents, merging file-contiguous ones into one preadv (IOV_MAX is 1024)."""
+    return sum(read_fully(fds[f], bufs, off, f"file #{f}") for f, off, bufs in contiguous_runs(extents, slot))
 
 
 def split_extents(extents: list[Extent], parts: int) -> list[list[Extent]]:
