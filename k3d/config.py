@@ -58,56 +58,65 @@ def parse_size(text) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def _size(value) -> int:
+    v = parse_size(value)
+    if v <= 0:
+        raise ValueError("must be positive")
+    return v
+
+
+def _positive(value) -> float:
+    v = float(value)
+    if not v > 0:
+        raise ValueError("must be positive")
+    return v
+
+
+def _int_in(lo: int, hi: int | None = None):
+    def conv(value) -> int:
+        if isinstance(value, bool):
+            raise ValueError("not an integer")
+        v = int(value)
+        if v < lo or (hi is not None and v > hi):
+            raise ValueError(f"out of range ({lo}..{'' if hi is None else hi})")
+        return v
+    return conv
+
+
+def _one_of(*choices: str):
+    def conv(value) -> str:
+        v = str(value).lower()
+        if v not in choices:
+            raise ValueError("use " + ", ".join(choices))
+        return v
+    return conv
+
+
+def _string(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError("must be a string")
+    return value
+
+
+# Field -> converter; every other field is a string.
+_CONVERTERS = {
+    "arena": _size,
+    "disk_cache_size": _size,
+    "slots": _int_in(0),
+    "pin_quota": _int_in(0),
+    "readers": _int_in(1, 64),
+    "http_conns": _int_in(1, 256),
+    "http_retries": _int_in(0, 20),
+    "lease_s": _positive,
+    "http_timeout": _positive,
+    "log_level": _one_of("debug", "info", "warning", "error"),
+    "read_mode": _one_of("buffered", "direct"),
+}
+
+
 def _convert(name: str, value, origin: str):
     try:
-        if name == "disk_cache_size":
-            v = parse_size(value)
-            if v <= 0:
-                raise ValueError("must be positive")
-            return v
-        if name in ("http_conns", "http_retries"):
-            if isinstance(value, bool):
-                raise ValueError("not an integer")
-            v = int(value)
-            lo, hi = (1, 256) if name == "http_conns" else (0, 20)
-            if not lo <= v <= hi:
-                raise ValueError(f"out of range ({lo}..{hi})")
-            return v
-        if name == "http_timeout":
-            v = float(value)
-            if not v > 0:
-                raise ValueError("must be positive")
-            return v
-        if name == "arena":
-            v = parse_size(value)
-            if v <= 0:
-                raise ValueError("must be positive")
-            return v
-        if name in ("slots", "readers", "pin_quota"):
-            if isinstance(value, bool):
-                raise ValueError("not an integer")
-            v = int(value)
-            if v < 0 or (name == "readers" and not 1 <= v <= 64):
-                raise ValueError("out of range" + (" (1..64)" if name == "readers" else ""))
-            return v
-        if name == "lease_s":
-            v = float(value)
-            if not v > 0:
-                raise ValueError("must be positive")
-            return v
-        if name == "log_level":
-            v = str(value).lower()
-            if v not in ("debug", "info", "warning", "error"):
-                raise ValueError("use debug, info, warning or error")
-            return v
-        if name == "read_mode":
-            v = str(value).lower()
-            if v not in ("buffered", "direct"):
-                raise ValueError("use buffered or direct")
-            return v
-        if not isinstance(value, str):
-            raise ValueError("must be a string")
-        return value
+        return _CONVERTERS.get(name, _string)(value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{origin}: bad value {value!r} for {name}: {e}") from None
 
