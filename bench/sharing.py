@@ -131,7 +131,7 @@ def main() -> int:
     limit = arena + a.clients * PER_CLIENT
     print(f"sharing: {a.clients} clients, {n} resident experts of {expert_bytes / 1e6:.1f} MB, "
           f"arena {arena / MiB:.0f} MiB; every byte read through views by every client; median of {a.reps} reps")
-    print(f"sharing: pss " + " ".join(f"{m['pss'] / MiB:.0f}" for m in mems) +
+    print("sharing: pss " + " ".join(f"{m['pss'] / MiB:.0f}" for m in mems) +
           f" MiB sum {total / MiB:.0f} MiB limit {limit / MiB:.0f} MiB (arena {arena / MiB:.0f} + "
           f"{a.clients} x 150) daemon_pss {dmem['pss'] / MiB:.0f} MiB ratio {total / limit:.2f} (target <= 1.0) {harness.verdict(total <= limit)}")
     return 0

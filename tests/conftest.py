@@ -8,11 +8,9 @@ stopped with SIGTERM (and its exit code checked by the tests that care).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
@@ -38,13 +36,16 @@ class Daemon:
         return self.proc.wait(timeout)
 
 
-def spawn_daemon(source, *args, endpoint=None, env=None, wait_ready=True, timeout=60):
-    """Start ``k3d start`` on a fresh endpoint; returns a Daemon once it says ready."""
+def spawn_daemon(source, *args, endpoint=None, env=None, wait_ready=True, timeout=60, launcher=None):
+    """Start ``k3d start`` on a fresh endpoint; returns a Daemon once it says ready.
+
+    ``launcher`` replaces ``python -m k3d.cli`` (argv before ``start``), e.g. a
+    script that wraps the real CLI with slowed-down reads."""
     if endpoint is None:
         # ipc paths must stay short (sun_path is 108 bytes): use /tmp, not pytest's tmp_path.
         endpoint = f"ipc://{tempfile.mkdtemp(prefix='k3d-t-', dir='/tmp')}/k.sock"
     log_path = tempfile.mktemp(prefix="k3d-log-", dir="/tmp")
-    cmd = [sys.executable, "-m", "k3d.cli", "start", "--endpoint", endpoint]
+    cmd = [*(launcher or [sys.executable, "-m", "k3d.cli"]), "start", "--endpoint", endpoint]
     if source is not None:
         cmd += ["--source", str(source)]
     cmd += [str(a) for a in args]

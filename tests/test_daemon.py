@@ -10,7 +10,6 @@ import time
 import pytest
 
 import k3client
-from conftest import spawn_daemon
 
 
 def shm():

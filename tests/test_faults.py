@@ -22,7 +22,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -31,7 +30,7 @@ import pytest
 from safetensors import safe_open
 
 import k3client
-from conftest import Daemon
+from conftest import spawn_daemon
 
 SLOW_DAEMON = r"""
 import sys, time
@@ -50,35 +49,14 @@ sys.exit(main(sys.argv[1:]))
 
 def spawn_slow(source, delay, *args, endpoint=None, timeout=60):
     """``k3d start`` with every read delayed by ``delay`` seconds; a conftest.Daemon."""
-    endpoint = endpoint or f"ipc://{tempfile.mkdtemp(prefix='k3d-f-', dir='/tmp')}/k.sock"
-    log_path = tempfile.mktemp(prefix="k3d-log-", dir="/tmp")
-    cmd = [sys.executable, "-c", SLOW_DAEMON, str(delay), "start", "--endpoint", endpoint,
-           "--source", str(source), *map(str, args)]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    d = Daemon(proc, endpoint, log_path)
-    deadline = time.monotonic() + timeout
-    while "k3d: ready" not in d.log():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"slow daemon did not start:\n{d.log()}")
-        time.sleep(0.02)
-    return d
+    return spawn_daemon(source, *args, endpoint=endpoint, timeout=timeout,
+                        launcher=[sys.executable, "-c", SLOW_DAEMON, str(delay)])
 
 
 @pytest.fixture
-def slow_daemon():
-    started = []
-
-    def start(*a, **kw):
-        d = spawn_slow(*a, **kw)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(10)
+def slow_daemon(start_daemon):
+    return lambda source, delay, *args, **kw: start_daemon(
+        source, *args, launcher=[sys.executable, "-c", SLOW_DAEMON, str(delay)], **kw)
 
 
 CLIENT = r"""
