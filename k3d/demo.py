@@ -119,7 +119,8 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
               f"(it is {len(digests) * arena['expert_bytes'] / 2**20:.1f} MiB of experts), {st['errors']} errors")
         print(f"arena: {arena['bytes'] / 2**20:.1f} MiB shared by {len(results)} processes "
               f"(sum of their PSS {sum(r['pss'] for r in results if r) / 2**20:.1f} MiB; "
-              "each keeping its own cache would cost the arena per process)")
+              f"a private cache of the same size in each would take {len(results)} x "
+              f"{arena['bytes'] / 2**20:.1f} MiB and read each expert {len(results)} times)")
         leftover = _shm_entries() - shm_before
         print(f"daemon: SIGTERM exit code {rc}; left in /dev/shm: {sorted(leftover) or 'nothing'}")
         ok &= rc == 0 and not leftover and all(results)
