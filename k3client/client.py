@@ -134,6 +134,7 @@ class Client:
         self._pidfd = None
         self._sock_ino = None
         self._hb_stop = threading.Event()
+        self._closed = False
         self._hb_thread = None
         try:
             self._connect(connect_timeout)
@@ -274,6 +275,8 @@ class Client:
 
     def _call(self, op: str, **fields):
         """``_request``, re-attaching and re-issuing it across daemon restarts."""
+        if self._closed:
+            raise errors.K3Error(f"{op}: this client is closed; call k3client.connect() again")
         while True:
             if self._sock is None:
                 self._reattach("not attached")
@@ -344,10 +347,14 @@ class Client:
         return r["status"]
 
     def close(self):
+        """Say bye (the daemon releases this client's pins) and release the mapping. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._sock is not None:
             try:
                 self._request("bye", timeout=1.0)
-            except errors.K3Error:
+            except (errors.K3Error, _Gone):
                 pass
         self._teardown()
         self.gen = None

@@ -87,7 +87,7 @@ def _one_of(*choices: str):
     def conv(value) -> str:
         v = str(value).lower()
         if v not in choices:
-            raise ValueError("use " + ", ".join(choices))
+            raise ValueError(f"use {', '.join(choices[:-1])} or {choices[-1]}")
         return v
     return conv
 

@@ -166,5 +166,6 @@ def run(cfg, env, reload=None) -> int:
     finally:
         if arena is not None:
             arena.close()
-        source.close()
+        if server is None or not server.readers.alive():   # a stuck reader may still use the fds
+            source.close()
         notifier.close()

@@ -84,7 +84,8 @@ class ReaderPool:
 
     def _report(self, d: Done) -> None:
         self.done.put(d)
-        os.eventfd_write(self.wake_fd, 1)
+        if self.wake_fd is not None:
+            os.eventfd_write(self.wake_fd, 1)
 
     def _run(self):
         while True:
@@ -102,7 +103,12 @@ class ReaderPool:
                 n, err = 0, f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)
             self._report(Done(job.load_id, job.part, n, time.perf_counter() - t0, err))
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Cancel queued jobs, wait up to ``timeout`` (in all) for running ones.
+
+        Returns True when every thread has exited.  Otherwise the eventfd stays
+        open (a late reader must not write into a reused descriptor number) and
+        the caller must not close what the readers use (the source's fds)."""
         with self._cv:
             self._stopping = True
             dropped = list(self._urgent) + list(self._background)
@@ -111,6 +117,14 @@ class ReaderPool:
             self._cv.notify_all()
         for j in dropped:
             self._report(Done(j.load_id, j.part, 0, 0.0, "cancelled: daemon shutting down"))
+        deadline = time.monotonic() + timeout
         for t in self._workers:
-            t.join(timeout=30)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self.alive():
+            return False
         os.close(self.wake_fd)
+        self.wake_fd = None
+        return True
+
+    def alive(self) -> int:
+        return sum(t.is_alive() for t in self._workers)

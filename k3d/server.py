@@ -89,10 +89,13 @@ class Session:
 
 
 class Pending:
-    __slots__ = ("session", "rid", "keys", "slots", "left", "done")
+    """A parked fetch; ``holder`` is the (client, epoch) its slots were pinned under."""
+
+    __slots__ = ("session", "holder", "rid", "keys", "slots", "left", "done")
 
     def __init__(self, session, rid, keys, slots, left):
         self.session, self.rid, self.keys, self.slots, self.left = session, rid, keys, slots, left
+        self.holder = session.holder
         self.done = False
 
 
@@ -111,6 +114,7 @@ class Server:
         self.waiters: dict[int, list[Pending]] = {}
         self._next_client = 1
         self._stop = False
+        self._draining = False
         self._reload = False
         self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
@@ -149,7 +153,7 @@ class Server:
         self._stop = True
         try:
             os.eventfd_write(self.readers.wake_fd, 1)
-        except OSError:
+        except (OSError, TypeError):   # the pool already stopped
             pass
 
     def request_reload(self) -> None:
@@ -157,7 +161,7 @@ class Server:
         self._reload = True
         try:
             os.eventfd_write(self.readers.wake_fd, 1)
-        except OSError:
+        except (OSError, TypeError):   # the pool already stopped
             pass
 
     def _do_reload(self) -> None:
@@ -403,8 +407,12 @@ class Server:
             self.fair.waited_on(slot, s.client_id)
         s.fetches += 1
         if self.trace:
-            self.trace.fetch(time.monotonic(), keys[0][0], [e for _, e in keys], plan.misses,
-                             plan.evictions, plan.waited, plan.prefetched_hits, s.pfu)
+            try:
+                self.trace.fetch(time.monotonic(), keys[0][0], [e for _, e in keys], plan.misses,
+                                 plan.evictions, plan.waited, plan.prefetched_hits, s.pfu)
+            except OSError as e:   # a full disk must not fail a fetch that is already planned
+                log.error("route trace %s: %s; tracing stops", self.trace.path, e)
+                self.trace = None
         s.pfu = 0
         if predicted:
             self._predict(s, predicted)
@@ -510,15 +518,18 @@ class Server:
             self.recent.add(now, d.nbytes)
             if load.parts_left:
                 continue
-            self.store.complete(d.load_id, load.fail)
-            if load.fail:
+            cancelled = bool(load.fail) and self._draining
+            self.store.complete(d.load_id, load.fail, counted=not cancelled)
+            if load.fail and not cancelled:
                 log.warning("read of expert (layer %d, expert %d) failed: %s", *load.key, load.fail)
             for p in self.waiters.pop(d.load_id, ()):
                 if p.done:
                     continue
                 if load.fail:
                     p.done = True
-                    if p.session.alive:
+                    if p.session.alive and cancelled:   # the client re-attaches after a restart
+                        self._send_error(p.session.routing, p.rid, errors.ShuttingDown("the daemon is shutting down"))
+                    elif p.session.alive:
                         self._send_error(p.session.routing, p.rid, errors.ReadFailed(
                             f"reading expert (layer {load.key[0]}, expert {load.key[1]}) from "
                             f"{self.source.path} failed: {load.fail}; the next fetch retries"))
@@ -528,7 +539,13 @@ class Server:
                     p.done = True
                     if p.session.alive:
                         try:
-                            self._send(p.session.routing, p.rid, {"slots": self._checked_slots(p.keys, p.slots)})
+                            slots = self._checked_slots(p.keys, p.slots)
+                            if p.session.holder != p.holder:
+                                # The client began a new token before this reply (a pipelining
+                                # client): its old pins are gone, so pin for the token it reads in.
+                                for slot in slots:
+                                    self.store.policy.pin(slot, p.session.holder)
+                            self._send(p.session.routing, p.rid, {"slots": slots})
                         except K3Error as e:
                             self._send_error(p.session.routing, p.rid, e)
 
@@ -547,6 +564,9 @@ class Server:
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:   # EMFILE/ENFILE: this client waits; everyone else is served
+                log.warning("cannot accept an arena connection: %s", e)
                 return
             with conn:
                 conn.setblocking(False)
@@ -646,8 +666,11 @@ class Server:
             os.unlink(self.arena_socket)
         except FileNotFoundError:
             pass
+        self._draining = True         # cancelled reads answer ShuttingDown, not ReadFailed
         self.fair.release_all()       # so that stop() cancels and reports them
-        self.readers.stop()
+        if not self.readers.stop():
+            log.error("%d reader(s) still busy after 30 s; exiting without waiting for them",
+                      self.readers.alive())
         self._apply_done()
         for waiting in self.waiters.values():
             for p in waiting:

@@ -68,11 +68,11 @@ def parse_header(path: str, raw_prefix: bytes, file_len: int) -> tuple[int, dict
             dtype, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise SourceError(f"{path}: tensor {name!r} has a malformed entry") from None
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise SourceError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e <= data_len):
             raise SourceError(f"{path}: tensor {name!r} offsets [{b}, {e}) out of bounds (data is {data_len} bytes)")
-        if not all(isinstance(s, int) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
             raise SourceError(f"{path}: tensor {name!r} has a malformed shape {shape}")
         want = math.prod(shape) * DTYPES[dtype][0]
         if e - b != want:
@@ -120,6 +120,9 @@ def index_shards(index: str) -> list[str]:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
         names = sorted(set(weight_map.values()))
+        for n in names:
+            if not isinstance(n, str) or not n or "/" in n or n in (".", ".."):
+                raise ValueError(f"shard name {n!r} is not a file name beside the index")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SourceError(f"{index}: not a usable safetensors index ({e})") from None
     base = os.path.dirname(index)

@@ -203,8 +203,10 @@ class Store:
         return released, len(unused)
 
     # -- completion ---------------------------------------------------------
-    def complete(self, s: int, error: str | None) -> Load:
-        """The read of slot ``s`` finished (all parts). READY, or FREE on error."""
+    def complete(self, s: int, error: str | None, counted: bool = True) -> Load:
+        """The read of slot ``s`` finished (all parts). READY, or FREE on error.
+
+        ``counted=False``: a read cancelled by shutdown, not a failure (no ``errors``)."""
         load = self.loads.pop(s)
         if error is None:
             self.state[s] = READY
@@ -212,7 +214,7 @@ class Store:
             if load.demote_on_ready:
                 self.policy.demote(s)
         else:
-            self.stats.errors += 1
+            self.stats.errors += counted
             del self.key_slot[load.key]
             self.slot_key[s] = None
             self.state[s] = FREE

@@ -79,6 +79,8 @@ def _raw(tmp_path, header: dict, data: bytes, n_override=None):
     ({"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 8, None, "data area is 8"),
     ({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
       "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"\0" * 6, None, "hole or overlap"),
+    ({"x": {"dtype": ["U8"], "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 4, None, "unknown dtype"),
+    ({"x": {"dtype": "U8", "shape": 4, "data_offsets": [0, 4]}}, b"\0" * 4, None, "malformed shape"),
     ({}, b"", 10**9, "exceeds"),
     ({}, b"", 5000, "past the end"),
 ])
@@ -117,3 +119,10 @@ def test_plain_tensors_are_raw(tmp_path):
     src = SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
     assert src.tensor_format == "raw"
     src.close()
+
+
+@pytest.mark.parametrize("shard", [3, "../model.safetensors", ""])
+def test_index_with_bad_shard_names(tmp_path, shard):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": shard}}))
+    with pytest.raises(SourceError, match="not a usable safetensors index"):
+        SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)

@@ -60,6 +60,7 @@ def server(checkpoint):
         srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
         t = threading.Thread(target=srv.serve_forever, daemon=True)
         t.start()
+        srv.thread = t
         started.append((srv, t, arena, src))
         return srv
 
@@ -278,3 +279,86 @@ def test_status_has_the_documented_fields(server):
 def test_not_running_is_a_clear_error(tmp_path):
     with pytest.raises(k3client.DaemonNotRunning, match="not running at ipc://"):
         k3client.connect(f"ipc://{tmp_path}/none.sock")
+
+
+def test_fd_exhaustion_does_not_stop_the_loop(server):
+    import resource
+    import socket
+    srv = server()
+    with k3client.connect(srv.cfg.endpoint, name="a") as c:
+        hog = []
+        try:
+            try:
+                while len(hog) < resource.getrlimit(resource.RLIMIT_NOFILE)[0]:
+                    hog.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                pass
+            os.close(hog.pop())          # room for the connecting socket only
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(srv.arena_socket)  # the server's accept() now fails with EMFILE
+            time.sleep(0.3)
+        finally:
+            for fd in hog:
+                os.close(fd)
+        s.close()
+        assert srv.thread.is_alive()
+        assert c.fetch(0, [1])[0].expert == 1
+
+
+def test_pipelined_begin_token_still_gets_pinned_slots(server):
+    """A raw client sends begin_token before its deferred fetch is answered."""
+    srv = server(slots=4)
+    srv.source.delay[(1, 2)] = 0.4
+    s = raw_dealer(srv.cfg.endpoint)
+    assert ask(s, pack({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "name": "pipe"}))["ok"]
+    s.send(pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": 2, "keys": [[1, 2]]}))
+    s.send(pack({"v": PROTOCOL_VERSION, "op": "begin_token", "id": 3}))
+    replies = {}
+    for _ in range(2):
+        assert s.poll(3000)
+        r = unpack(s.recv())
+        replies[r["id"]] = r
+    assert replies[3]["epoch"] == 1 and replies[2]["ok"]
+    with k3client.connect(srv.cfg.endpoint, name="obs") as o:
+        st = o.status()
+    pipe = next(c for c in st["clients"] if c["name"] == "pipe")
+    assert pipe["epoch"] == 1 and pipe["pins"] == 1 and st["arena"]["pinned"] == 1
+    s.close()
+
+
+def test_shutdown_with_reads_in_flight_answers_shutting_down(checkpoint):
+    tmp = tempfile.mkdtemp(prefix="k3d-c-", dir="/tmp")
+    cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": 8, "readers": 1}, {})
+    src = Faulty(checkpoint, DEFAULT_PATTERN)
+    src.delay = {(0, i): 0.3 for i in range(4)}
+    n, sb = size_arena(cfg, src.expert_bytes)
+    arena = Arena(n, sb)
+    srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        s = raw_dealer(cfg.endpoint)
+        assert ask(s, pack({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "name": "w"}))["ok"]
+        s.send(pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": 2, "keys": [[0, 0], [0, 1], [0, 2], [0, 3]]}))
+        time.sleep(0.1)
+        srv.request_stop()
+        assert s.poll(5000)
+        r = unpack(s.recv())
+        assert r["ok"] is False and r["error"]["code"] == "shutting_down", r
+        t.join(10)
+        assert not t.is_alive() and srv.stats.errors == 0
+        s.close()
+    finally:
+        srv.request_stop()
+        t.join(10)
+        arena.close()
+        src.close()
+
+
+def test_closed_client_raises_a_typed_error(server):
+    srv = server()
+    c = k3client.connect(srv.cfg.endpoint, name="c")
+    c.close()
+    c.close()
+    with pytest.raises(k3client.K3Error, match="closed"):
+        c.fetch(0, [0])
