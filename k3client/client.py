@@ -171,6 +171,9 @@ class Client:
                 f"({h['model'].get('path')}); connect again")
         self.gen = h["gen"]
         self.client_id = h["client_id"]
+        # One tuple, assigned at once: the lease thread must never pair this
+        # attachment's id with another's generation (it would renew a stranger).
+        self._lease = (self.client_id, self.gen)
         self.layout = layout
         self._specs = {s.name: s for s in self.layout}
         self.model = h["model"]
@@ -266,8 +269,9 @@ class Client:
         try:
             while not self._hb_stop.wait(period):
                 # gen: a heartbeat queued across a restart must not renew a stranger
+                client_id, gen = self._lease
                 s.send(pack({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 0,
-                             "client_id": self.client_id, "gen": self.gen}), zmq.NOBLOCK)
+                             "client_id": client_id, "gen": gen}), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         finally:
