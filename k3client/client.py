@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 import zmq
@@ -138,8 +139,13 @@ class Client:
         self._hb_thread = None
         try:
             self._connect(connect_timeout)
-            self._hb_thread = threading.Thread(target=self._heartbeat, name="k3client-lease", daemon=True)
+            # The lease thread holds only a weak reference: a Client dropped without
+            # close() (and with no Expert left) stops heartbeating, so its pins expire.
+            self._hb_thread = threading.Thread(
+                target=_heartbeat, name="k3client-lease", daemon=True,
+                args=(weakref.ref(self), self._ctx, self.endpoint, max(0.2, self.lease_s / 4), self._hb_stop))
             self._hb_thread.start()
+            weakref.finalize(self, self._hb_stop.set)
         except BaseException:
             self._teardown()
             raise
@@ -261,22 +267,6 @@ class Client:
         finally:
             os.close(fd)
 
-    def _heartbeat(self):
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(self.endpoint)
-        period = max(0.2, self.lease_s / 4)
-        try:
-            while not self._hb_stop.wait(period):
-                # gen: a heartbeat queued across a restart must not renew a stranger
-                client_id, gen = self._lease
-                s.send(pack({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 0,
-                             "client_id": client_id, "gen": gen}), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        finally:
-            s.close(0)
-
     def _call(self, op: str, **fields):
         """``_request``, re-attaching and re-issuing it across daemon restarts."""
         if self._closed:
@@ -375,6 +365,27 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _heartbeat(client_ref, ctx, endpoint: str, period: float, stop: threading.Event) -> None:
+    """Lease thread: renew the client's lease every ``period`` s while it exists."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        while not stop.wait(period):
+            client = client_ref()
+            if client is None:
+                return
+            # gen: a heartbeat queued across a restart must not renew a stranger
+            client_id, gen = client._lease
+            del client
+            s.send(pack({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 0,
+                         "client_id": client_id, "gen": gen}), zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+    finally:
+        s.close(0)
 
 
 def connect(endpoint: str | None = None, name: str | None = None, **kw) -> Client:

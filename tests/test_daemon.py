@@ -181,3 +181,28 @@ def test_demo_runs_and_verifies():
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "demo: OK" in r.stdout and "hit rate" in r.stdout and "PSS" in r.stdout
+
+
+ABANDON = """
+import gc, sys, time, k3client
+c = k3client.connect(sys.argv[1], name="abandoned")
+c.fetch(0, [0, 1])
+del c
+gc.collect()
+print("dropped", flush=True)
+time.sleep(60)
+"""
+
+
+def test_client_dropped_without_close_loses_pins_after_lease(checkpoint, start_daemon):
+    """The process lives on, but the Client object is gone: its lease thread stops."""
+    d = start_daemon(checkpoint, "--arena", "4MiB", "--lease", "1")
+    p = subprocess.Popen([sys.executable, "-c", ABANDON, d.endpoint], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "dropped"
+        st, _ = _wait_client(d.endpoint, "abandoned", False, 5)
+        assert st["arena"]["pinned"] == 0 and p.poll() is None
+        assert "abandoned" in d.log() and "silent for" in d.log()
+    finally:
+        p.kill()
+        p.wait()
