@@ -119,6 +119,7 @@ class Store:
                 plan.waited += 1
                 plan.waiting.add(s)
                 load = self.loads[s]
+                load.demote_on_ready = False     # wanted after all: keep it MRU once ready
                 if not load.urgent:
                     load.urgent = True
                     plan.promote.append(s)

@@ -112,3 +112,14 @@ def test_each_key_counts_one_hit_or_one_miss():
     st.fetch((2, 0), keys + [(0, 3)])
     assert st.stats.hits + st.stats.misses == 7
     assert all(st.state[s] == READY for s in st.key_slot.values() if s not in st.loads)
+
+
+def test_unused_prediction_fetched_while_loading_is_not_demoted():
+    st = Store(4)
+    ready(st, st.fetch((1, 0), [(0, 0)]))
+    [s] = st.predict(9, [(1, 5)])
+    st.end_epoch(9, (9, 0))                  # predictor moved on: counted unused
+    st.fetch((2, 0), [(1, 5)])               # but another client needs it now
+    st.complete(s, None)
+    assert st.policy.lru_order()[-1] == s    # most recently used, not the next victim
+    st.check()
