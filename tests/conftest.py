@@ -8,6 +8,8 @@ stopped with SIGTERM (and its exit code checked by the tests that care).
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,17 @@ import time
 import pytest
 
 from k3d.synthetic import write_checkpoint
+
+# Every socket directory and daemon log of this test session lives under one
+# short /tmp directory (ipc paths must fit sun_path's 108 bytes, so not under
+# pytest's tmp_path), removed when the session ends.  0755 so that the
+# other-user permission tests can reach the sockets inside.
+SCRATCH = tempfile.mkdtemp(prefix="k3d-tests-", dir="/tmp")
+os.chmod(SCRATCH, 0o755)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 class Daemon:
@@ -42,9 +55,8 @@ def spawn_daemon(source, *args, endpoint=None, env=None, wait_ready=True, timeou
     ``launcher`` replaces ``python -m k3d.cli`` (argv before ``start``), e.g. a
     script that wraps the real CLI with slowed-down reads."""
     if endpoint is None:
-        # ipc paths must stay short (sun_path is 108 bytes): use /tmp, not pytest's tmp_path.
-        endpoint = f"ipc://{tempfile.mkdtemp(prefix='k3d-t-', dir='/tmp')}/k.sock"
-    log_path = tempfile.mktemp(prefix="k3d-log-", dir="/tmp")
+        endpoint = f"ipc://{tempfile.mkdtemp(prefix='t-', dir=SCRATCH)}/k.sock"
+    log_path = tempfile.mktemp(prefix="log-", dir=SCRATCH)
     cmd = [*(launcher or [sys.executable, "-m", "k3d.cli"]), "start", "--endpoint", endpoint]
     if source is not None:
         cmd += ["--source", str(source)]

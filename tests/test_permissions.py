@@ -28,12 +28,13 @@ import pytest
 
 import k3client
 from k3client.protocol import unpack
+from conftest import SCRATCH
 
 OTHER = "k3dtest-other"
 
 
 def fresh_endpoint(subdir=True):
-    base = tempfile.mkdtemp(prefix="k3d-p-", dir="/tmp")
+    base = tempfile.mkdtemp(prefix="k3d-p-", dir=SCRATCH)
     return f"ipc://{base}/run/k.sock" if subdir else f"ipc://{base}/k.sock", base
 
 

@@ -25,6 +25,7 @@ import pytest
 from safetensors import safe_open
 
 import k3client
+from conftest import SCRATCH
 
 
 def reference(ckpt):
@@ -40,7 +41,7 @@ def arena_mappings() -> int:
 
 
 def fresh_endpoint():
-    return f"ipc://{tempfile.mkdtemp(prefix='k3d-r-', dir='/tmp')}/k.sock"
+    return f"ipc://{tempfile.mkdtemp(prefix='k3d-r-', dir=SCRATCH)}/k.sock"
 
 
 class Survivor(threading.Thread):

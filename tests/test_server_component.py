@@ -24,6 +24,7 @@ from k3d.daemon import size_arena
 from k3d.server import Server
 from k3d.source_safetensors import SafetensorsSource
 from k3d.config import DEFAULT_PATTERN
+from conftest import SCRATCH
 
 
 class Faulty(SafetensorsSource):
@@ -52,7 +53,7 @@ def server(checkpoint):
     started = []
 
     def start(slots=16, readers=2, **cfg_kw):
-        tmp = tempfile.mkdtemp(prefix="k3d-c-", dir="/tmp")
+        tmp = tempfile.mkdtemp(prefix="k3d-c-", dir=SCRATCH)
         cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": slots, "readers": readers, **cfg_kw}, {})
         src = Faulty(checkpoint, DEFAULT_PATTERN)
         n, sb = size_arena(cfg, src.expert_bytes)
@@ -327,7 +328,7 @@ def test_pipelined_begin_token_still_gets_pinned_slots(server):
 
 
 def test_shutdown_with_reads_in_flight_answers_shutting_down(checkpoint):
-    tmp = tempfile.mkdtemp(prefix="k3d-c-", dir="/tmp")
+    tmp = tempfile.mkdtemp(prefix="k3d-c-", dir=SCRATCH)
     cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": 8, "readers": 1}, {})
     src = Faulty(checkpoint, DEFAULT_PATTERN)
     src.delay = {(0, i): 0.3 for i in range(4)}

@@ -20,6 +20,7 @@ import pytest
 import k3client
 from k3d import units
 from k3d.config import Config
+from conftest import SCRATCH
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,7 +96,7 @@ class NotifySocket:
     """What systemd would receive: (monotonic time, message) pairs."""
 
     def __init__(self, on_message=None):
-        self.dir = tempfile.mkdtemp(prefix="k3d-n-", dir="/tmp")
+        self.dir = tempfile.mkdtemp(prefix="k3d-n-", dir=SCRATCH)
         self.path = os.path.join(self.dir, "notify")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
@@ -138,7 +139,7 @@ class NotifySocket:
 
 
 def test_notify_ready_status_watchdog_stopping(checkpoint, start_daemon):
-    endpoint = f"ipc://{tempfile.mkdtemp(prefix='k3d-n-', dir='/tmp')}/k.sock"
+    endpoint = f"ipc://{tempfile.mkdtemp(prefix='k3d-n-', dir=SCRATCH)}/k.sock"
     sock_path = endpoint[len("ipc://"):]
     state_at_ready = {}
 
