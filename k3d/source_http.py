@@ -64,6 +64,8 @@ Lock order: ``_mu`` before the disk cache's lock; no I/O under ``_mu``.
 
 from __future__ import annotations
 
+import abc
+
 import bisect
 import http.client
 import json
@@ -146,7 +148,7 @@ class _Load:
         self.token, self.parts, self.got, self.entry, self.t0 = token, [], 0, entry, time.perf_counter()
 
 
-class RemoteSource(Source):
+class RemoteSource(Source, metaclass=abc.ABCMeta):
     kind = "remote"
     max_parts = 1     # one coalesced single-range request per expert
 
@@ -184,14 +186,17 @@ class RemoteSource(Source):
             self._writer.start()
 
     # -- transport primitives (subclasses) --------------------------------------------------
+    @abc.abstractmethod
     def _stat(self, url: str) -> tuple[int, dict]:
-        raise NotImplementedError
+        """(size, validators) of one origin file."""
 
+    @abc.abstractmethod
     def _get_small(self, url: str) -> bytes | None:
-        raise NotImplementedError
+        """A whole small file (the index), or None if it does not exist."""
 
+    @abc.abstractmethod
     def _get_into(self, fi: int, start: int, bufs: list[memoryview], attempt: int) -> None:
-        raise NotImplementedError
+        """One ranged read of file ``fi`` from ``start`` into ``bufs``, checked."""
 
     def _join(self, base: str, name: str) -> str:
         return urllib.parse.urljoin(base, name)
