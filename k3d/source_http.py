@@ -65,7 +65,6 @@ Lock order: ``_mu`` before the disk cache's lock; no I/O under ``_mu``.
 from __future__ import annotations
 
 import abc
-
 import bisect
 import http.client
 import json
