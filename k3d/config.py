@@ -98,6 +98,25 @@ def _string(value) -> str:
     return value
 
 
+def _endpoint(value) -> str:
+    """``ipc://PATH`` (short enough for sun_path, with the ``.arena`` socket beside it) or ``tcp://HOST:PORT``."""
+    v = _string(value)
+    if v.startswith("ipc://"):
+        path = v[len("ipc://"):]
+        if not path.startswith("/"):
+            raise ValueError("an ipc endpoint needs an absolute path (ipc:///run/k3d/k3d.sock)")
+        if len(path + ".arena") > 107:
+            raise ValueError(f"ipc path is {len(path)} characters; Unix sockets allow {107 - len('.arena')} here "
+                             "(use a shorter directory)")
+        return v
+    m = re.fullmatch(r"tcp://(\[[0-9a-fA-F:.]+\]|[^:/\s]+):([0-9]+)", v)
+    if m:
+        if not 1 <= int(m.group(2)) <= 65535:
+            raise ValueError(f"port {m.group(2)} is out of range (1..65535)")
+        return v
+    raise ValueError("use ipc:///path/k3d.sock or tcp://host:port")
+
+
 # Field -> converter; every other field is a string.
 _CONVERTERS = {
     "arena": _size,
@@ -111,6 +130,7 @@ _CONVERTERS = {
     "http_timeout": _positive,
     "log_level": _one_of("debug", "info", "warning", "error"),
     "read_mode": _one_of("buffered", "direct"),
+    "endpoint": _endpoint,
 }
 
 
@@ -156,7 +176,7 @@ def resolve(cli: dict, env, config_file: str | None = None) -> Config:
                 raise ConfigError(f"unknown option {name}")
             values[name] = _convert(name, v, f"--{name.replace('_', '-')}")
     # CLI, env and file are merged above; the default is the rule clients share.
-    values["endpoint"] = values.get("endpoint") or default_endpoint(env)
+    values["endpoint"] = values.get("endpoint") or _convert("endpoint", default_endpoint(env), "default endpoint")
     if values.get("disk_cache"):
         values["disk_cache"] = os.path.abspath(values["disk_cache"])
     if values.get("trace"):

@@ -51,3 +51,20 @@ def test_bad_values_name_their_origin():
         resolve({}, {"K3D_READERS": "x"})
     with pytest.raises(ConfigError, match="--arena"):
         resolve({"arena": "big"}, {})
+
+
+@pytest.mark.parametrize("ep,words", [
+    ("tcp://127.0.0.1:99999", "port 99999 is out of range"),
+    ("foo://x", "use ipc:///path/k3d.sock or tcp://host:port"),
+    ("ipc://relative.sock", "absolute path"),
+    ("ipc:///" + "a" * 120 + "/k.sock", "shorter directory"),
+])
+def test_bad_endpoints_are_refused_before_start(ep, words):
+    with pytest.raises(ConfigError, match="--endpoint: bad value") as e:
+        resolve({"endpoint": ep}, {})
+    assert words in str(e.value)
+
+
+def test_good_endpoints():
+    for ep in ("ipc:///run/k3d/k3d.sock", "tcp://127.0.0.1:5555", "tcp://[::1]:5555", "tcp://localhost:1"):
+        assert resolve({"endpoint": ep}, {}).endpoint == ep
