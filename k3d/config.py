@@ -78,7 +78,7 @@ def _int_in(lo: int, hi: int | None = None):
             raise ValueError("not an integer")
         v = int(value)
         if v < lo or (hi is not None and v > hi):
-            raise ValueError(f"out of range ({lo}..{'' if hi is None else hi})")
+            raise ValueError(f"must be >= {lo}" if hi is None else f"out of range ({lo}..{hi})")
         return v
     return conv
 
