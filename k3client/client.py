@@ -161,7 +161,11 @@ class Client:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 64 * MAX_MESSAGE_BYTES)
-        self._sock.connect(self.endpoint)
+        try:
+            self._sock.connect(self.endpoint)
+        except zmq.ZMQError as e:
+            raise errors.DaemonNotRunning(
+                f"cannot connect to {self.endpoint}: {e.strerror} (use ipc:///path/k3d.sock or tcp://host:port)") from None
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self.gen = None

@@ -206,3 +206,10 @@ def test_client_dropped_without_close_loses_pins_after_lease(checkpoint, start_d
     finally:
         p.kill()
         p.wait()
+
+
+def test_malformed_endpoint_is_one_line_for_k3ctl_and_client():
+    r = k3ctl("status", "--endpoint", "foo://x")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "cannot connect to foo://x" in r.stderr
+    with pytest.raises(k3client.DaemonNotRunning, match="cannot connect to foo://x"):
+        k3client.connect("foo://x")
