@@ -71,15 +71,6 @@ def build(mb: int) -> str:
     return out
 
 
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def parallel(offsets, threads: int, work) -> float:
     """Run ``work(i, offset)`` over offsets on ``threads`` threads; returns seconds."""
     it, lock = iter(offsets), threading.Lock()
@@ -92,13 +83,7 @@ def parallel(offsets, threads: int, work) -> float:
                 return
             work(i, off)
 
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
+    return harness.timed_threads(run, threads)
 
 
 def floor_odirect(path, offsets, stride, threads) -> float:
@@ -186,7 +171,7 @@ def main() -> int:
     clients = {m: k3client.connect(d.endpoint, name=f"cold-{m}") for m, d in daemons.items()}
 
     def measure(m: str) -> float:
-        drop_cache(path)
+        harness.drop_page_cache(path)
         if m == "floor":
             return floor_odirect(path, offsets, stride, args.readers)
         if m in ("mmap", "mmap1"):

@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,3 +133,24 @@ def verdict(ok: bool) -> str:
 
 def banner(name: str, text: str) -> None:
     print(f"[{name}] {text}", flush=True)
+
+
+def drop_page_cache(path: str) -> None:
+    """Evict ``path`` from the page cache (fsync first: dirty pages are not dropped)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def timed_threads(target, threads: int) -> float:
+    """Run ``target(i)`` on ``threads`` threads at once; seconds until all return."""
+    ts = [threading.Thread(target=target, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0

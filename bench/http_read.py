@@ -100,7 +100,7 @@ def floor_pass(base: str, items, threads: int) -> float:
     it, lock = iter(items), threading.Lock()
     size = max(sp[1] for _, _, sp, _ in items)
 
-    def run():
+    def run(_):
         conn = http.client.HTTPConnection(host, timeout=30)
         buf = memoryview(bytearray(size))
         buf[:] = bytes(size)
@@ -119,13 +119,7 @@ def floor_pass(base: str, items, threads: int) -> float:
                 k = r.readinto(buf[got:n])
                 assert k
                 got += k
-    ts = [threading.Thread(target=run) for _ in range(threads)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
+    return harness.timed_threads(run, threads)
 
 
 def naive_pass(base: str, items, out_dir: str) -> float:
@@ -137,14 +131,6 @@ def naive_pass(base: str, items, out_dir: str) -> float:
                 with urllib.request.urlopen(req) as r:
                     f.write(r.read())
     return time.perf_counter() - t0
-
-
-def drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def k3d_pass(client, keys, batch) -> tuple[float, int]:
@@ -219,9 +205,9 @@ def main() -> int:
                 if m == "disk":
                     for f in os.listdir(dc):
                         if f.endswith(".k3e"):
-                            drop(os.path.join(dc, f))
+                            harness.drop_page_cache(os.path.join(dc, f))
                 if m == "packed":
-                    drop(pack)
+                    harness.drop_page_cache(pack)
                 dt, misses = k3d_pass(clients[m], keys, args.batch)
                 if misses != len(keys):
                     raise SystemExit(f"{m}: pass had {misses} misses of {len(keys)} keys")
