@@ -151,14 +151,15 @@ class Server:
     def request_stop(self) -> None:
         """Safe from a signal handler or another thread: the loop drains and exits."""
         self._stop = True
-        try:
-            os.eventfd_write(self.readers.wake_fd, 1)
-        except (OSError, TypeError):   # the pool already stopped
-            pass
+        self._wake()
 
     def request_reload(self) -> None:
         """Safe from a signal handler (SIGHUP): the loop re-reads the config."""
         self._reload = True
+        self._wake()
+
+    def _wake(self) -> None:
+        """Make the loop's poll return now (it polls the reader pool's eventfd)."""
         try:
             os.eventfd_write(self.readers.wake_fd, 1)
         except (OSError, TypeError):   # the pool already stopped
