@@ -63,10 +63,10 @@ import os
 import sys
 import threading
 import time
-import zlib
 
 from k3client.layout import DTYPES, TensorSpec, align, build_layout, layout_bytes
 
+from .checksum import crc32, crc32_combine
 from .sources import PAGE, Extent, Source, SourceError, read_fully
 
 MAGIC = b"K3DPACK\n"
@@ -74,44 +74,11 @@ FORMAT = "k3d-pack"
 VERSION = 1
 MAX_HEADER = 1 << 30
 READ_MODES = ("buffered", "direct")
+CHUNK = 4 << 20       # bytes read (and checksummed) at a time: the device's max request size here
 
 
 class ChecksumError(SourceError):
     """An expert's bytes do not match the checksum in the packed header."""
-
-
-# -- crc32 of a concatenation from the crcs of its parts (zlib's crc32_combine) --------
-_POLY = 0xEDB88320
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the CRC-32 polynomial (bit-reflected, as zlib)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return p
-
-
-_X2N = [1 << 30]  # x^(2^n) mod p, n = 0..63
-for _ in range(63):
-    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32(A + B) given crc32(A), crc32(B) and len(B)."""
-    # x^(8 * len2) mod p, as zlib's x2nmodp(len2, 3)
-    p, k, n = 1 << 31, 3, len2
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 63], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
 
 
 # -- header -------------------------------------------------------------------------------
@@ -240,13 +207,20 @@ class PackedSource(Source):
         total = 0
         for e in extents:
             dest = slot[e.slot_offset:e.slot_offset + e.length]
-            if self._dfd is not None:
-                self._read_direct(e.offset, dest)
-            else:
-                read_fully(self.fds[0], [dest], e.offset, self.path)
-                os.posix_fadvise(self.fds[0], e.offset, e.length, os.POSIX_FADV_DONTNEED)
+            crc = 0
+            # Read and checksum piece by piece: while this thread runs crc32 over one
+            # piece, the other readers' pieces are in flight, so the disk never waits
+            # for a whole expert's crc at the end of a batch (~20% of a cold batch).
+            for pos in range(0, e.length, CHUNK):
+                piece = dest[pos:pos + CHUNK]
+                if self._dfd is not None:
+                    self._read_direct(e.offset + pos, piece)
+                else:
+                    read_fully(self.fds[0], [piece], e.offset + pos, self.path)
+                    os.posix_fadvise(self.fds[0], e.offset + pos, len(piece), os.POSIX_FADV_DONTNEED)
+                crc = crc32(piece, crc)
             total += e.length
-            self._verify(e, dest, slot)
+            self._verify(e, crc, slot)
         return total
 
     def _read_direct(self, offset: int, dest: memoryview) -> None:
@@ -270,9 +244,9 @@ class PackedSource(Source):
         rel = offset - self.data_offset
         return rel // self.stride, rel % self.stride
 
-    def _verify(self, e: Extent, data: memoryview, slot: memoryview) -> None:
+    def _verify(self, e: Extent, crc: int, slot: memoryview) -> None:
+        """Check ``crc`` (of extent ``e``) or, for a part, keep it until the expert's parts are in."""
         i, start = self._expert(e.offset)
-        crc = zlib.crc32(data)
         if start == 0 and e.length == self.stride:
             return self._check(i, crc)
         with self._lock:
@@ -381,7 +355,7 @@ def write_pack(src: Source, out: str, progress: bool = True) -> dict:
         try:
             for i, key in enumerate(keys):
                 src.read(src.keys[key], view)
-                sums.append(f"{zlib.crc32(view):08x}")
+                sums.append(f"{crc32(view):08x}")
                 _pwrite_fully(fd, view, data_offset + i * stride)
                 if bar:
                     bar.update(i + 1, final=i + 1 == len(keys))

@@ -80,10 +80,9 @@ import tempfile
 import threading
 import time
 import urllib.parse
-import zlib
 
+from .checksum import crc32, crc32_combine
 from .disk_cache import DATA_OFFSET, DiskCache, DiskCacheError
-from .packed import crc32_combine
 from .sources import Extent, Source, SourceError, contiguous_runs
 
 log = logging.getLogger("k3d")
@@ -400,7 +399,7 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         if fp is None:
             desc = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.layout]
             ex = [[self.files[e.file], e.offset, e.slot_offset, e.length] for e in self.keys[key]]
-            fp = zlib.crc32(json.dumps([self.format, desc, ex]).encode()).to_bytes(4, "big").hex()
+            fp = crc32(json.dumps([self.format, desc, ex]).encode()).to_bytes(4, "big").hex()
             self._fp[key] = fp
         return fp
 
@@ -488,11 +487,11 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
                         os.posix_fadvise(fd, DATA_OFFSET + lo, hi - lo, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
-                return [(e.slot_offset, e.length, zlib.crc32(slot[e.slot_offset:e.slot_offset + e.length]))
+                return [(e.slot_offset, e.length, crc32(slot[e.slot_offset:e.slot_offset + e.length]))
                         for e in extents]
         self._origin_read(extents, slot)
         if self._want_crc(load, key):
-            return [(e.slot_offset, e.length, zlib.crc32(slot[e.slot_offset:e.slot_offset + e.length]))
+            return [(e.slot_offset, e.length, crc32(slot[e.slot_offset:e.slot_offset + e.length]))
                     for e in extents]
         return None
 
@@ -556,7 +555,7 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
     def _payload_crc(self, slot, key) -> int:
         crc = 0
         for e in sorted(self.keys[key], key=lambda x: x.slot_offset):
-            crc = zlib.crc32(slot[e.slot_offset:e.slot_offset + e.length], crc)
+            crc = crc32(slot[e.slot_offset:e.slot_offset + e.length], crc)
         return crc
 
     # -- write-behind to the disk tier -----------------------------------------------------------

@@ -15,8 +15,10 @@ import pytest
 from safetensors import safe_open
 
 import k3client
+import k3d.packed as k3d_packed
+from k3d.checksum import crc32, crc32_combine
 from k3d.config import DEFAULT_PATTERN, ConfigError, resolve
-from k3d.packed import MAGIC, ChecksumError, PackedSource, crc32_combine, read_header, write_pack
+from k3d.packed import MAGIC, ChecksumError, PackedSource, read_header, write_pack
 from k3d.source_gguf import write_synthetic_gguf
 from k3d.sources import SourceError, open_source, split_extents
 
@@ -115,10 +117,18 @@ def _corrupt(path, index, at=5000):
         f.write(bytes([b[0] ^ 0x40]))
 
 
-def test_checksum_mismatch_fails_read_in_parts(packed, tmp_path):
+@pytest.mark.parametrize("chunk", [k3d_packed.CHUNK, 3 * 4096])
+def test_checksum_mismatch_fails_read_in_parts(packed, tmp_path, monkeypatch, chunk):
+    """Parts (split over readers) and pieces (read and checksummed a chunk at a time): a flipped
+    byte anywhere fails the expert, a good expert passes with the file's exact bytes."""
+    monkeypatch.setattr(k3d_packed, "CHUNK", chunk)
     bad = tmp_path / "bad.k3pack"
     bad.write_bytes(open(packed, "rb").read())
     _corrupt(str(bad), 1 * 16 + 3, at=100_000)
+    h, _ = read_header(packed)
+    with open(packed, "rb") as f:
+        f.seek(h["data_offset"] + (1 * 16 + 4) * h["stride"])
+        good = f.read(h["stride"])
     for mode in ("buffered", "direct"):
         src = PackedSource(str(bad), mode)
         buf = mmap.mmap(-1, src.stride)
@@ -130,8 +140,10 @@ def test_checksum_mismatch_fails_read_in_parts(packed, tmp_path):
                 with pytest.raises(ChecksumError, match=r"expert \(layer 1, expert 3\)"):
                     for g in reversed(groups):     # completion order does not matter
                         src.read(g, slot)
+                slot[:] = bytes(len(slot))
                 for g in split_extents(src.keys[(1, 4)], parts):
                     src.read(g, slot)              # a good expert, in parts, passes
+                assert slot.tobytes() == good
             # a failed load's leftover parts are not mixed into the next load of the expert
             groups = split_extents(src.keys[(1, 4)], 3)
             src.read(groups[0], slot)
@@ -164,6 +176,20 @@ def test_crc32_combine():
     for n1, n2 in [(1, 1), (4096, 12288), (100_003, 7), (0, 5)]:
         a, b = rng.bytes(n1), rng.bytes(n2)
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
+
+
+def test_checksum_is_zlib_ng_and_equals_zlib():
+    """The daemon's crc32 is zlib-ng's (the fast one is installed, not silently the fallback)
+    and is zlib's function: whole, incremental and on a memoryview of shared memory."""
+    assert crc32.__module__.startswith("zlib_ng")
+    rng = np.random.default_rng(1)
+    data = rng.bytes(3 * (1 << 20) + 123)
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data[777:], crc32(data[:777])) == zlib.crc32(data)
+    with mmap.mmap(-1, len(data)) as m:
+        m[:] = data
+        with memoryview(m) as mv:
+            assert crc32(mv[4096:]) == zlib.crc32(data[4096:])
 
 
 def test_interrupted_pack_is_refused(checkpoint, tmp_path):
