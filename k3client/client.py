@@ -267,7 +267,12 @@ class Client:
             meta = unpack(msg)
             if meta["gen"] != self.gen:
                 raise errors.DaemonRestarted("the daemon restarted while attaching; connect again")
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            # Map the whole memfd: a hugetlb arena is rounded up to whole huge pages, and a
+            # mapping of a length that is not a multiple of them could never be unmapped.
+            whole = os.fstat(fd).st_size
+            if whole < size:
+                raise errors.ProtocolMismatch(f"the arena at {path} holds {whole} bytes, the daemon said {size}")
+            self._mm = mmap.mmap(fd, whole, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
 

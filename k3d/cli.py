@@ -42,6 +42,8 @@ def _start_parser(sub):
                    help="remote sources: keep fetched experts in DIR (crash-safe, survives restarts)")
     p.add_argument("--disk-cache-size", dest="disk_cache_size",
                    help="bytes the disk cache may hold, e.g. 100GiB (LRU beyond; default 16GiB)")
+    p.add_argument("--hugepages", action="store_const", const=True, default=None,
+                   help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     return p
 
 

@@ -46,6 +46,7 @@ class Config:
     http_retries: int = 5             # remote sources: retries of a transient failure per request
     disk_cache: str | None = None     # remote sources: directory of the disk tier
     disk_cache_size: int = 16 * 2**30 # bytes the disk tier may hold (LRU beyond)
+    hugepages: bool = False           # arena in hugetlb pages (vm.nr_hugepages must hold it)
 
 
 def parse_size(text) -> int:
@@ -92,6 +93,17 @@ def _one_of(*choices: str):
     return conv
 
 
+def _bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    v = str(value).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("use true or false")
+
+
 def _string(value) -> str:
     if not isinstance(value, str):
         raise ValueError("must be a string")
@@ -131,6 +143,7 @@ _CONVERTERS = {
     "log_level": _one_of("debug", "info", "warning", "error"),
     "read_mode": _one_of("buffered", "direct"),
     "endpoint": _endpoint,
+    "hugepages": _bool,
 }
 
 

@@ -50,7 +50,8 @@ def render(st: dict) -> str:
     lines = [
         f"k3d {st['version']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  {st['endpoint']}",
         f"model   {m['kind']} {m['path']}: {m['count']} experts, layers {m['layers'][0]}-{m['layers'][-1]}",
-        f"arena   {_mib(a['bytes'])}: {a['slots']} slots x {_mib(a['slot_bytes'])}, "
+        f"arena   {_mib(a['bytes'])}: {a['slots']} slots x {_mib(a['slot_bytes'])}"
+        f"{' in %s pages' % _mib(a['page_bytes']) if a.get('page_bytes', 4096) > 4096 else ''}, "
         f"used {a['used']}, pinned {a['pinned']}, loading {a['loading']}",
         f"cache   hit rate {hit} ({s['hits']} hits, {s['misses']} misses, {s['waited']} waited), "
         f"{s['evictions']} evictions",

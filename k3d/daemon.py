@@ -23,7 +23,7 @@ import psutil
 from k3client.endpoint import arena_socket_for, ipc_path
 from k3client.layout import align
 
-from .arena import PAGE, Arena, ArenaError
+from .arena import PAGE, Arena, ArenaError, hugepages
 from .server import Server
 from .sources import SourceError, open_source
 from .systemd import Notifier
@@ -86,6 +86,17 @@ def size_arena(cfg, expert_bytes: int) -> tuple[int, int]:
         raise StartupError(f"arena of {cfg.arena} bytes is smaller than one slot ({slot_bytes} bytes per expert); "
                            "raise --arena")
     size = slots * slot_bytes
+    if cfg.hugepages:
+        # hugetlb pages come from the reserved pool, not from available memory or the cgroup
+        page, free = hugepages()
+        if not page:
+            raise StartupError("--hugepages: this kernel has no huge pages")
+        need = -(-size // page)
+        if need > free:
+            raise StartupError(f"--hugepages: the arena of {size / 2**30:.2f} GiB ({slots} slots) needs {need} "
+                               f"huge pages of {page >> 20} MiB, {free} are free; raise vm.nr_hugepages "
+                               "(sysctl) or lower --arena")
+        return slots, slot_bytes
     avail = psutil.virtual_memory().available
     if size > avail:
         raise StartupError(f"arena of {size / 2**30:.2f} GiB ({slots} slots) exceeds available memory "
@@ -146,7 +157,7 @@ def run(cfg, env, reload=None) -> int:
                 notifier.status(f"pre-faulting arena {done >> 20}/{total >> 20} MiB")
                 if notifier.watchdog_interval:   # a long pre-fault is not a hang
                     notifier.watchdog()
-            arena = Arena(slots, slot_bytes, progress=progress)
+            arena = Arena(slots, slot_bytes, progress=progress, huge=cfg.hugepages)
         except ArenaError as e:
             raise StartupError(str(e)) from None
         try:

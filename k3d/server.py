@@ -637,7 +637,7 @@ class Server:
             "model": self.source.describe(),
             "arena": {"bytes": self.arena.size, "slots": self.arena.slots,
                       "slot_bytes": self.arena.slot_bytes, "expert_bytes": self.source.expert_bytes,
-                      **self.store.gauges()},
+                      "page_bytes": self.arena.page_bytes, **self.store.gauges()},
             "stats": st.as_dict(),
             "readers": {"threads": self.readers.threads, "queued_urgent": urgent,
                         "queued_background": background,
