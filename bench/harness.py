@@ -7,10 +7,13 @@ ratios (absolute figures on a shared 2-core VM mean little).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -18,6 +21,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = 4096
 SERVER_CPUS: set[int] | None = None     # a benchmark may pin the daemon (and its floor's server) here
 
 
@@ -143,6 +147,70 @@ def drop_page_cache(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def compact_memory() -> bool:
+    """Ask the kernel to compact free memory (root only); True when it ran.  Pages allocated
+    afterwards are physically contiguous far more often, for whoever allocates them."""
+    try:
+        with open("/proc/sys/vm/compact_memory", "w") as f:
+            f.write("1")
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def hugepages_reserved(pages: int):
+    """Grow the hugetlb pool (``vm.nr_hugepages``, root only) by ``pages`` for the block;
+    restores it afterwards.  SystemExit with the reason when it cannot."""
+    path = "/proc/sys/vm/nr_hugepages"
+    try:
+        with open(path) as f:
+            old = int(f.read())
+        compact_memory()
+        with open(path, "w") as f:
+            f.write(str(old + pages))
+    except OSError as e:
+        raise SystemExit(f"--hugepages: cannot reserve huge pages ({path}: {e.strerror}; run as root)")
+    try:
+        with open(path) as f:
+            if int(f.read()) < old + pages:
+                raise SystemExit(f"--hugepages: the kernel found fewer than {pages} free huge pages")
+        yield
+    finally:
+        with open(path, "w") as f:
+            f.write(str(old))
+
+
+def address(buf) -> int:
+    """Virtual address of a writable buffer (a memoryview of an mmap)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def physical_runs(pid: int, addr: int, length: int) -> int | None:
+    """Runs of physically contiguous pages backing [addr, addr + length) in ``pid``
+    (from /proc/PID/pagemap; None where frame numbers are hidden: not root)."""
+    try:
+        with open(f"/proc/{pid}/pagemap", "rb") as f:
+            f.seek(addr // PAGE * 8)
+            data = f.read(-(-length // PAGE) * 8)
+    except OSError:
+        return None
+    pfns = [e & ((1 << 55) - 1) for e in struct.unpack(f"<{len(data) // 8}Q", data)]
+    if not pfns or not all(pfns):
+        return None
+    return 1 + sum(b != a + 1 for a, b in zip(pfns, pfns[1:]))
+
+
+def arena_physical_runs(pid: int, slot_bytes: int, slots: int) -> list[int | None]:
+    """``physical_runs`` of each slot of the k3d arena mapped by ``pid``."""
+    with open(f"/proc/{pid}/maps") as f:
+        line = next((ln for ln in f if "k3d-arena" in ln), None)
+    if line is None:
+        return [None] * slots
+    base = int(line.split("-", 1)[0], 16)
+    return [physical_runs(pid, base + i * slot_bytes, slot_bytes) for i in range(slots)]
 
 
 def timed_threads(target, threads: int) -> float:
