@@ -29,9 +29,12 @@ Invariants:
 - Atomic writes: ``write_pack`` writes ``OUT.partial`` (data first, the header
   last), fsyncs it and renames it to ``OUT``.  An interrupted pack leaves only a
   ``.partial`` whose header is still zero bytes: ``k3d start`` refuses it.
-- Read-time verification: the crc32 of every expert is checked after its bytes
-  land in the slot; a mismatch raises ``ChecksumError`` naming the expert, so
-  the daemon fails that load and never serves it.  The server may split one
+- Read-time verification: an expert (or part) is read ``CHUNK`` bytes at a
+  time and each piece is folded into its running crc32 as it lands, so one
+  reader's checksumming overlaps the others' reads.  The crc32 of every expert
+  is checked once all its bytes are in the slot; a mismatch raises
+  ``ChecksumError`` naming the expert, so the daemon fails that load and
+  never serves it.  The server may split one
   expert into page-aligned parts read by several threads: each part's crc is
   recorded and the part that completes the expert combines them
   (``crc32_combine``) and checks.  Parts of one load share one slot
