@@ -234,7 +234,8 @@ def measure(args, path, stride, keys, offset, total) -> int:
     # (see RawReaders), which depends on who allocates first from fragmented free memory:
     # compact it first, then give the floor and the daemons their memory, and show both.
     patterns = args.patterns.split(",")
-    compacted = harness.compact_memory()
+    # (with --hugepages the reservation has just compacted, and it only succeeds as root)
+    compacted = args.hugepages or harness.compact_memory()
     raw = RawReaders(path, stride, args.readers, args.hugepages)
     extra = ["--hugepages"] if args.hugepages else []
     daemons = {m: harness.Daemon(path, "--read-mode", m, "--slots", args.batch, *extra, readers=args.readers)
