@@ -225,7 +225,9 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         if args.hugepages:
             huge_page = hugepages()[0]
-            stack.enter_context(harness.hugepages_reserved(3 * -(-args.batch * stride // huge_page)))
+            # floor + two daemons, and a little slack: once (right after the pack was
+            # written) a daemon found one page fewer free than was reserved
+            stack.enter_context(harness.hugepages_reserved(3 * -(-args.batch * stride // huge_page) + 4))
         return measure(args, path, stride, keys, offset, total)
 
 
@@ -238,8 +240,14 @@ def measure(args, path, stride, keys, offset, total) -> int:
     compacted = args.hugepages or harness.compact_memory()
     raw = RawReaders(path, stride, args.readers, args.hugepages)
     extra = ["--hugepages"] if args.hugepages else []
-    daemons = {m: harness.Daemon(path, "--read-mode", m, "--slots", args.batch, *extra, readers=args.readers)
-               for m in ("direct", "buffered")}
+    daemons = {}
+    try:
+        for m in ("direct", "buffered"):
+            daemons[m] = harness.Daemon(path, "--read-mode", m, "--slots", args.batch, *extra, readers=args.readers)
+    except BaseException:
+        for d in daemons.values():       # a daemon left running would keep its huge pages
+            d.stop()
+        raise
     runs = {"floor": [harness.physical_runs(os.getpid(), harness.address(v), stride) for v in raw.views],
             "direct": harness.arena_physical_runs(daemons["direct"].pid, stride, args.batch)}
     harness.banner("cold_read", f"pages: {'huge' if args.hugepages else '4 KiB'}; memory compacted first: "

@@ -13,10 +13,25 @@ other.
 zlib's: a part read by one reader thread is checksummed on its own, and the
 thread that completes the expert combines the parts' crcs.
 
-Pure functions; thread-safe.
+``CrcPipeline`` takes the checksum off a reader's critical path: a companion
+thread folds piece k into the running crc while its reader already waits on
+piece k+1's read, so the reader's requests go out back to back as a raw
+reader's would (measured: checksumming in line cost a cold O_DIRECT batch
+~6 % against raw preads, in a pipeline ~1-3 %).  Only the last piece's crc is
+left after the last read.
+
+Thread-safety: ``crc32`` and ``crc32_combine`` are pure.  A ``CrcPipeline``
+belongs to one caller thread at a time (``feed``/``finish`` from that thread
+only); its companion only reads the pieces it is fed.  Caller's obligation:
+a piece's memory must stay valid and unchanged until ``finish()`` returns,
+and ``finish()`` must be called (also when the read fails part-way) before
+the memory is handed on: after ``finish()`` the companion holds no piece.
 """
 
 from __future__ import annotations
+
+import queue
+import threading
 
 try:
     from zlib_ng.zlib_ng import crc32
@@ -56,3 +71,49 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
         n >>= 1
         k += 1
     return _multmodp(p, crc1) ^ crc2
+
+
+_END, _STOP = object(), object()
+
+
+class CrcPipeline:
+    """Running crc32 of pieces fed in order, computed on a companion thread.
+
+    ``feed(piece)`` returns at once; ``finish()`` waits until every piece fed
+    since the last ``finish()`` is folded in and returns their crc32 (0 for
+    none), starting the next run from zero.  ``close()`` ends the companion."""
+
+    def __init__(self, name: str = "k3d-crc"):
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._result: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def feed(self, piece) -> None:
+        self._todo.put(piece)
+
+    def finish(self) -> int:
+        self._todo.put(_END)
+        result = self._result.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def close(self) -> None:
+        self._todo.put(_STOP)
+        self._thread.join()
+
+    def _run(self) -> None:
+        crc, error = 0, None
+        while True:
+            piece = self._todo.get()
+            if piece is _STOP:
+                return
+            if piece is _END:
+                self._result.put(error if error is not None else crc)
+                crc, error = 0, None
+            elif error is None:
+                try:
+                    crc = crc32(piece, crc)
+                except BaseException as e:      # handed to the reader at finish(), never lost
+                    error = e

@@ -30,8 +30,9 @@ Invariants:
   last), fsyncs it and renames it to ``OUT``.  An interrupted pack leaves only a
   ``.partial`` whose header is still zero bytes: ``k3d start`` refuses it.
 - Read-time verification: an expert (or part) is read ``CHUNK`` bytes at a
-  time and each piece is folded into its running crc32 as it lands, so one
-  reader's checksumming overlaps the others' reads.  The crc32 of every expert
+  time; each piece, as it lands, goes to the reader thread's ``CrcPipeline``
+  companion, which folds it into the running crc32 while the reader already
+  reads the next piece.  The crc32 of every expert
   is checked once all its bytes are in the slot; a mismatch raises
   ``ChecksumError`` naming the expert, so the daemon fails that load and
   never serves it.  The server may split one
@@ -53,7 +54,10 @@ length or slot address) is read through the buffered descriptor instead, so
 direct mode never fails on alignment.
 
 Thread-safety: ``PackedSource.read`` is called by many reader threads at once;
-the pending-part table is the only shared mutable state and has its own lock.
+the pending-part table and the list of checksum companions (one per reader
+thread, made on its first read, ended by ``close()``) are the only shared
+mutable state and share one lock.  A companion reads only the pieces its
+reader fed it, and has let go of them before ``read`` returns or raises.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ import time
 
 from k3client.layout import DTYPES, TensorSpec, align, build_layout, layout_bytes
 
-from .checksum import crc32, crc32_combine
+from .checksum import CrcPipeline, crc32, crc32_combine
 from .sources import PAGE, Extent, Source, SourceError, read_fully
 
 MAGIC = b"K3DPACK\n"
@@ -197,6 +201,9 @@ class PackedSource(Source):
         self._lock = threading.Lock()
         # expert index -> (load token, [(start, length, crc)]); see the module docstring
         self._pending: dict[int, tuple[object, list]] = {}
+        self._local = threading.local()            # .crcs: this reader thread's CrcPipeline
+        self._pipelines: list[CrcPipeline] = []    # every companion, ended by close()
+        self._closed = False
 
     def describe(self) -> dict:
         d = super().describe()
@@ -207,24 +214,40 @@ class PackedSource(Source):
         return d
 
     def read(self, extents: list[Extent], slot: memoryview) -> int:
+        crcs = self._pipeline()
         total = 0
         for e in extents:
             dest = slot[e.slot_offset:e.slot_offset + e.length]
-            crc = 0
-            # Read and checksum piece by piece: while this thread runs crc32 over one
-            # piece, the other readers' pieces are in flight, so the disk never waits
-            # for a whole expert's crc at the end of a batch (~20% of a cold batch).
-            for pos in range(0, e.length, CHUNK):
-                piece = dest[pos:pos + CHUNK]
-                if self._dfd is not None:
-                    self._read_direct(e.offset + pos, piece)
-                else:
-                    read_fully(self.fds[0], [piece], e.offset + pos, self.path)
-                    os.posix_fadvise(self.fds[0], e.offset + pos, len(piece), os.POSIX_FADV_DONTNEED)
-                crc = crc32(piece, crc)
+            # Piece by piece: this thread's companion checksums piece k while this
+            # thread already waits on piece k+1, so the next request is never held
+            # back by a checksum (in line, that cost a cold batch ~6 %).
+            try:
+                for pos in range(0, e.length, CHUNK):
+                    piece = dest[pos:pos + CHUNK]
+                    if self._dfd is not None:
+                        self._read_direct(e.offset + pos, piece)
+                    else:
+                        read_fully(self.fds[0], [piece], e.offset + pos, self.path)
+                        os.posix_fadvise(self.fds[0], e.offset + pos, len(piece), os.POSIX_FADV_DONTNEED)
+                    crcs.feed(piece)
+            finally:
+                # also on a failed read: the companion must let go of slot memory
+                # before the slot can be handed on
+                crc = crcs.finish()
             total += e.length
             self._verify(e, crc, slot)
         return total
+
+    def _pipeline(self) -> CrcPipeline:
+        """The calling reader thread's checksum companion (made on its first read)."""
+        crcs = getattr(self._local, "crcs", None)
+        if crcs is None:
+            with self._lock:
+                if self._closed:
+                    raise SourceError(f"{self.path}: read after close")
+                crcs = self._local.crcs = CrcPipeline(f"k3d-crc-{threading.current_thread().name}")
+                self._pipelines.append(crcs)
+        return crcs
 
     def _read_direct(self, offset: int, dest: memoryview) -> None:
         """O_DIRECT for the 4096-aligned middle; the unaligned head/tail (if any) buffered."""
@@ -278,6 +301,13 @@ class PackedSource(Source):
                                 f"crc32 {crc:08x}, header says {self._crcs[i]:08x}; the file is corrupt, repack it")
 
     def close(self):
+        """Caller's obligation: no read is running (the reader pool has stopped)."""
+        if hasattr(self, "_pipelines"):
+            with self._lock:
+                self._closed = True
+                pipelines, self._pipelines = self._pipelines, []
+            for p in pipelines:
+                p.close()
         if getattr(self, "_dfd", None) is not None:
             os.close(self._dfd)
             self._dfd = None

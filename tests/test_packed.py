@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 import k3client
 import k3d.packed as k3d_packed
-from k3d.checksum import crc32, crc32_combine
+from k3d.checksum import CrcPipeline, crc32, crc32_combine
 from k3d.config import DEFAULT_PATTERN, ConfigError, resolve
 from k3d.packed import MAGIC, ChecksumError, PackedSource, read_header, write_pack
 from k3d.source_gguf import write_synthetic_gguf
@@ -190,6 +190,62 @@ def test_checksum_is_zlib_ng_and_equals_zlib():
         m[:] = data
         with memoryview(m) as mv:
             assert crc32(mv[4096:]) == zlib.crc32(data[4096:])
+
+
+def test_crc_pipeline_runs_and_errors():
+    """The companion folds pieces in order; finish() ends a run and starts the next from 0;
+    a piece it cannot checksum fails that run at finish(), and the next run is clean."""
+    rng = np.random.default_rng(2)
+    data = rng.bytes(5 * 65536 + 11)
+    p = CrcPipeline()
+    try:
+        assert p.finish() == 0
+        for _ in range(2):
+            for pos in range(0, len(data), 65536):
+                p.feed(memoryview(data)[pos:pos + 65536])
+            assert p.finish() == zlib.crc32(data)
+        p.feed(data[:10])
+        p.feed(12345)                      # not a buffer
+        p.feed(data[10:])
+        with pytest.raises(TypeError):
+            p.finish()
+        p.feed(data)
+        assert p.finish() == zlib.crc32(data)
+    finally:
+        p.close()
+    assert not p._thread.is_alive()
+
+
+def test_failed_read_leaves_no_piece_behind(packed, tmp_path, monkeypatch):
+    """A read that fails part-way (the file cut short under a running daemon) fails its expert;
+    the reader's checksum companion starts the next expert afresh, so it reads and verifies
+    exactly, and close() ends every companion."""
+    monkeypatch.setattr(k3d_packed, "CHUNK", 3 * 4096)
+    cut = tmp_path / "cut.k3pack"
+    cut.write_bytes(open(packed, "rb").read())
+    h, _ = read_header(str(cut))
+    last = h["data_offset"] + (len(h["keys"]) - 1) * h["stride"]
+    with open(packed, "rb") as f:
+        f.seek(h["data_offset"])
+        first = f.read(h["stride"])
+    for mode in ("buffered", "direct"):
+        src = PackedSource(str(cut), mode)
+        os.truncate(cut, last + h["stride"] // 2)
+        buf = mmap.mmap(-1, src.stride)
+        slot = memoryview(buf)
+        try:
+            with pytest.raises(OSError, match="unexpected end of file"):
+                src.read(src.keys[tuple(h["keys"][-1])], slot)
+            src.read(src.keys[tuple(h["keys"][0])], slot)
+            assert slot.tobytes() == first
+            companions = list(src._pipelines)
+            assert len(companions) == 1
+        finally:
+            slot.release()
+            src.close()
+            buf.close()
+        assert not any(c._thread.is_alive() for c in companions)
+        cut.write_bytes(open(packed, "rb").read())
 
 
 def test_interrupted_pack_is_refused(checkpoint, tmp_path):
