@@ -153,7 +153,7 @@ class ThreadPool:
 class RawReaders:
     """The floor and the mmap baselines over one file, with ``threads`` persistent threads."""
 
-    def __init__(self, path: str, stride: int, threads: int, huge: bool):
+    def __init__(self, path: str, stride: int, threads: int, huge: bool, thp: bool):
         self.path, self.stride = path, stride
         self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         self.fd = os.open(path, os.O_RDONLY)
@@ -163,7 +163,7 @@ class RawReaders:
         # pre-faulted memfd): on this VM a request's speed depends on how physically
         # contiguous its pages are (a virtio request carries at most 254 segments): pages
         # in ~14 runs per 13 MB read at 2.7 GB/s where ~1000 runs read at 1.9 GB/s.
-        self.arena = Arena(threads, stride, huge=huge)
+        self.arena = Arena(threads, stride, huge=huge, thp=thp)
         self.views = [self.arena.view(i) for i in range(threads)]
         self.dests = [np.ones(stride, np.uint8) for _ in range(threads)]
 
@@ -209,6 +209,8 @@ def main() -> int:
     ap.add_argument("--patterns", default="routed,scan")
     ap.add_argument("--hugepages", action="store_true",
                     help="floor buffers and both daemons' arenas in hugetlb pages (reserves them; root)")
+    ap.add_argument("--no-thp", dest="thp", action="store_false",
+                    help="floor buffers and both daemons' arenas in plain 4 KiB pages (k3d start --no-thp)")
     ap.add_argument("--request", type=int, default=CHUNK,
                     help="floor: bytes per preadv (default: k3d's request size, k3d.packed.CHUNK)")
     args = ap.parse_args()
@@ -238,8 +240,8 @@ def measure(args, path, stride, keys, offset, total) -> int:
     patterns = args.patterns.split(",")
     # (with --hugepages the reservation has just compacted, and it only succeeds as root)
     compacted = args.hugepages or harness.compact_memory()
-    raw = RawReaders(path, stride, args.readers, args.hugepages)
-    extra = ["--hugepages"] if args.hugepages else []
+    raw = RawReaders(path, stride, args.readers, args.hugepages, args.thp)
+    extra = ["--hugepages"] if args.hugepages else [] if args.thp else ["--no-thp"]
     daemons = {}
     try:
         for m in ("direct", "buffered"):
@@ -250,7 +252,10 @@ def measure(args, path, stride, keys, offset, total) -> int:
         raise
     runs = {"floor": [harness.physical_runs(os.getpid(), harness.address(v), stride) for v in raw.views],
             "direct": harness.arena_physical_runs(daemons["direct"].pid, stride, args.batch)}
-    harness.banner("cold_read", f"pages: {'huge' if args.hugepages else '4 KiB'}; memory compacted first: "
+    pages = ("hugetlb (--hugepages)" if args.hugepages else
+             f"transparent huge pages (floor {100 * raw.arena.thp_bytes // raw.arena.mapped}% of its arena)"
+             if args.thp else "4 KiB (--no-thp)")
+    harness.banner("cold_read", f"pages: {pages}; memory compacted first: "
                                 f"{'yes' if compacted else 'no (not root)'}; physical runs per slot "
                                 "(fewer = more contiguous): " + "; ".join(f"{m} {r}" for m, r in runs.items()))
     clients = {m: k3client.connect(d.endpoint, name=f"cold-{m}") for m, d in daemons.items()}

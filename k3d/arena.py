@@ -30,6 +30,12 @@ the free lists; huge pages are contiguous by construction.  They come from the
 pool the administrator reserved (``vm.nr_hugepages``), are not charged to the
 memory cgroup and are never swapped.
 
+Transparent huge pages (the default without ``--hugepages``; ``thp = false``
+turns it off): before the memfd is reserved, its whole 2 MiB regions are
+collapsed into transparent huge pages (``k3d/thp.py``), which gives the same
+physical contiguity from ordinary memory, best effort (``thp_bytes`` says how
+much; the rest stays 4 KiB pages).  Mappings and seals are unchanged.
+
 Thread-safety: ``view(slot)`` may be used by reader threads to fill a slot the
 server thread handed them; the server thread guarantees no two writers and no
 reader of a loading slot.
@@ -43,6 +49,8 @@ import os
 import time
 
 import numpy as np
+
+from .thp import collapse, pmd_bytes
 
 PAGE = 4096
 F_SEAL_FUTURE_WRITE = 0x0010
@@ -67,7 +75,8 @@ def hugepages() -> tuple[int, int]:
 
 
 class Arena:
-    def __init__(self, slots: int, slot_bytes: int, progress=None, huge: bool = False):
+    def __init__(self, slots: int, slot_bytes: int, progress=None, huge: bool = False, thp: bool = True):
+        """``progress(done, total, seconds, what)`` is called while the memory is prepared."""
         if slots < 1:
             raise ArenaError("arena holds no slot")
         if slot_bytes % PAGE:
@@ -77,7 +86,10 @@ class Arena:
         self.page_bytes = hugepages()[0] if huge else PAGE
         if not self.page_bytes:
             raise ArenaError("--hugepages: this kernel has no huge pages (no Hugepagesize in /proc/meminfo)")
-        self.mapped = -(-self.size // self.page_bytes) * self.page_bytes   # memfd size, mapped by the daemon
+        # memfd size, mapped by the daemon: whole pages, and with THP whole 2 MiB regions (so the
+        # last slot's tail can be a huge page too; the slack is under 2 MiB)
+        rounding = max(self.page_bytes, pmd_bytes() if thp and not huge else 0)
+        self.mapped = -(-self.size // rounding) * rounding
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if huge else 0)
         try:
             self.fd = os.memfd_create("k3d-arena", flags)
@@ -85,6 +97,13 @@ class Arena:
             raise ArenaError(f"cannot create the arena's memfd ({e.strerror})") from None
         try:
             os.ftruncate(self.fd, self.mapped)
+            self.thp_bytes = 0
+            if thp and not huge:
+                tick = (lambda d, t, sec: progress(d, t, sec, "collapsing")) if progress else None
+                try:
+                    self.thp_bytes = collapse(self.fd, self.mapped, tick)
+                except OSError:
+                    pass     # a seed page that does not fit: the full reservation below says why
             try:
                 os.posix_fallocate(self.fd, 0, self.mapped)
             except OSError as e:
@@ -118,7 +137,7 @@ class Arena:
             except OSError:
                 pages[off:off + n:PAGE] = 0
             if progress:
-                progress(off + n, self.mapped, time.monotonic() - t0)
+                progress(off + n, self.mapped, time.monotonic() - t0, "pre-faulting")
         del pages
 
     def view(self, slot: int) -> memoryview:

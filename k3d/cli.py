@@ -44,6 +44,8 @@ def _start_parser(sub):
                    help="bytes the disk cache may hold, e.g. 100GiB (LRU beyond; default 16GiB)")
     p.add_argument("--hugepages", action="store_const", const=True, default=None,
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
+    p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
+                   help="leave the arena in 4 KiB pages (default: collapse it into transparent huge pages)")
     return p
 
 

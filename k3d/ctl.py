@@ -42,6 +42,14 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _pages(a: dict) -> str:
+    if a.get("page_bytes", 4096) > 4096:
+        return f" in {_mib(a['page_bytes'])} pages"
+    if a.get("thp_bytes"):
+        return f" ({100 * min(a['thp_bytes'], a['bytes']) / a['bytes']:.0f}% in transparent huge pages)"
+    return ""
+
+
 def render(st: dict) -> str:
     a, s, r = st["arena"], st["stats"], st["readers"]
     total = s["hits"] + s["misses"]
@@ -51,7 +59,7 @@ def render(st: dict) -> str:
         f"k3d {st['version']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  {st['endpoint']}",
         f"model   {m['kind']} {m['path']}: {m['count']} experts, layers {m['layers'][0]}-{m['layers'][-1]}",
         f"arena   {_mib(a['bytes'])}: {a['slots']} slots x {_mib(a['slot_bytes'])}"
-        f"{' in %s pages' % _mib(a['page_bytes']) if a.get('page_bytes', 4096) > 4096 else ''}, "
+        f"{_pages(a)}, "
         f"used {a['used']}, pinned {a['pinned']}, loading {a['loading']}",
         f"cache   hit rate {hit} ({s['hits']} hits, {s['misses']} misses, {s['waited']} waited), "
         f"{s['evictions']} evictions",

@@ -130,9 +130,9 @@ def claim_endpoint(endpoint: str, arena_sock: str) -> None:
         os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
 
 
-def _progress(done: int, total: int, seconds: float) -> None:
+def _progress(done: int, total: int, seconds: float, what: str) -> None:
     rate = done / seconds / 1e9 if seconds > 0 else 0.0
-    print(f"k3d: pre-faulting arena {done / 2**20:.0f}/{total / 2**20:.0f} MiB ({rate:.2f} GB/s)",
+    print(f"k3d: {what} arena {done / 2**20:.0f}/{total / 2**20:.0f} MiB ({rate:.2f} GB/s)",
           file=sys.stderr, flush=True)
 
 
@@ -152,14 +152,16 @@ def run(cfg, env, reload=None) -> int:
         log.info("source %s: %d experts, %d bytes each; arena %d slots x %d bytes",
                  source.path, len(source.keys), source.expert_bytes, slots, slot_bytes)
         try:
-            def progress(done, total, seconds):
-                _progress(done, total, seconds)
-                notifier.status(f"pre-faulting arena {done >> 20}/{total >> 20} MiB")
+            def progress(done, total, seconds, what):
+                _progress(done, total, seconds, what)
+                notifier.status(f"{what} arena {done >> 20}/{total >> 20} MiB")
                 if notifier.watchdog_interval:   # a long pre-fault is not a hang
                     notifier.watchdog()
-            arena = Arena(slots, slot_bytes, progress=progress, huge=cfg.hugepages)
+            arena = Arena(slots, slot_bytes, progress=progress, huge=cfg.hugepages, thp=cfg.thp)
         except ArenaError as e:
             raise StartupError(str(e)) from None
+        if cfg.thp and not cfg.hugepages:
+            log.info("arena: %d of %d MiB in transparent huge pages", arena.thp_bytes >> 20, arena.mapped >> 20)
         try:
             server = Server(cfg, source, arena, arena_sock, notifier)
         except Exception as e:

@@ -1,0 +1,124 @@
+"""The arena in transparent huge pages (``k3d/thp.py``), by default, and ``--no-thp``.
+
+Collapsing needs a kernel with MADV_COLLAPSE for shmem (6.1+, ``shmem_enabled``
+not ``deny``); elsewhere those tests are skipped with the reason.  Physical
+contiguity is checked from /proc/self/pagemap, which shows frame numbers to
+root only (skipped otherwise)."""
+
+import json
+import mmap
+import os
+import struct
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import k3client
+from k3d.config import DEFAULT_PATTERN, ConfigError, resolve
+from k3d.ctl import render
+from k3d.thp import collapse, pmd_bytes, shmem_policy
+
+PMD = pmd_bytes()
+needs_collapse = pytest.mark.skipif(not PMD or shmem_policy() == "deny",
+                                    reason="no transparent huge pages for shmem on this kernel")
+
+
+def _frames(buf, length):
+    """Physical frame of each 4 KiB page of ``buf`` (touched first), or None when hidden (not root)."""
+    addr = np.frombuffer(buf, np.uint8).ctypes.data
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(addr // 4096 * 8)
+        entries = struct.unpack(f"{length // 4096}Q", f.read(length // 4096 * 8))
+    frames = [e & ((1 << 55) - 1) for e in entries]
+    if not any(frames):
+        return None
+    assert all(e >> 63 for e in entries), "a page is not present"
+    return frames
+
+
+def _fs_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (longest mount point prefix)."""
+    best, kind = "", ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, point, fstype = line.split()[:3]
+            if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                best, kind = point, fstype
+    return kind
+
+
+@needs_collapse
+def test_collapse_makes_2mib_runs_every_mapping_sees():
+    length = 3 * PMD + 8192                  # three whole regions and a tail that stays small pages
+    fd = os.memfd_create("thp-test", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, length)
+        assert collapse(fd, length) == 3 * PMD
+        os.posix_fallocate(fd, 0, length)
+        data = np.random.default_rng(3).integers(0, 256, length, dtype=np.uint8)
+        with mmap.mmap(fd, length) as a, mmap.mmap(fd, length, prot=mmap.PROT_READ) as b:
+            np.frombuffer(a, np.uint8)[:] = data           # written through one mapping ...
+            assert np.array_equal(np.frombuffer(b, np.uint8), data)   # ... read through another
+            frames = _frames(b, length)
+            if frames is None:
+                pytest.skip("pagemap hides frame numbers (not root)")
+            for r in range(3):                 # each region: 512 physically consecutive frames
+                run = frames[r * PMD // 4096:(r + 1) * PMD // 4096]
+                assert run == list(range(run[0], run[0] + len(run))), f"region {r} is not contiguous"
+                assert run[0] % (PMD // 4096) == 0, f"region {r} is not a huge page"
+    finally:
+        os.close(fd)
+
+
+def test_collapse_leaves_what_it_cannot_take(tmp_path):
+    """A file that is not shmem (a writable mapping of ext4 here): nothing collapsed, nothing changed."""
+    p = tmp_path / "plain"
+    data = os.urandom(2 * max(PMD, 4096))
+    p.write_bytes(data)
+    if _fs_type(str(p)) in ("tmpfs", "shmem"):
+        pytest.skip("the test's tmp directory is tmpfs (shmem can be collapsed)")
+    fd = os.open(p, os.O_RDWR)
+    try:
+        assert collapse(fd, len(data)) == 0
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == data
+
+
+def test_thp_option_parses():
+    assert resolve({}, {}).thp is True
+    assert resolve({"thp": False}, {}).thp is False
+    assert resolve({}, {"K3D_THP": "false"}).thp is False
+    with pytest.raises(ConfigError, match="bad value 'sometimes' for thp"):
+        resolve({}, {"K3D_THP": "sometimes"})
+
+
+@needs_collapse
+def test_daemon_arena_in_transparent_huge_pages(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--slots", 5)
+    with k3client.connect(d.endpoint, name="thp") as c:
+        a = c.status()["arena"]
+        assert a["page_bytes"] == 4096 and a["thp_bytes"] >= a["bytes"] and a["thp_bytes"] % PMD == 0
+        assert "(100% in transparent huge pages)" in render(c.status())
+        with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
+            weight_map = json.load(f)["weight_map"]
+        for l, e in [(0, 1), (1, 2), (3, 15)]:
+            ex = c.fetch(l, [e])[0]
+            for spec in c.layout:
+                name = DEFAULT_PATTERN.format(layer=l, expert=e, name=spec.name)
+                with safe_open(os.path.join(checkpoint, weight_map[name]), "np") as f:
+                    assert np.array_equal(ex.array(spec.name), f.get_tensor(name))
+            del ex
+            c.begin_token()
+    assert d.stop() == 0
+    assert "in transparent huge pages" in d.log()
+
+
+def test_no_thp_leaves_4k_pages(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--slots", 5, "--no-thp")
+    with k3client.connect(d.endpoint, name="no-thp") as c:
+        assert c.status()["arena"]["thp_bytes"] == 0
+        assert "transparent" not in render(c.status())
+        assert len(c.fetch(0, [0, 1])) == 2
+    assert d.stop() == 0
