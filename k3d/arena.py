@@ -2,7 +2,8 @@
 
 Memory layout::
 
-    memfd "k3d-arena", size = slots * slot_bytes
+    memfd "k3d-arena", size = slots * slot_bytes rounded up to whole huge pages
+                       where they back it (memfd_bytes(); under 2 MiB of slack)
     +-----------+-----------+-----+----------------+
     | slot 0    | slot 1    | ... | slot slots-1   |      slot_bytes = align(expert_bytes, 4096)
     +-----------+-----------+-----+----------------+
@@ -33,8 +34,10 @@ memory cgroup and are never swapped.
 Transparent huge pages (the default without ``--hugepages``; ``thp = false``
 turns it off): before the memfd is reserved, its whole 2 MiB regions are
 collapsed into transparent huge pages (``k3d/thp.py``), which gives the same
-physical contiguity from ordinary memory, best effort (``thp_bytes`` says how
-much; the rest stays 4 KiB pages).  Mappings and seals are unchanged.
+physical contiguity from ordinary memory, best effort: ``thp_bytes`` is how
+much of the memfd (slack included) was collapsed at start, ``thp_why`` why not
+all ("" when all was).  The rest stays 4 KiB pages.  Mappings and seals are
+unchanged.
 
 Thread-safety: ``view(slot)`` may be used by reader threads to fill a slot the
 server thread handed them; the server thread guarantees no two writers and no
@@ -50,7 +53,7 @@ import time
 
 import numpy as np
 
-from .thp import collapse, pmd_bytes
+from .thp import collapse, region_bytes
 
 PAGE = 4096
 F_SEAL_FUTURE_WRITE = 0x0010
@@ -74,6 +77,14 @@ def hugepages() -> tuple[int, int]:
     return info.get("Hugepagesize", 0) * 1024, info.get("HugePages_Free", 0) - info.get("HugePages_Rsvd", 0)
 
 
+def memfd_bytes(size: int, huge: bool, thp: bool) -> int:
+    """The arena memfd's size for ``size`` bytes of slots: whole pages, and where huge
+    pages will back it, whole huge pages (so the last slot's tail can be one too)."""
+    unit = hugepages()[0] if huge else max(PAGE, region_bytes() if thp else 0)
+    unit = unit or PAGE
+    return -(-size // unit) * unit
+
+
 class Arena:
     def __init__(self, slots: int, slot_bytes: int, progress=None, huge: bool = False, thp: bool = True):
         """``progress(done, total, seconds, what)`` is called while the memory is prepared."""
@@ -86,10 +97,7 @@ class Arena:
         self.page_bytes = hugepages()[0] if huge else PAGE
         if not self.page_bytes:
             raise ArenaError("--hugepages: this kernel has no huge pages (no Hugepagesize in /proc/meminfo)")
-        # memfd size, mapped by the daemon: whole pages, and with THP whole 2 MiB regions (so the
-        # last slot's tail can be a huge page too; the slack is under 2 MiB)
-        rounding = max(self.page_bytes, pmd_bytes() if thp and not huge else 0)
-        self.mapped = -(-self.size // rounding) * rounding
+        self.mapped = memfd_bytes(self.size, huge, thp)      # the memfd's size, mapped by the daemon
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if huge else 0)
         try:
             self.fd = os.memfd_create("k3d-arena", flags)
@@ -97,13 +105,14 @@ class Arena:
             raise ArenaError(f"cannot create the arena's memfd ({e.strerror})") from None
         try:
             os.ftruncate(self.fd, self.mapped)
-            self.thp_bytes = 0
+            self.thp_bytes, self.thp_why = 0, "off" if not thp or huge else ""
             if thp and not huge:
                 tick = (lambda d, t, sec: progress(d, t, sec, "collapsing")) if progress else None
                 try:
-                    self.thp_bytes = collapse(self.fd, self.mapped, tick)
-                except OSError:
-                    pass     # a seed page that does not fit: the full reservation below says why
+                    self.thp_bytes, self.thp_why = collapse(self.fd, self.mapped, tick)
+                except OSError as e:
+                    # a seed page that does not fit: the full reservation below says why
+                    self.thp_why = e.strerror
             try:
                 os.posix_fallocate(self.fd, 0, self.mapped)
             except OSError as e:

@@ -22,10 +22,14 @@ left after the last read.
 
 Thread-safety: ``crc32`` and ``crc32_combine`` are pure.  A ``CrcPipeline``
 belongs to one caller thread at a time (``feed``/``finish`` from that thread
-only); its companion only reads the pieces it is fed.  Caller's obligation:
-a piece's memory must stay valid and unchanged until ``finish()`` returns,
-and ``finish()`` must be called (also when the read fails part-way) before
-the memory is handed on: after ``finish()`` the companion holds no piece.
+only; ``close()`` from any thread, between runs); its companion only reads the
+pieces it is fed.  Caller's obligation: a piece's memory must stay valid and
+unchanged until ``finish()`` returns, and ``finish()`` must be called (also
+when the read fails part-way) before the memory is handed on: after
+``finish()`` returns the companion holds no piece.  A ``finish()`` cut short
+by an exception does not wait for the companion, so its pieces may still be
+read after it: only a thread that can be interrupted so (the main thread)
+must not then reuse that memory at once.
 """
 
 from __future__ import annotations
@@ -81,27 +85,45 @@ class CrcPipeline:
 
     ``feed(piece)`` returns at once; ``finish()`` waits until every piece fed
     since the last ``finish()`` is folded in and returns their crc32 (0 for
-    none), starting the next run from zero.  ``close()`` ends the companion."""
+    none), starting the next run from zero.  Runs are numbered, so a
+    ``finish()`` cut short (a signal's exception in the main thread) never
+    hands its result to the next run.  ``close()`` ends the companion; a
+    ``finish()`` waiting meanwhile, and any call afterwards, raises
+    RuntimeError."""
 
     def __init__(self, name: str = "k3d-crc"):
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._result: queue.SimpleQueue = queue.SimpleQueue()
+        self._run_no = 0
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def feed(self, piece) -> None:
+        if self._closed:
+            raise RuntimeError("crc pipeline is closed")
         self._todo.put(piece)
 
     def finish(self) -> int:
-        self._todo.put(_END)
-        result = self._result.get()
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        if self._closed:
+            raise RuntimeError("crc pipeline is closed")
+        self._run_no += 1
+        self._todo.put((_END, self._run_no))
+        while True:
+            run_no, result = self._result.get()
+            if run_no is None:                  # closed while waiting
+                raise RuntimeError("crc pipeline closed during a run")
+            if run_no != self._run_no:          # an interrupted earlier run's result
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            return result
 
     def close(self) -> None:
+        self._closed = True
         self._todo.put(_STOP)
         self._thread.join()
+        self._result.put((None, None))
 
     def _run(self) -> None:
         crc, error = 0, None
@@ -109,8 +131,8 @@ class CrcPipeline:
             piece = self._todo.get()
             if piece is _STOP:
                 return
-            if piece is _END:
-                self._result.put(error if error is not None else crc)
+            if isinstance(piece, tuple) and piece and piece[0] is _END:
+                self._result.put((piece[1], error if error is not None else crc))
                 crc, error = 0, None
             elif error is None:
                 try:

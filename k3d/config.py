@@ -47,7 +47,7 @@ class Config:
     disk_cache: str | None = None     # remote sources: directory of the disk tier
     disk_cache_size: int = 16 * 2**30 # bytes the disk tier may hold (LRU beyond)
     hugepages: bool = False           # arena in hugetlb pages (vm.nr_hugepages must hold it)
-    thp: bool = True                  # otherwise: collapse the arena into transparent huge pages
+    thp: bool = True                  # without hugepages: collapse the arena into transparent huge pages
 
 
 def parse_size(text) -> int:

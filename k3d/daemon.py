@@ -2,8 +2,9 @@
 
 Order: open and validate the source (so a bad checkpoint fails before any
 memory is taken), size the arena, refuse to steal the endpoint of a live
-daemon (a stale socket left by ``kill -9`` is removed), reserve and pre-fault
-the arena, bind, then print ``ready`` and tell systemd READY=1.
+daemon (a stale socket left by ``kill -9`` is removed), collapse the arena
+into transparent huge pages (unless ``--no-thp``/``--hugepages``), reserve and
+pre-fault it, bind, then print ``ready`` and tell systemd READY=1.
 
 Signal handlers only ask the loop to act (gunicorn's arbiter rule): SIGTERM/
 SIGINT to stop (the loop drains and returns, ``run`` releases the arena and
@@ -23,7 +24,7 @@ import psutil
 from k3client.endpoint import arena_socket_for, ipc_path
 from k3client.layout import align
 
-from .arena import PAGE, Arena, ArenaError, hugepages
+from .arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
 from .server import Server
 from .sources import SourceError, open_source
 from .systemd import Notifier
@@ -85,7 +86,7 @@ def size_arena(cfg, expert_bytes: int) -> tuple[int, int]:
     if slots < 1:
         raise StartupError(f"arena of {cfg.arena} bytes is smaller than one slot ({slot_bytes} bytes per expert); "
                            "raise --arena")
-    size = slots * slot_bytes
+    size = memfd_bytes(slots * slot_bytes, cfg.hugepages, cfg.thp)    # what will be reserved
     if cfg.hugepages:
         # hugetlb pages come from the reserved pool, not from available memory or the cgroup
         page, free = hugepages()
@@ -161,7 +162,8 @@ def run(cfg, env, reload=None) -> int:
         except ArenaError as e:
             raise StartupError(str(e)) from None
         if cfg.thp and not cfg.hugepages:
-            log.info("arena: %d of %d MiB in transparent huge pages", arena.thp_bytes >> 20, arena.mapped >> 20)
+            log.info("arena: %d of %d MiB in transparent huge pages%s", arena.thp_bytes >> 20, arena.mapped >> 20,
+                     f" ({arena.thp_why})" if arena.thp_why else "")
         try:
             server = Server(cfg, source, arena, arena_sock, notifier)
         except Exception as e:

@@ -240,6 +240,8 @@ class PackedSource(Source):
 
     def _pipeline(self) -> CrcPipeline:
         """The calling reader thread's checksum companion (made on its first read)."""
+        if self._closed:
+            raise SourceError(f"{self.path}: read after close")
         crcs = getattr(self._local, "crcs", None)
         if crcs is None:
             with self._lock:

@@ -216,6 +216,62 @@ def test_crc_pipeline_runs_and_errors():
     assert not p._thread.is_alive()
 
 
+def test_crc_pipeline_interrupted_and_closed():
+    """A finish() cut short by a signal's exception does not hand its crc to the next run;
+    close() wakes a waiting finish() and makes later calls fail instead of hanging."""
+    import signal
+    import threading
+    import time
+    big = np.random.default_rng(4).bytes(256 << 20)      # ~10-20 ms of crc32
+    small = b"after the interruption"
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_):
+        raise Interrupted
+
+    p = CrcPipeline()
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        for _ in range(20):                               # until a finish() is really cut short
+            p.feed(big)
+            signal.setitimer(signal.ITIMER_REAL, 0.001)
+            try:
+                p.finish()
+            except Interrupted:
+                break
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        else:
+            pytest.skip("the timer never fired during a finish()")
+        p.feed(small)
+        assert p.finish() == zlib.crc32(small)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    # close() racing a run: finish() returns that run's crc or says closed, never hangs
+    outcome = []
+
+    def run():
+        p.feed(big)
+        p.feed(big)
+        try:
+            outcome.append(p.finish())
+        except RuntimeError as e:
+            outcome.append(str(e))
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.002)
+    p.close()
+    t.join(10)
+    assert not t.is_alive(), "finish() hung after close()"
+    assert outcome in ([zlib.crc32(big + big)], ["crc pipeline is closed"], ["crc pipeline closed during a run"])
+    with pytest.raises(RuntimeError, match="closed"):
+        p.feed(small)
+    with pytest.raises(RuntimeError, match="closed"):
+        p.finish()
+
+
 def test_failed_read_leaves_no_piece_behind(packed, tmp_path, monkeypatch):
     """A read that fails part-way (the file cut short under a running daemon) fails its expert;
     the reader's checksum companion starts the next expert afresh, so it reads and verifies
@@ -245,6 +301,8 @@ def test_failed_read_leaves_no_piece_behind(packed, tmp_path, monkeypatch):
             src.close()
             buf.close()
         assert not any(c._thread.is_alive() for c in companions)
+        with pytest.raises(SourceError, match="read after close"):
+            src.read(src.keys[tuple(h["keys"][0])], memoryview(bytearray(src.stride)))
         cut.write_bytes(open(packed, "rb").read())
 
 
