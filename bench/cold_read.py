@@ -1,6 +1,6 @@
 """Cold misses: k3d ``direct`` and ``buffered`` against the O_DIRECT floor and mmap demand paging.
 
-    python bench/cold_read.py [--layers 2] [--experts 24] [--batch 4] [--reps 5] [--readers 4] [--seed 1]
+    python bench/cold_read.py [--layers 2] [--experts 24] [--batch 4] [--reps 5] [--readers 8] [--seed 1]
 
 One packed file of gpt-oss-shaped MXFP4 experts (hidden = inter = 2880:
 13.2 MB each; 2 x 24 of them = 634 MB by default), written by safetensors and
@@ -65,8 +65,8 @@ import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
 import k3client  # noqa: E402
-from k3d.arena import Arena, hugepages  # noqa: E402
-from k3d.config import DEFAULT_PATTERN  # noqa: E402
+from k3d.arena import PAGE, Arena, hugepages  # noqa: E402
+from k3d.config import DEFAULT_PATTERN, Config  # noqa: E402
 from k3d.packed import CHUNK, read_header, write_pack  # noqa: E402
 from k3d.sources import open_source  # noqa: E402
 
@@ -151,10 +151,13 @@ class ThreadPool:
 
 
 class RawReaders:
-    """The floor and the mmap baselines over one file, with ``threads`` persistent threads."""
+    """The floor and the mmap baselines over one file, with ``threads`` persistent threads.
 
-    def __init__(self, path: str, stride: int, threads: int, huge: bool, thp: bool):
-        self.path, self.stride = path, stride
+    A batch is cut into jobs as k3d's server cuts it: with more threads than experts,
+    each expert into ``threads // experts`` (at most 8) page-aligned parts, one job each."""
+
+    def __init__(self, path: str, stride: int, threads: int, batch: int, huge: bool, thp: bool):
+        self.path, self.stride, self.threads = path, stride, threads
         self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         self.fd = os.open(path, os.O_RDONLY)
         self.pool = ThreadPool(threads)
@@ -163,28 +166,39 @@ class RawReaders:
         # pre-faulted memfd): on this VM a request's speed depends on how physically
         # contiguous its pages are (a virtio request carries at most 254 segments): pages
         # in ~14 runs per 13 MB read at 2.7 GB/s where ~1000 runs read at 1.9 GB/s.
-        self.arena = Arena(threads, stride, huge=huge, thp=thp)
-        self.views = [self.arena.view(i) for i in range(threads)]
-        self.dests = [np.ones(stride, np.uint8) for _ in range(threads)]
+        self.arena = Arena(batch, stride, huge=huge, thp=thp)
+        self.views = [self.arena.view(i) for i in range(batch)]
+        self.dests = [np.ones(stride, np.uint8) for _ in range(batch)]
+
+    def jobs(self, offsets, threads: int):
+        """(expert index in batch, file offset of the part, offset in the expert, length)."""
+        parts = max(1, min(8, threads // len(offsets)))
+        share = (-(-self.stride // parts) + PAGE - 1) // PAGE * PAGE    # as k3d.sources.split_extents
+        return [(j, off + start, start, min(share, self.stride - start))
+                for j, off in enumerate(offsets) for start in range(0, self.stride, share)]
 
     def floor(self, offsets, request: int) -> float:
-        def work(i, off):
+        def work(_, job):
+            j, off, start, length = job
             done = 0
-            while done < self.stride:
-                n = os.preadv(self.dfd, [self.views[i][done:done + request]], off + done)
+            while done < length:
+                n = os.preadv(self.dfd, [self.views[j][start + done:start + min(length, done + request)]], off + done)
                 if n <= 0:
                     raise OSError(f"short O_DIRECT read at {off + done}")
                 done += n
-        return self.pool.run(offsets, work)
+        return self.pool.run(self.jobs(offsets, self.threads), work)
 
     def demand_paging(self, offsets, one_thread: bool) -> float:
         mm = mmap.mmap(self.fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
         src = np.frombuffer(mm, np.uint8)
 
-        def work(i, off):
-            np.copyto(self.dests[i], src[off:off + self.stride])   # page faults + readahead; GIL released
+        def work(_, job):       # page faults + readahead; GIL released
+            j, off, start, length = job
+            np.copyto(self.dests[j][start:start + length], src[off:off + length])
         try:
-            return (self.one if one_thread else self.pool).run(offsets, work)
+            if one_thread:
+                return self.one.run(self.jobs(offsets, 1), work)
+            return self.pool.run(self.jobs(offsets, self.threads), work)
         finally:
             src = None                   # drop the export before unmapping: mapped pages would
             mm.close()                   # otherwise survive the next drop and feed other methods
@@ -204,7 +218,7 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=24, help="experts per layer")
     ap.add_argument("--batch", type=int, default=4, help="experts per fetch (one layer's top-k)")
     ap.add_argument("--reps", type=int, default=5, help="passes per pattern")
-    ap.add_argument("--readers", type=int, default=4)
+    ap.add_argument("--readers", type=int, default=Config.readers, help="k3d readers = floor and mmap threads")
     ap.add_argument("--seed", type=int, default=1, help="routed order")
     ap.add_argument("--patterns", default="routed,scan")
     ap.add_argument("--hugepages", action="store_true",
@@ -240,7 +254,7 @@ def measure(args, path, stride, keys, offset, total) -> int:
     patterns = args.patterns.split(",")
     # (with --hugepages the reservation has just compacted, and it only succeeds as root)
     compacted = args.hugepages or harness.compact_memory()
-    raw = RawReaders(path, stride, args.readers, args.hugepages, args.thp)
+    raw = RawReaders(path, stride, args.readers, args.batch, args.hugepages, args.thp)
     extra = ["--hugepages"] if args.hugepages else [] if args.thp else ["--no-thp"]
     daemons = {}
     try:

@@ -35,7 +35,7 @@ class Config:
     arena: int = 512 * 2**20          # bytes; rounded down to whole slots
     slots: int = 0                    # if > 0, overrides arena
     endpoint: str = ""                # resolved: never empty after resolve()
-    readers: int = 4
+    readers: int = 8                  # reader threads: enough requests in flight for a cold disk
     trace: str | None = None
     lease_s: float = 10.0             # a client silent this long loses its pins
     pin_quota: int = 0                # slots one client may pin per token; 0 = no limit

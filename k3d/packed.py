@@ -81,7 +81,12 @@ FORMAT = "k3d-pack"
 VERSION = 1
 MAX_HEADER = 1 << 30
 READ_MODES = ("buffered", "direct")
-CHUNK = 4 << 20       # bytes read (and checksummed) at a time: the device's max request size here
+# Bytes per read request (and checksummed piece).  Measured on this VM's virtio disk
+# (cold, O_DIRECT into 2 MiB pages, batches of four 13.2 MB experts, requests of each
+# size interleaved): 4 threads x 4 MiB 2.24 GB/s, 4 x 1 MiB 2.42, 8 x 1 MiB 2.48,
+# 16 x 512 KiB 2.58: more, smaller requests in flight beat fewer large ones, and 1 MiB
+# keeps the checksum left after a piece's last read short.  With the default 8 readers.
+CHUNK = 1 << 20
 
 
 class ChecksumError(SourceError):
@@ -221,10 +226,17 @@ class PackedSource(Source):
             # Piece by piece: this thread's companion checksums piece k while this
             # thread already waits on piece k+1, so the next request is never held
             # back by a checksum (in line, that cost a cold batch ~6 %).
+            # the common case, checked once per extent: file offset, length and slot memory
+            # all 4096-aligned, so every piece is one plain O_DIRECT pread
+            aligned = (self._dfd is not None and not (e.offset | e.length) % PAGE
+                       and not (_address(dest) - e.offset) % PAGE)
             try:
                 for pos in range(0, e.length, CHUNK):
                     piece = dest[pos:pos + CHUNK]
-                    if self._dfd is not None:
+                    if aligned:
+                        if os.preadv(self._dfd, [piece], e.offset + pos) != len(piece):
+                            read_fully(self._dfd, [piece], e.offset + pos, self.path)   # short: finish it
+                    elif self._dfd is not None:
                         self._read_direct(e.offset + pos, piece)
                     else:
                         read_fully(self.fds[0], [piece], e.offset + pos, self.path)
