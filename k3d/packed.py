@@ -226,16 +226,17 @@ class PackedSource(Source):
             # Piece by piece: this thread's companion checksums piece k while this
             # thread already waits on piece k+1, so the next request is never held
             # back by a checksum (in line, that cost a cold batch ~6 %).
-            # the common case, checked once per extent: file offset, length and slot memory
-            # all 4096-aligned, so every piece is one plain O_DIRECT pread
-            aligned = (self._dfd is not None and not (e.offset | e.length) % PAGE
+            # The common case, checked once per extent: file offset, length, slot memory
+            # and CHUNK all 4096-aligned, so every piece is one plain O_DIRECT pread.
+            aligned = (self._dfd is not None and e.length and not (e.offset | e.length | CHUNK) % PAGE
                        and not (_address(dest) - e.offset) % PAGE)
             try:
                 for pos in range(0, e.length, CHUNK):
                     piece = dest[pos:pos + CHUNK]
                     if aligned:
-                        if os.preadv(self._dfd, [piece], e.offset + pos) != len(piece):
-                            read_fully(self._dfd, [piece], e.offset + pos, self.path)   # short: finish it
+                        n = os.preadv(self._dfd, [piece], e.offset + pos)
+                        if n != len(piece):     # short: the rest, as _read_direct can (EOF: an error)
+                            self._read_direct(e.offset + pos + n, piece[n:])
                     elif self._dfd is not None:
                         self._read_direct(e.offset + pos, piece)
                     else:

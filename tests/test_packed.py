@@ -465,6 +465,37 @@ def test_reads_leave_page_cache_clean(packed, tmp_path, start_daemon, mode):
     assert d.stop() == 0
 
 
+@pytest.mark.parametrize("shift", [0, 512, 4096 + 100])
+def test_direct_read_paths(packed, monkeypatch, shift):
+    """Through PackedSource.read in direct mode, several pieces per expert: an aligned slot
+    takes the plain O_DIRECT path, a slot shifted off page alignment the careful one; both
+    fill the slot with the file's exact bytes and pass the checksum."""
+    monkeypatch.setattr(k3d_packed, "CHUNK", 3 * 4096)
+    src = PackedSource(packed, "direct")
+    careful = []
+    real = src._read_direct
+    monkeypatch.setattr(src, "_read_direct", lambda off, dest: (careful.append(off), real(off, dest)))
+    h, _ = read_header(packed)
+    i = 5
+    with open(packed, "rb") as f:
+        f.seek(h["data_offset"] + i * h["stride"])
+        want = f.read(h["stride"])
+    buf = mmap.mmap(-1, h["stride"] + 2 * 4096)
+    slot = memoryview(buf)[shift:shift + h["stride"]]
+    try:
+        for parts in (1, 3):
+            careful.clear()
+            slot[:] = bytes(len(slot))
+            for g in split_extents(src.keys[tuple(h["keys"][i])], parts):
+                src.read(g, slot)
+            assert slot.tobytes() == want
+            assert bool(careful) == (shift % 4096 != 0), careful[:3]
+    finally:
+        slot.release()
+        src.close()
+        buf.close()
+
+
 def test_direct_handles_unaligned_pieces(packed):
     """O_DIRECT for the aligned middle; unaligned heads, tails and buffers go through the page cache."""
     src = PackedSource(packed, "direct")
