@@ -34,7 +34,7 @@ fragmented: each failure may have compacted and reclaimed in vain) the rest is
 left in 4 KiB pages rather than stretching start-up.  ``region_bytes()`` is
 0 where no collapse will be tried (no THP, ``deny``, or a PMD over 32 MiB, as
 arm64 with 64 KiB pages has: 512 MiB regions would round an arena up too far),
-so callers size the memfd with it (``Arena.memfd_bytes``).
+so callers size the memfd with it (``k3d.arena.memfd_bytes``).
 
 The caller's obligations: call before the memfd is sealed against new
 writable mappings (the second mapping is writable), and reserve the rest of
@@ -123,7 +123,8 @@ def collapse(fd: int, length: int, progress=None) -> tuple[int, str]:
         # a failed MAP_FIXED may have unmapped part of [start, start + whole) already, and
         # another thread may have mapped something there since: release only the head and
         # tail of the reservation (the rest leaks a PROT_NONE range, harmlessly)
-        libc.munmap(reserve, start - reserve) if start > reserve else None
+        if start > reserve:
+            libc.munmap(reserve, start - reserve)
         libc.munmap(start + whole, reserve + span - (start + whole))
         return 0, f"cannot map the arena for collapsing ({os.strerror(ctypes.get_errno())})"
     try:
