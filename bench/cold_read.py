@@ -74,7 +74,7 @@ import k3client  # noqa: E402
 from k3d.arena import Arena, hugepages  # noqa: E402
 from k3d.config import DEFAULT_PATTERN, Config  # noqa: E402
 from k3d.packed import CHUNK, PackedSource, read_header, write_pack  # noqa: E402
-from k3d.sources import Extent, open_source, split_extents  # noqa: E402
+from k3d.sources import Extent, open_source, parts_per_key, split_extents  # noqa: E402
 
 CACHE = "/tmp/k3d-bench-cold"
 HIDDEN = INTER = 2880           # gpt-oss: 13.2 MB MXFP4 experts
@@ -179,7 +179,7 @@ class RawReaders:
 
     def jobs(self, offsets, threads: int):
         """(expert index in batch, file offset of the part, offset in the expert, length)."""
-        parts = max(1, min(PackedSource.max_parts, threads // len(offsets)))   # as Server._start_loads
+        parts = parts_per_key(threads, len(offsets), PackedSource.max_parts)      # as the server does
         return [(j, e.offset, e.slot_offset, e.length) for j, off in enumerate(offsets)
                 for group in split_extents([Extent(0, off, 0, self.stride)], parts) for e in group]
 

@@ -34,7 +34,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
-from k3d.sources import Extent, split_extents  # noqa: E402
+from k3d.sources import Extent, Source, parts_per_key, split_extents  # noqa: E402
 
 HIDDEN = INTER = 2880
 LAYERS = 3
@@ -80,7 +80,7 @@ class PreadvPool:
         """Read ``spans`` [(file_offset, nbytes)] into slots 0..; returns seconds.
         With fewer experts than threads, each is cut into page-aligned parts so
         that every thread has work (the daemon does the same)."""
-        parts = max(1, min(8, len(self.threads) // len(spans)))      # as k3d.server._start_loads
+        parts = parts_per_key(len(self.threads), len(spans), Source.max_parts)   # as the server does
         jobs = [(slot, e.slot_offset, e.offset, e.length) for slot, (off, n) in enumerate(spans)
                 for group in split_extents([Extent(0, off, 0, n)], parts) for e in group]
         t0 = time.perf_counter()

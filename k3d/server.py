@@ -54,7 +54,7 @@ from . import __version__
 from .access import peer_allowed, peer_cred, refusal, unix_peer_cred
 from .fair_reads import FairReads
 from .readers import Job, ReaderPool
-from .sources import split_extents
+from .sources import parts_per_key, split_extents
 from .stats import Throughput
 from .store import READY, Store
 from .trace import RouteTrace
@@ -488,7 +488,7 @@ class Server:
     def _start_loads(self, slots: list[int], urgent: bool, owner: int | None = None) -> None:
         if not slots:
             return
-        parts = max(1, min(self.source.max_parts, self.readers.threads // len(slots)))
+        parts = parts_per_key(self.readers.threads, len(slots), self.source.max_parts)
         jobs = []
         for slot in slots:
             extents = self.source.keys[self.store.slot_key[slot]]

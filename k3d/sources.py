@@ -119,6 +119,12 @@ def preadv_extents(fds, extents, slot: memoryview) -> int:
     return sum(read_fully(fds[f], bufs, off, f"file #{f}") for f, off, bufs in contiguous_runs(extents, slot))
 
 
+def parts_per_key(readers: int, keys: int, max_parts: int) -> int:
+    """Parts to cut each of ``keys`` experts read together into, so that ``readers``
+    threads all have work (whole parts per reader: never more parts than readers)."""
+    return max(1, min(max_parts, readers // keys))
+
+
 def split_extents(extents: list[Extent], parts: int) -> list[list[Extent]]:
     """Cut extents into ``parts`` groups of about equal bytes (page-aligned cuts)."""
     total = sum(e.length for e in extents)
