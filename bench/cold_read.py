@@ -27,6 +27,11 @@ disk in the same state as the others within milliseconds:
             fd, ``--request`` bytes at a time (default: k3d's request size),
             into slots of a ``k3d.arena.Arena`` (memory allocated as the
             daemon's is);
+- floorcrc: the floor plus what every verifying reader must do: each thread's
+            pieces go to a ``k3d.checksum.CrcPipeline`` companion as k3d's do,
+            and each expert's part crcs are combined and checked against the
+            header (the price of read-time verification on this machine;
+            direct / floorcrc is k3d's own overhead beyond it);
 - mmap:     ``--readers`` threads copy the batch's parts out of a fresh mmap of
             the file (demand paging with the kernel's readahead: what
             llama.cpp-style loading does), then unmap;
@@ -49,7 +54,8 @@ methods read the same batches, interleaved).  Targets (issue 3): direct >=
 0.9x the O_DIRECT floor, and >= 2.5x mmap demand paging; the 2.5x verdict is
 against the fastest of ``mmap``, ``mmap2x`` and ``mmap1`` in each pass.
 ``floor / fastest mmap`` is printed too: no reader can beat the floor, so where it is under 2.5x the
-mmap target is out of reach for any reader on that disk and pattern.
+mmap target is out of reach for any reader on that disk and pattern; and ``direct / floorcrc``:
+what k3d costs beyond the read-time verification that the packed format requires.
 """
 
 from __future__ import annotations
@@ -72,15 +78,17 @@ import numpy as np  # noqa: E402
 import harness  # noqa: E402
 import k3client  # noqa: E402
 from k3d.arena import Arena, hugepages  # noqa: E402
+from k3d.checksum import CrcPipeline, crc32_combine  # noqa: E402
 from k3d.config import DEFAULT_PATTERN, Config  # noqa: E402
 from k3d.packed import CHUNK, PackedSource, read_header, write_pack  # noqa: E402
 from k3d.sources import Extent, open_source, parts_per_key, split_extents  # noqa: E402
 
 CACHE = "/tmp/k3d-bench-cold"
 HIDDEN = INTER = 2880           # gpt-oss: 13.2 MB MXFP4 experts
-METHODS = ("floor", "mmap", "mmap2x", "mmap1", "direct", "buffered")
+METHODS = ("floor", "floorcrc", "mmap", "mmap2x", "mmap1", "direct", "buffered")
 MMAPS = {"mmap": 1, "mmap2x": 2}          # threads: this many times --readers ("mmap1": one)
-LABELS = {"floor": "O_DIRECT preadv (floor)", "mmap": "mmap demand paging, {r} threads",
+LABELS = {"floor": "O_DIRECT preadv (floor)", "floorcrc": "O_DIRECT preadv + crc32 check",
+          "mmap": "mmap demand paging, {r} threads",
           "mmap2x": "mmap demand paging, {r2} threads", "mmap1": "mmap demand paging, 1 thread", "direct": "k3d --read-mode direct",
           "buffered": "k3d --read-mode buffered"}
 
@@ -176,6 +184,7 @@ class RawReaders:
         self.arena = Arena(batch, stride, huge=huge, thp=thp)
         self.views = [self.arena.view(i) for i in range(batch)]
         self.dests = [np.ones(stride, np.uint8) for _ in range(batch)]
+        self.crcs = [CrcPipeline(f"floor-crc-{i}") for i in range(threads)]   # one per pool thread
 
     def jobs(self, offsets, threads: int):
         """(expert index in batch, file offset of the part, offset in the expert, length)."""
@@ -194,6 +203,33 @@ class RawReaders:
                 done += n
         return self.pool.run(self.jobs(offsets, self.threads), work)
 
+    def floor_crc(self, offsets, request: int, expected: list[int]) -> float:
+        """The floor, checksummed as k3d checksums: the batch fails if an expert's crc is wrong."""
+        parts: dict[int, list] = {j: [] for j in range(len(offsets))}
+
+        def work(i, job):
+            j, off, start, length = job
+            crcs, done = self.crcs[i], 0
+            try:
+                while done < length:
+                    piece = self.views[j][start + done:start + min(length, done + request)]
+                    n = os.preadv(self.dfd, [piece], off + done)
+                    if n != len(piece):
+                        raise OSError(f"short O_DIRECT read at {off + done}")
+                    crcs.feed(piece)
+                    done += n
+            finally:
+                crc = crcs.finish()
+            parts[j].append((start, length, crc))        # list.append: atomic under the GIL
+            if sum(p[1] for p in parts[j]) == self.stride:   # the part that completes the expert checks it
+                whole = 0
+                for s, n, c in sorted(parts[j]):
+                    whole = crc32_combine(whole, c, n) if s else c
+                if whole != expected[j]:
+                    raise ValueError(f"floorcrc: crc32 {whole:08x} of the expert at {off - start} "
+                                     f"is not the header's {expected[j]:08x}")
+        return self.pool.run(self.jobs(offsets, self.threads), work)
+
     def demand_paging(self, offsets, threads: int) -> float:
         mm = mmap.mmap(self.fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
         src = np.frombuffer(mm, np.uint8)
@@ -208,6 +244,8 @@ class RawReaders:
             mm.close()                   # otherwise survive the next drop and feed other methods
 
     def close(self) -> None:
+        for c in self.crcs:
+            c.close()
         self.dests = []
         for v in self.views:
             v.release()
@@ -238,6 +276,7 @@ def main() -> int:
     stride, keys = h["stride"], [tuple(k) for k in h["keys"]]
     index = {k: i for i, k in enumerate(keys)}
     offset = {k: h["data_offset"] + i * stride for k, i in index.items()}
+    crcs = {k: h["_crcs"][i] for k, i in index.items()}
     total = len(keys) * stride
     harness.banner("cold_read", f"{path}: {len(keys)} experts x {stride} bytes = {total / 1e6:.0f} MB; "
                                 f"{args.readers} threads, batch {args.batch}, {args.reps} passes per pattern, "
@@ -248,10 +287,10 @@ def main() -> int:
             # floor + two daemons, and a little slack: once (right after the pack was
             # written) a daemon found one page fewer free than was reserved
             stack.enter_context(harness.hugepages_reserved(3 * -(-args.batch * stride // huge_page) + 4))
-        return measure(args, path, stride, keys, offset, total)
+        return measure(args, path, stride, keys, offset, crcs, total)
 
 
-def measure(args, path, stride, keys, offset, total) -> int:
+def measure(args, path, stride, keys, offset, crcs, total) -> int:
     # O_DIRECT speed here depends on how physically contiguous the destination pages are
     # (see RawReaders), which depends on who allocates first from fragmented free memory:
     # compact it first, then give the floor and the daemons their memory, and show both.
@@ -289,6 +328,8 @@ def measure(args, path, stride, keys, offset, total) -> int:
         offs = [offset[(layer, e)] for e in experts]
         if m == "floor":
             return raw.floor(offs, args.request)
+        if m == "floorcrc":
+            return raw.floor_crc(offs, args.request, [crcs[(layer, e)] for e in experts])
         return raw.demand_paging(offs, args.readers * MMAPS[m] if m in MMAPS else 1)
 
     results = {p: {m: [] for m in METHODS} for p in patterns}   # GB/s per pass
@@ -335,6 +376,8 @@ def measure(args, path, stride, keys, offset, total) -> int:
         r_mmap = harness.median([d / b for d, b in zip(r["direct"], best_mmap)])
         ceiling = harness.median([f / b for f, b in zip(r["floor"], best_mmap)])
         print(f"{'':<{len(p) + 2}}floor / fastest mmap = {ceiling:.2f} (the most any reader can show)")
+        print(f"{'':<{len(p) + 2}}direct / floorcrc = {ratio('direct', 'floorcrc'):.2f} (k3d's own cost beyond "
+              f"read-time verification, which costs the floor {1 - ratio('floorcrc', 'floor'):.0%})")
         verdicts.append((p, "direct >= 0.9x floor", r_floor, r_floor >= 0.9))
         verdicts.append((p, "direct >= 2.5x fastest mmap", r_mmap, r_mmap >= 2.5))
     print("(ratios: medians over passes of per-pass ratios)\n")
