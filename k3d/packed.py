@@ -26,9 +26,13 @@ layout), so one read of ``stride`` bytes fills a slot with no scatter.
 Invariants:
 - Offsets and lengths of every expert are 4096-aligned, and so are arena slots,
   so ``--read-mode direct`` reads with O_DIRECT straight into slot memory.
-- Atomic writes: ``write_pack`` writes ``OUT.partial`` (data first, the header
-  last), fsyncs it and renames it to ``OUT``.  An interrupted pack leaves only a
-  ``.partial`` whose header is still zero bytes: ``k3d start`` refuses it.
+- Atomic writes: ``write_pack`` writes an unnamed ``O_TMPFILE`` in OUT's
+  directory (data first, fsync, then the header, fsync) and links it in as
+  ``OUT`` only when complete, so an interrupted pack leaves no file at all.
+  Where the file system has no O_TMPFILE (and, over an existing OUT, for the
+  instant before the rename) the file is ``OUT.partial``, which ``k3d start``
+  refuses by name; its header stays zero bytes until the data is on disk, so
+  a renamed one is refused too unless it is complete.
 - Read-time verification: an expert (or part) is read ``CHUNK`` bytes at a
   time; each piece, as it lands, goes to the reader thread's ``CrcPipeline``
   companion, which folds it into the running crc32 while the reader already
@@ -62,7 +66,9 @@ reader fed it, and has let go of them before ``read`` returns or raises.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import json
 import math
 import mmap
@@ -89,6 +95,10 @@ READ_MODES = ("buffered", "direct")
 CHUNK = 1 << 20
 
 
+PARTIAL = ".partial"            # the name of a pack being written, where it has one
+_TMPFILE = True                 # write packs as O_TMPFILE where the file system can (tests turn it off)
+
+
 class ChecksumError(SourceError):
     """An expert's bytes do not match the checksum in the packed header."""
 
@@ -98,8 +108,23 @@ def _fail(path: str, msg: str):
     raise SourceError(f"{path}: {msg}")
 
 
+def _count(v) -> bool:
+    """A JSON integer >= 0 (not 53248.0, not true): header numbers become offsets and slices."""
+    return type(v) is int and v >= 0
+
+
+def _spec(w) -> TensorSpec:
+    name, dtype, shape, offset, nbytes = w
+    if not (isinstance(name, str) and isinstance(dtype, str) and isinstance(shape, list)
+            and all(_count(v) for v in [*shape, offset, nbytes])):
+        raise ValueError(f"layout entry {w!r} is not [name, dtype, [dims >= 0], offset >= 0, nbytes >= 0]")
+    return TensorSpec(name, dtype, tuple(shape), offset, nbytes)
+
+
 def read_header(path: str) -> tuple[dict, int]:
     """Validate a packed file's header against the file; returns (header, file size)."""
+    if path.endswith(PARTIAL):
+        _fail(path, "an unfinished `k3d pack` output (interrupted, or still being written); run the pack again")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
@@ -116,6 +141,8 @@ def read_header(path: str) -> tuple[dict, int]:
         if n > MAX_HEADER or 16 + n > size:
             _fail(path, f"header length {n} runs past the end of the file ({size} bytes)")
         raw = os.pread(fd, n, 16)
+    except OSError as e:                # a directory named *.k3pack, an I/O error
+        raise SourceError(f"{path}: cannot read ({e.strerror or e})") from None
     finally:
         os.close(fd)
     try:
@@ -127,13 +154,22 @@ def read_header(path: str) -> tuple[dict, int]:
     if h.get("version") != VERSION:
         _fail(path, f"packed format version {h.get('version')!r} is not supported (this k3d reads {VERSION})")
     try:
-        layout = [TensorSpec.from_wire(w) for w in h["layout"]]
+        layout = [_spec(w) for w in h["layout"]]
         span, stride, data_offset = h["span"], h["stride"], h["data_offset"]
-        keys = [(int(l), int(e)) for l, e in h["keys"]]
+        keys = [(l, e) for l, e in h["keys"]]
         sums = h["checksums"]
         tensor_format = h["tensor_format"]
     except (KeyError, TypeError, ValueError) as e:
         _fail(path, f"header lacks or mangles a field ({type(e).__name__}: {e})")
+    if not all(_count(v) for v in (span, stride, data_offset)):
+        _fail(path, f"span, stride and data_offset must be integers >= 0, not {span!r}, {stride!r}, {data_offset!r}")
+    if not keys or not all(_count(l) and _count(e) for l, e in keys):
+        _fail(path, "keys must be a non-empty list of [layer, expert] integers >= 0")
+    source, types = h.get("source", {}), h.get("tensor_types", {})
+    if not (isinstance(source, dict) and all(isinstance(v, str) for v in source.values())):
+        _fail(path, f"source {source!r} is not an object of strings")
+    if not (isinstance(types, dict) and all(isinstance(v, str) for v in types.values())):
+        _fail(path, f"tensor_types {types!r} is not an object of strings")
     for s in layout:
         if s.dtype not in DTYPES:
             _fail(path, f"layout tensor {s.name!r} has unknown dtype {s.dtype!r}")
@@ -145,6 +181,8 @@ def read_header(path: str) -> tuple[dict, int]:
         _fail(path, "layout offsets are not the slot layout (sorted names, 64-byte aligned)")
     if span != layout_bytes(layout):
         _fail(path, f"span {span} is not the layout's {layout_bytes(layout)} bytes")
+    if span == 0:
+        _fail(path, "the layout's tensors hold no bytes")
     if stride != align(span, PAGE):
         _fail(path, f"stride {stride} is not the span {span} rounded up to 4096")
     if not isinstance(data_offset, int) or data_offset % PAGE or data_offset < 16 + n:
@@ -379,18 +417,66 @@ def _pwrite_fully(fd: int, data: memoryview, offset: int) -> None:
             done += os.pwrite(fd, rest, offset + done)
 
 
+def _create(out: str) -> tuple[int, str | None]:
+    """The fd a pack is written to, and its name (None: it has none yet).
+
+    O_TMPFILE makes a file with no name until ``_publish`` links it in, so a killed
+    pack leaves nothing behind and two packs to one OUT never share a file.  Where
+    the file system lacks it: ``OUT.partial``, refused by ``read_header``."""
+    if _TMPFILE and os.path.isdir("/proc/self/fd"):      # linkat needs /proc to name the fd
+        try:
+            return os.open(os.path.dirname(os.path.abspath(out)),
+                           os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644), None
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    partial = out + PARTIAL
+    return os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644), partial
+
+
+def _publish(fd: int, name: str | None, out: str) -> str:
+    """Give the finished pack the name ``out`` (atomically: complete or not there at all)
+    and make the name durable (fsync of the directory)."""
+    dfd = os.open(os.path.dirname(os.path.abspath(out)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if name is None:
+            # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N: Python calls linkat (not link,
+            # which would not follow the magic link) only when given a dir fd
+            base, proc = os.path.basename(out), f"/proc/self/fd/{fd}"
+            try:
+                os.link(proc, base, dst_dir_fd=dfd, follow_symlinks=True)
+                name = out
+            except FileExistsError:                     # --force over an existing OUT:
+                name = out + PARTIAL                    # link beside it, then rename over it
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name)
+                os.link(proc, base + PARTIAL, dst_dir_fd=dfd, follow_symlinks=True)
+        if name != out:
+            try:
+                os.rename(name, out)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+                raise
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return out
+
+
 def write_pack(src: Source, out: str, progress: bool = True) -> dict:
     """Write ``src`` as a packed file at ``out`` (atomically); returns a summary."""
     keys = sorted(src.keys)
     if not keys:
         raise SourceError(f"{src.path}: no experts to pack")
     span = src.expert_bytes
+    if not span:
+        raise SourceError(f"{src.path}: the experts' tensors hold no bytes; nothing to pack")
     stride = align(span, PAGE)
     # checksums are fixed-width hex, so the placeholder header has the final length
     placeholder = _header_bytes(src, keys, span, stride, 0, ["0" * 8] * len(keys))
     data_offset = align(16 + len(placeholder) + 32, PAGE)  # +32: room for data_offset's digits
-    partial = out + ".partial"
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd, name = _create(out)             # name: None while the file has none (O_TMPFILE)
     bar = _Progress(len(keys), stride) if progress else None
     t0 = time.monotonic()
     try:
@@ -413,25 +499,20 @@ def write_pack(src: Source, out: str, progress: bool = True) -> dict:
         header = _header_bytes(src, keys, span, stride, data_offset, sums)
         if 16 + len(header) > data_offset:
             raise SourceError(f"{out}: header grew past its reserved space (internal error)")
-        blob = MAGIC + len(header).to_bytes(8, "little") + header
-        os.pwrite(fd, blob + bytes(data_offset - len(blob)), 0)
+        # The data is on disk before the header is written: a header, once on disk, never
+        # describes experts that are not.
         os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.rename(partial, out)
-        dfd = os.open(os.path.dirname(os.path.abspath(out)), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        blob = MAGIC + len(header).to_bytes(8, "little") + header
+        _pwrite_fully(fd, memoryview(blob + bytes(data_offset - len(blob))), 0)
+        os.fsync(fd)
+        name = _publish(fd, name, out)
     except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        try:
-            os.unlink(partial)
-        except OSError:
-            pass
+        if name is not None and name != out:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
         raise
+    finally:
+        os.close(fd)
     return {"path": out, "experts": len(keys), "span": span, "stride": stride,
             "bytes": data_offset + len(keys) * stride, "seconds": time.monotonic() - t0}
 

@@ -230,7 +230,11 @@ class GGUFSource(Source):
         for tname, (gtype, ne, start, nbytes) in tensors.items():
             m = EXPERT_RX.match(tname)
             if m:
-                layers.setdefault(int(m[1]), {})[m[2]] = (gtype, ne, start, nbytes, tname)
+                per = layers.setdefault(int(m[1]), {})
+                if m[2] in per:                 # blk.1.x and blk.01.x: which one is layer 1?
+                    raise SourceError(f"{path}: tensors {per[m[2]][4]!r} and {tname!r} are both "
+                                      f"layer {int(m[1])}'s {m[2]!r}; remove one")
+                per[m[2]] = (gtype, ne, start, nbytes, tname)
         if not layers:
             raise SourceError(f"{path}: no expert tensors (blk.N.ffn_*_exps.*) in this GGUF file")
         counts = {v[1][-1] for per in layers.values() for v in per.values()}
@@ -266,7 +270,7 @@ class GGUFSource(Source):
             per = layers[layer]
             for e in range(n_expert):
                 self.keys[(layer, e)] = [Extent(0, per[s.name][2] + e * s.nbytes, s.offset, s.nbytes)
-                                         for s in self.layout]
+                                         for s in self.layout if s.nbytes]
         self.fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
 
     def describe(self) -> dict:

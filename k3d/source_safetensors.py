@@ -12,7 +12,11 @@ known, ``e - b == prod(shape) * itemsize``, offsets are in bounds; the tensors
 cover the data area without holes or overlaps (as the reference requires).
 
 Names map to keys with ``pattern`` (``{layer}``, ``{expert}``, ``{name}``); names
-that do not match (attention, norms, the router) are ignored.  The layout is the
+that do not match (attention, norms, the router) are ignored.  With an index,
+a tensor is read from the shard its ``weight_map`` names (a copy elsewhere is
+stale and ignored; a mapped tensor missing from its shard is an error);
+without one, a tensor in two shards is an error, as are two names that map to
+one expert tensor (``layers.1`` and ``layers.01``).  The layout is the
 ``{name}`` set of the lowest key (normally (0, 0)) in sorted order; every other
 expert must have the same names, dtypes and shapes, or start-up fails naming
 the first that differs.
@@ -98,24 +102,26 @@ def read_header(path: str) -> tuple[int, dict]:
     return parse_header(path, head, file_len)
 
 
-def shard_files(path: str) -> list[str]:
+def shard_files(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The shard files of a checkpoint, sorted, and the index's tensor -> shard path map
+    (None without an index)."""
     if os.path.isfile(path):
         if path.endswith(".json"):
             return index_shards(path)
-        return [path]
+        return [path], None
     index = os.path.join(path, INDEX_NAME)
     if os.path.exists(index):
         return index_shards(index)
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
-        return [single]
+        return [single], None
     found = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
     if not found:
         raise SourceError(f"{path}: no {INDEX_NAME}, model.safetensors or *.safetensors")
-    return found
+    return found, None
 
 
-def index_shards(index: str) -> list[str]:
+def index_shards(index: str) -> tuple[list[str], dict[str, str]]:
     try:
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
@@ -130,7 +136,7 @@ def index_shards(index: str) -> list[str]:
     for s in shards:
         if not os.path.exists(s):
             raise SourceError(f"{index}: shard {os.path.basename(s)} is missing")
-    return shards
+    return shards, {t: os.path.join(base, n) for t, n in weight_map.items()}
 
 
 def detect_tensor_format(layout) -> str:
@@ -158,16 +164,33 @@ class SafetensorsSource(Source):
         super().__init__()
         self.path = path
         rx = compile_pattern(pattern)
+        shards, owner = shard_files(path)
         experts: dict[tuple[int, int], dict[str, tuple]] = {}
-        for fi, shard in enumerate(shard_files(path)):
-            start, tensors = read_header(shard)
+        for fi, shard in enumerate(shards):
+            try:
+                start, tensors = read_header(shard)
+            except OSError as e:                # a directory named *.safetensors, EIO, EACCES
+                raise SourceError(f"{shard}: cannot read ({e.strerror or e})") from None
             self.files.append(shard)
             for tname, (dtype, shape, b, e) in tensors.items():
                 m = rx.match(tname)
-                if not m:
-                    continue
-                key = (int(m["layer"]), int(m["expert"]))
-                experts.setdefault(key, {})[m["name"]] = (dtype, shape, fi, start + b, e - b, tname)
+                if not m or (owner is not None and owner.get(tname, shard) != shard):
+                    continue                    # not an expert, or a stale copy the index does not use
+                key, name = (int(m["layer"]), int(m["expert"])), m["name"]
+                have = experts.setdefault(key, {})
+                if name in have:
+                    other, other_fi = have[name][5], have[name][2]
+                    raise SourceError(
+                        f"{path}: tensors {other!r} ({os.path.basename(shards[other_fi])}) and {tname!r} "
+                        f"({os.path.basename(shard)}) are both tensor {name!r} of expert (layer {key[0]}, "
+                        f"expert {key[1]}); remove one{' or name one in ' + INDEX_NAME if owner is None else ''}")
+                have[name] = (dtype, shape, fi, start + b, e - b, tname)
+        if owner is not None:
+            found = {v[5] for per in experts.values() for v in per.values()}
+            lost = sorted(t for t in owner if rx.match(t) and t not in found)
+            if lost:
+                raise SourceError(f"{path}: the index puts tensor {lost[0]!r} in {os.path.basename(owner[lost[0]])}, "
+                                  f"which does not hold it ({len(lost)} such tensor(s))")
         if not experts:
             raise SourceError(f"{path}: no tensor matches the pattern {pattern!r}")
         ref_key = min(experts)
@@ -179,10 +202,15 @@ class SafetensorsSource(Source):
             got = {n: (d, s) for n, (d, s, *_rest) in have.items()}
             if got != want:
                 raise SourceError(self._mismatch(key, ref_key, want, got))
-            self.keys[key] = [Extent(fi, off, spec.offset, nb)
+            self.keys[key] = [Extent(fi, off, spec.offset, nb)      # an empty tensor: nothing to read
                               for spec in self.layout
-                              for (_, _, fi, off, nb, _) in [have[spec.name]]]
-        self.fds = [os.open(f, os.O_RDONLY | os.O_CLOEXEC) for f in self.files]
+                              for (_, _, fi, off, nb, _) in [have[spec.name]] if nb]
+        for f in self.files:
+            try:
+                self.fds.append(os.open(f, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError as e:
+                self.close()                    # the fds opened so far
+                raise SourceError(f"{f}: cannot open ({e.strerror or e})") from None
         self.tensor_format = detect_tensor_format(self.layout)
 
     @staticmethod

@@ -81,6 +81,7 @@ class Source:
 def read_fully(fd: int, buffers: list[memoryview], offset: int, what: str) -> int:
     """``os.preadv`` until every buffer is full; a short file is an error."""
     total = 0
+    buffers = [b for b in buffers if len(b)]      # preadv of only empty buffers returns 0: not EOF
     while buffers:
         n = os.preadv(fd, buffers, offset)
         if n == 0:
@@ -160,7 +161,7 @@ def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg=None) 
             raise SourceError(f"--read-mode direct reads local packed files; {spec} is remote "
                               "(its disk cache tier reads buffered)")
         return open_remote(spec, pattern, cfg)
-    from .packed import MAGIC as PACK_MAGIC, PackedSource
+    from .packed import MAGIC as PACK_MAGIC, PARTIAL, PackedSource
     from .source_gguf import MAGIC as GGUF_MAGIC, GGUFSource
     from .source_safetensors import SafetensorsSource
 
@@ -176,7 +177,7 @@ def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg=None) 
             head = os.pread(fd, 8, 0)
         finally:
             os.close(fd)
-    if head == PACK_MAGIC or spec.endswith(".k3pack"):
+    if head == PACK_MAGIC or spec.endswith((".k3pack", PARTIAL)):   # PackedSource refuses a .partial
         return PackedSource(spec, read_mode)
     if read_mode not in ("buffered", "direct"):
         raise SourceError(f"unknown read mode {read_mode!r} (use buffered or direct)")

@@ -154,6 +154,15 @@ def test_no_expert_tensors(tmp_path):
         GGUFSource(p)
 
 
+def test_two_names_for_one_layer(tmp_path):
+    """blk.1 and blk.01 are both layer 1: refused, not one of them silently served."""
+    p = _write(tmp_path / "t.gguf", {"blk.1.ffn_up_exps.weight": _q8((2, 8, 64)),
+                                     "blk.01.ffn_up_exps.weight": _q8((2, 8, 64), 1)})
+    with pytest.raises(SourceError, match=r"tensors 'blk\.0?1\.ffn_up_exps\.weight' and 'blk\.0?1\.ffn_up_exps"
+                                          r"\.weight' are both layer 1's 'ffn_up_exps\.weight'; remove one"):
+        GGUFSource(p)
+
+
 def test_unknown_ggml_type(tmp_path):
     p = _write(tmp_path / "t.gguf", {"blk.0.ffn_up_exps.weight": _q8((2, 8, 64))})
     _patch(p, _info_pos(p, "blk.0.ffn_up_exps.weight"), struct.pack("<I", 77))

@@ -306,32 +306,72 @@ def test_failed_read_leaves_no_piece_behind(packed, tmp_path, monkeypatch):
         cut.write_bytes(open(packed, "rb").read())
 
 
-def test_interrupted_pack_is_refused(checkpoint, tmp_path):
-    out = str(tmp_path / "cut.k3pack")
+def _killed_pack(checkpoint, out, tmpfile: bool, at: str):
+    """Run write_pack in a subprocess that SIGKILLs itself ``at`` "data" (the 5th expert
+    read), "publish" (data and header written and fsynced, not yet named OUT) or
+    "rename" (the finished file linked beside an existing OUT, not yet renamed over it)."""
     code = textwrap.dedent(f"""
         import os, signal
+        import k3d.packed as packed
         from k3d.sources import open_source
-        from k3d.packed import write_pack
+        packed._TMPFILE = {tmpfile!r}
         src = open_source({checkpoint!r}, {DEFAULT_PATTERN!r})
         real, n = src.read, [0]
         def read(ext, slot):
             n[0] += 1
-            if n[0] == 5:
+            if {at!r} == "data" and n[0] == 5:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(ext, slot)
         src.read = read
-        write_pack(src, {out!r}, progress=False)
+        def die(*a, **k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if {at!r} == "publish":
+            packed._publish = die
+        if {at!r} == "rename":
+            os.rename = die
+        packed.write_pack(src, {out!r}, progress=False)
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60)
     assert r.returncode == -signal.SIGKILL
-    assert not os.path.exists(out) and os.path.exists(out + ".partial")
-    r = k3d("start", "--source", out + ".partial", "--endpoint", f"ipc://{tmp_path}/k.sock")
-    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
-    assert "unsupported source" in r.stderr
-    os.rename(out + ".partial", out)
-    r = k3d("start", "--source", out, "--endpoint", f"ipc://{tmp_path}/k.sock")
-    assert r.returncode == 1 and "interrupted `k3d pack`" in r.stderr, r.stderr
+
+
+def _refused(path, tmp_path, why):
+    r = k3d("start", "--source", path, "--endpoint", f"ipc://{tmp_path}/k.sock")
+    assert r.returncode == 1 and why in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("at", ["data", "publish"])
+def test_interrupted_pack_leaves_nothing(checkpoint, tmp_path, at):
+    """O_TMPFILE: the pack has no name until it is complete, so a killed one leaves no file."""
+    out = str(tmp_path / "cut.k3pack")
+    _killed_pack(checkpoint, out, tmpfile=True, at=at)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("at", ["data", "publish"])
+def test_interrupted_named_pack_is_refused(checkpoint, tmp_path, at):
+    """Without O_TMPFILE the pack is OUT.partial: refused by name, and, renamed, refused
+    for its empty header unless the pack got as far as a complete one."""
+    out = str(tmp_path / "cut.k3pack")
+    _killed_pack(checkpoint, out, tmpfile=False, at=at)
+    assert sorted(os.listdir(tmp_path)) == ["cut.k3pack.partial"]
+    _refused(out + ".partial", tmp_path, "unfinished `k3d pack` output")
+    os.rename(out + ".partial", out)
+    if at == "data":
+        _refused(out, tmp_path, "interrupted `k3d pack`")
+    else:   # data fsynced before the header: a complete header means a complete file
+        assert read_header(out)[0]["keys"]
+
+
+def test_pack_killed_while_replacing_keeps_the_old_file(checkpoint, packed, tmp_path):
+    out = str(tmp_path / "model.k3pack")
+    with open(packed, "rb") as f, open(out, "wb") as g:
+        g.write(f.read())
+    before = open(out, "rb").read()
+    _killed_pack(checkpoint, out, tmpfile=True, at="rename")
+    assert open(out, "rb").read() == before             # OUT: the old pack, whole
+    _refused(out + ".partial", tmp_path, "unfinished `k3d pack` output")
 
 
 def test_exception_mid_pack_leaves_nothing(checkpoint, tmp_path):
@@ -373,6 +413,18 @@ def _rewrite_header(path, edit):
     (lambda h: h.update(version=2), "packed format version 2 is not supported"),
     (lambda h: h.update(data_offset=h["data_offset"] + 100), "data offset"),
     (lambda h: h.pop("keys"), "header lacks or mangles a field"),
+    # the right values with the wrong JSON types: numbers that are not integers become
+    # slice bounds and offsets, and a daemon must not start "ready" and then fail every read
+    (lambda h: h.update(stride=float(h["stride"])), "span, stride and data_offset must be integers"),
+    (lambda h: h.update(span=True), "span, stride and data_offset must be integers"),
+    (lambda h: h.update(keys=[], checksums=[]), "keys must be a non-empty list"),
+    (lambda h: h["keys"][0].__setitem__(1, 0.0), "keys must be a non-empty list"),
+    (lambda h: h.update(source="a string"), "source 'a string' is not an object of strings"),
+    (lambda h: h.update(source={"kind": 3}), "is not an object of strings"),
+    (lambda h: h.update(tensor_types=["MXFP4"]), "tensor_types .* is not an object of strings"),
+    (lambda h: h["layout"][0].__setitem__(2, [-d for d in h["layout"][0][2]]), r"layout entry .*dims >= 0"),
+    (lambda h: h["layout"][0].__setitem__(0, 5), "layout entry .* is not"),
+    (lambda h: h["layout"][0].__setitem__(1, ["U8"]), "layout entry .* is not"),
 ])
 def test_lying_header(packed, tmp_path, edit, message):
     p = tmp_path / "lie.k3pack"
@@ -394,6 +446,12 @@ def test_truncated_and_garbage(packed, tmp_path):
     p.write_bytes(b"not a pack file at all")
     with pytest.raises(SourceError, match="bad magic"):
         open_source(str(p), "")
+
+
+def test_unreadable_pack_is_one_line(tmp_path):
+    (tmp_path / "d.k3pack").mkdir()
+    with pytest.raises(SourceError, match=r"d.k3pack: cannot read \(Is a directory\)"):
+        open_source(str(tmp_path / "d.k3pack"), "")
 
 
 def test_read_mode_option(checkpoint, tmp_path):

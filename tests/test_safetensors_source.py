@@ -126,3 +126,68 @@ def test_index_with_bad_shard_names(tmp_path, shard):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": shard}}))
     with pytest.raises(SourceError, match="not a usable safetensors index"):
         SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+
+
+def _slot(src, key) -> bytes:
+    slot = bytearray(src.expert_bytes)
+    src.read(src.keys[key], memoryview(slot))
+    return bytes(slot)
+
+
+def test_index_names_the_shard_a_tensor_is_read_from(tmp_path):
+    """A stale copy of a tensor in another shard is ignored: the index's weight_map decides."""
+    w = P.format(l=0, e=0, n="w")
+    save_file({w: np.full(8, 1, np.uint8)}, str(tmp_path / "a.safetensors"))
+    save_file({w: np.full(8, 0xEE, np.uint8), P.format(l=0, e=1, n="w"): np.full(8, 2, np.uint8)},
+              str(tmp_path / "b.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {w: "a.safetensors", P.format(l=0, e=1, n="w"): "b.safetensors"}}))
+    src = SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+    try:
+        assert _slot(src, (0, 0)) == bytes([1] * 8) and _slot(src, (0, 1)) == bytes([2] * 8)
+    finally:
+        src.close()
+    # the index puts a tensor in a shard that lacks it
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {w: "a.safetensors", P.format(l=0, e=1, n="w"): "a.safetensors"}}))
+    with pytest.raises(SourceError, match=r"puts tensor '.*experts\.1\.w' in a.safetensors, which does not hold it"):
+        SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+
+
+def test_a_tensor_in_two_shards_without_an_index_is_refused(tmp_path):
+    w = P.format(l=0, e=0, n="w")
+    save_file({w: np.full(8, 1, np.uint8)}, str(tmp_path / "a.safetensors"))
+    save_file({w: np.full(8, 0xEE, np.uint8)}, str(tmp_path / "b.safetensors"))
+    with pytest.raises(SourceError, match=r"\(a.safetensors\) and .* \(b.safetensors\) are both tensor 'w' "
+                                          r"of expert \(layer 0, expert 0\); remove one or name one in"):
+        SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+
+
+def test_two_names_for_one_expert_are_refused(tmp_path):
+    _write(tmp_path, {P.format(l=1, e=0, n="w"): np.full(8, 1, np.uint8),
+                      P.format(l="01", e=0, n="w"): np.full(8, 7, np.uint8)})
+    with pytest.raises(SourceError, match=r"layers\.(1|01)\..* and .*layers\.(01|1)\..* are both tensor 'w' "
+                                          r"of expert \(layer 1, expert 0\)"):
+        SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+
+
+def test_empty_tensor_in_the_layout(tmp_path):
+    """A legal zero-element tensor: nothing to read for it, every other byte served."""
+    t = {}
+    for e in range(2):
+        t[P.format(l=0, e=e, n="bias")] = np.zeros((0,), np.float32)
+        t[P.format(l=0, e=e, n="w")] = np.full(16, e + 1, np.uint8)
+    _write(tmp_path, t)
+    src = SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+    try:
+        spec = next(s for s in src.layout if s.name == "w")
+        for e in range(2):
+            assert _slot(src, (0, e))[spec.offset:spec.offset + 16] == bytes([e + 1] * 16)
+    finally:
+        src.close()
+
+
+def test_unreadable_shard_is_one_line(tmp_path):
+    (tmp_path / "x.safetensors").mkdir()
+    with pytest.raises(SourceError, match=r"x.safetensors: cannot read \(Is a directory\)"):
+        SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
