@@ -127,11 +127,11 @@ def parts_per_key(readers: int, keys: int, max_parts: int) -> int:
 
 
 def split_extents(extents: list[Extent], parts: int) -> list[list[Extent]]:
-    """Cut extents into ``parts`` groups of about equal bytes (page-aligned cuts)."""
+    """Cut extents into at most ``parts`` groups of about equal bytes (page-aligned cuts)."""
     total = sum(e.length for e in extents)
     if parts <= 1 or total <= PAGE:
         return [list(extents)]
-    share = max(PAGE, (total // parts + PAGE - 1) // PAGE * PAGE)
+    share = max(PAGE, (-(-total // parts) + PAGE - 1) // PAGE * PAGE)     # parts * share >= total
     out, cur, room = [], [], share
     for e in sorted(extents, key=lambda x: (x.file, x.offset)):
         off, so, left = e.offset, e.slot_offset, e.length

@@ -101,11 +101,20 @@ def test_pattern_needs_all_fields(tmp_path):
         SafetensorsSource(str(tmp_path), "layers.{layer}.{name}")
 
 
+def test_split_extents_never_makes_more_parts_than_asked():
+    for pages, tail in [(8, 7), (7, 4095), (3228, 0), (1, 1)]:
+        total = pages * 4096 + tail
+        for parts in range(1, 10):
+            groups = split_extents([Extent(0, 0, 0, total)], parts)
+            assert len(groups) <= parts and sum(e.length for g in groups for e in g) == total
+            assert all(e.offset % 4096 == 0 for g in groups for e in g)
+
+
 def test_split_extents_covers_every_byte_once():
     ext = [Extent(0, 1000, 0, 10000), Extent(0, 11000, 10048, 5000), Extent(1, 0, 15104, 3000)]
     for parts in (1, 2, 3, 8):
         groups = split_extents(ext, parts)
-        assert 1 <= len(groups) <= parts + 1
+        assert 1 <= len(groups) <= parts
         cover = sorted((e.slot_offset, e.slot_offset + e.length, e.offset - e.slot_offset, e.file)
                        for g in groups for e in g)
         total = sum(b - a for a, b, _, _ in cover)
