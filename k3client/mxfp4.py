@@ -96,7 +96,8 @@ def dequantize(packed, scales=None, layout: str = "ocp", name: str = "tensor", d
 def _check_ocp(name, pshape, sshape, sdtype) -> None:
     if str(sdtype) not in ("uint8", "torch.uint8"):
         raise ValueError(f"{name}: E8M0 scales must be uint8, got {sdtype}")
-    if len(pshape) == 0 or tuple(pshape[:-1]) != tuple(sshape[:-1]) or pshape[-1] != sshape[-1] * (BLOCK // 2):
+    if (len(pshape) == 0 or len(sshape) == 0 or tuple(pshape[:-1]) != tuple(sshape[:-1])
+            or pshape[-1] != sshape[-1] * (BLOCK // 2)):
         raise ValueError(f"{name}: packed shape {list(pshape)} and scale shape {list(sshape)} do not match "
                          f"(need packed [..., 16n] with scales [..., n])")
 

@@ -118,6 +118,10 @@ def test_bad_arguments():
         dequantize(np.zeros((4, 64), np.float32), np.zeros((4, 4), np.uint8))
     with pytest.raises(ValueError, match="unknown MXFP4 layout 'nv'"):
         dequantize(np.zeros((4, 64), np.uint8), layout="nv")
+    with pytest.raises(ValueError, match=r"scale shape \[\] do not match"):       # a 0-d scale
+        dequantize(np.zeros(16, np.uint8), np.array(127, np.uint8))
+    with pytest.raises(ValueError, match=r"scale shape \[\] do not match"):
+        dequantize(torch.zeros(16, dtype=torch.uint8), torch.tensor(127, dtype=torch.uint8))
 
 
 def test_read_only_inputs_and_dtype():
