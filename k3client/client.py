@@ -135,6 +135,7 @@ class Client:
         self._pidfd = None
         self._sock_ino = None
         self._hb_stop = threading.Event()
+        self._hb_wake = threading.Event()    # set: beat now (a new lease, or stop)
         self._closed = False
         self._hb_thread = None
         try:
@@ -143,9 +144,10 @@ class Client:
             # close() (and with no Expert left) stops heartbeating, so its pins expire.
             self._hb_thread = threading.Thread(
                 target=_heartbeat, name="k3client-lease", daemon=True,
-                args=(weakref.ref(self), self._ctx, self.endpoint, max(0.2, self.lease_s / 4), self._hb_stop))
+                args=(weakref.ref(self), self._ctx, self.endpoint, max(0.2, self.lease_s / 4),
+                      self._hb_stop, self._hb_wake))
             self._hb_thread.start()
-            weakref.finalize(self, self._hb_stop.set)
+            weakref.finalize(self, _end_heartbeat, self._hb_stop, self._hb_wake)
         except BaseException:
             self._teardown()
             raise
@@ -191,6 +193,7 @@ class Client:
         self.slot_bytes = h["slot_bytes"]
         self.expert_bytes = h["expert_bytes"]
         self.lease_s = h["lease_s"]
+        self._hb_wake.set()         # a (re)attach: beat now, at this daemon's lease from here on
         self._attach_arena(h["arena_socket"], h["arena_bytes"])
 
     def _socket_inode(self):
@@ -363,7 +366,7 @@ class Client:
         self.gen = None
 
     def _teardown(self):
-        self._hb_stop.set()
+        _end_heartbeat(self._hb_stop, self._hb_wake)
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
         self._disconnect()
@@ -376,22 +379,42 @@ class Client:
         self.close()
 
 
-def _heartbeat(client_ref, ctx, endpoint: str, period: float, stop: threading.Event) -> None:
-    """Lease thread: renew the client's lease every ``period`` s while it exists."""
+def _end_heartbeat(stop: threading.Event, wake: threading.Event) -> None:
+    stop.set()
+    wake.set()
+
+
+def _heartbeat(client_ref, ctx, endpoint: str, period: float, stop: threading.Event,
+               wake: threading.Event) -> None:
+    """Lease thread: renew the client's lease every quarter lease while it exists.
+
+    The period follows the lease of the daemon attached now (a restarted daemon may
+    have a shorter one; ``wake`` is set at every attach, so the first beat to it goes
+    out at once).  While no daemon listens a beat is skipped, never queued
+    (IMMEDIATE): a queue would fill in a long outage and end the thread."""
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IMMEDIATE, 1)
     s.connect(endpoint)
     try:
-        while not stop.wait(period):
+        while True:
+            wake.wait(period)
+            wake.clear()
+            if stop.is_set():
+                return
             client = client_ref()
             if client is None:
                 return
             # gen: a heartbeat queued across a restart must not renew a stranger
             client_id, gen = client._lease
+            period = max(0.2, client.lease_s / 4)
             del client
-            s.send(pack({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 0,
-                         "client_id": client_id, "gen": gen}), zmq.NOBLOCK)
-    except zmq.ZMQError:
+            try:
+                s.send(pack({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 0,
+                             "client_id": client_id, "gen": gen}), zmq.NOBLOCK)
+            except zmq.Again:       # no daemon connected right now: the next beat tries again
+                pass
+    except zmq.ZMQError:            # the context was terminated: the client is gone
         pass
     finally:
         s.close(0)

@@ -139,15 +139,17 @@ class Arena:
         chunk = 256 * 2**20
         t0 = time.monotonic()
         pages = np.frombuffer(self.mm, dtype=np.uint8)
-        for off in range(0, self.mapped, chunk):
-            n = min(chunk, self.mapped - off)
-            try:
-                self.mm.madvise(MADV_POPULATE_WRITE, off, n)
-            except OSError:
-                pages[off:off + n:PAGE] = 0
-            if progress:
-                progress(off + n, self.mapped, time.monotonic() - t0, "pre-faulting")
-        del pages
+        try:
+            for off in range(0, self.mapped, chunk):
+                n = min(chunk, self.mapped - off)
+                try:
+                    self.mm.madvise(MADV_POPULATE_WRITE, off, n)
+                except OSError:
+                    pages[off:off + n:PAGE] = 0
+                if progress:        # may raise (a stop during start-up): the mapping must close then
+                    progress(off + n, self.mapped, time.monotonic() - t0, "pre-faulting")
+        finally:
+            del pages
 
     def view(self, slot: int) -> memoryview:
         """Writable view of one slot (daemon side only)."""

@@ -8,11 +8,16 @@ pre-fault it, bind, then print ``ready`` and tell systemd READY=1.
 
 Signal handlers only ask the loop to act (gunicorn's arbiter rule): SIGTERM/
 SIGINT to stop (the loop drains and returns, ``run`` releases the arena and
-exits 0), SIGHUP to reload the config (``reload`` re-resolves it).
+exits 0), SIGHUP to reload the config (``reload`` re-resolves it).  The stop
+handlers are installed first of all: a stop during start-up (a long pre-fault)
+ends it at the next progress tick, releasing what was built, with exit 0.
+One daemon per endpoint: ``claim_endpoint`` flocks ``ARENA_SOCK.lock`` for the
+daemon's life, so a second start is refused even before the first answers.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -110,9 +115,31 @@ def size_arena(cfg, expert_bytes: int) -> tuple[int, int]:
     return slots, slot_bytes
 
 
-def claim_endpoint(endpoint: str, arena_sock: str) -> None:
-    """Make the socket directory; refuse a live daemon's endpoint, clear a dead one's."""
+def claim_endpoint(endpoint: str, arena_sock: str) -> int:
+    """Make the socket directory; refuse a live daemon's endpoint, clear a dead one's.
+
+    Returns the fd of ``ARENA_SOCK.lock``, flock'ed for the daemon's life: a second
+    ``k3d start`` on the endpoint is refused even while the first is still building its
+    arena (its sockets do not answer yet, and binding over them would strand it).  The
+    kernel drops the lock when the process dies, however it dies."""
     os.makedirs(os.path.dirname(arena_sock), mode=0o750, exist_ok=True)
+    lock_path = arena_sock + ".lock"
+    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock)
+        raise StartupError(f"another k3d is starting or serving at {endpoint} (it holds {lock_path}); "
+                           "stop it first") from None
+    try:
+        _clear_stale(endpoint, arena_sock)
+    except BaseException:
+        os.close(lock)
+        raise
+    return lock
+
+
+def _clear_stale(endpoint: str, arena_sock: str) -> None:
     if os.path.exists(arena_sock):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -137,7 +164,34 @@ def _progress(done: int, total: int, seconds: float, what: str) -> None:
           file=sys.stderr, flush=True)
 
 
+class _StopDuringStartup(Exception):
+    """SIGTERM/SIGINT arrived before the server loop ran: stop cleanly (exit 0)."""
+
+
 def run(cfg, env, reload=None) -> int:
+    # Stop requests are honoured from the first instruction: during a long arena pre-fault
+    # a SIGTERM (systemctl stop) must end the start-up cleanly, not kill it by default.
+    stop = {"requested": False, "server": None}
+
+    def on_stop(*_):
+        stop["requested"] = True
+        if stop["server"] is not None:
+            stop["server"].request_stop()
+
+    def check_stop():
+        if stop["requested"]:
+            raise _StopDuringStartup()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_stop)
+    try:
+        return _run(cfg, env, reload, stop, check_stop)
+    except _StopDuringStartup:
+        log.info("stopped during start-up")
+        return 0
+
+
+def _run(cfg, env, reload, stop, check_stop) -> int:
     notifier = Notifier(env)
     if not cfg.source:
         raise StartupError("no checkpoint: pass --source PATH (or set source in the config file / K3D_SOURCE)")
@@ -145,15 +199,17 @@ def run(cfg, env, reload=None) -> int:
         source = open_source(cfg.source, cfg.pattern, cfg.read_mode, cfg=cfg)
     except SourceError as e:
         raise StartupError(str(e)) from None
-    arena = server = None
+    arena = server = lock = None
     try:
+        check_stop()
         slots, slot_bytes = size_arena(cfg, source.expert_bytes)
         arena_sock = arena_socket_for(cfg.endpoint, env)
-        claim_endpoint(cfg.endpoint, arena_sock)
+        lock = claim_endpoint(cfg.endpoint, arena_sock)
         log.info("source %s: %d experts, %d bytes each; arena %d slots x %d bytes",
                  source.path, len(source.keys), source.expert_bytes, slots, slot_bytes)
         try:
             def progress(done, total, seconds, what):
+                check_stop()
                 _progress(done, total, seconds, what)
                 notifier.status(f"{what} arena {done >> 20}/{total >> 20} MiB")
                 if notifier.watchdog_interval:   # a long pre-fault is not a hang
@@ -161,6 +217,7 @@ def run(cfg, env, reload=None) -> int:
             arena = Arena(slots, slot_bytes, progress=progress, huge=cfg.hugepages, thp=cfg.thp)
         except ArenaError as e:
             raise StartupError(str(e)) from None
+        check_stop()
         if cfg.thp and not cfg.hugepages:
             log.info("arena: %d of %d MiB in transparent huge pages%s", arena.thp_bytes >> 20, arena.mapped >> 20,
                      f" ({arena.thp_why})" if arena.thp_why else "")
@@ -168,8 +225,9 @@ def run(cfg, env, reload=None) -> int:
             server = Server(cfg, source, arena, arena_sock, notifier)
         except Exception as e:
             raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: server.request_stop())
+        stop["server"] = server
+        if stop["requested"]:            # came while binding: the loop shuts down at once, cleanly
+            server.request_stop()
         server.reloader = reload
         signal.signal(signal.SIGHUP, lambda *_: server.request_reload())
         print(f"k3d: ready endpoint={cfg.endpoint} slots={slots} slot_bytes={slot_bytes} "
@@ -184,3 +242,5 @@ def run(cfg, env, reload=None) -> int:
         if server is None or not server.readers.alive():   # a stuck reader may still use the fds
             source.close()
         notifier.close()
+        if lock is not None:
+            os.close(lock)

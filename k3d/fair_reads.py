@@ -5,8 +5,9 @@ A client's urgent read jobs enter the ``ReaderPool`` at most ``fair_jobs``
 its parts finish.  So one client's 32-expert cold fetch cannot put every other
 client's miss behind all of it, yet a lone client still keeps every reader
 busy (work-conserving).  A backlogged read jumps the line (``release``) when
-another client waits on it, when its owner dies, and at shutdown (so the
-pool's ``stop`` cancels and reports it like any other queued job).
+another client waits on it and at shutdown (so the pool's ``stop`` cancels and
+reports it like any other queued job); when its owner dies it goes to the
+background queue (nobody waits on it; a later fetch of its key promotes it).
 
 State (server thread only, no lock):
 - ``backlog``: client -> deque of its held-back Jobs;
@@ -55,21 +56,23 @@ class FairReads:
         if owner != client:
             self.release(owner, slot)
 
-    def release(self, owner: int, slot: int | None = None) -> None:
-        """Submit ``owner``'s held-back jobs now: those of ``slot``, or all."""
+    def release(self, owner: int, slot: int | None = None, urgent: bool = True) -> list:
+        """Submit ``owner``'s held-back jobs now: those of ``slot``, or all (as background
+        reads with ``urgent=False``: nobody waits on them).  Returns the jobs moved."""
         q = self.backlog.get(owner)
         if not q:
-            return
+            return []
         moved = [j for j in q if slot is None or j.load_id == slot]
         if not moved:
-            return
+            return []
         rest = deque(j for j in q if slot is not None and j.load_id != slot)
         if rest:
             self.backlog[owner] = rest
         else:
             del self.backlog[owner]
         self.in_pool[owner] = self.in_pool.get(owner, 0) + len(moved)
-        self.readers.submit(moved, True)
+        self.readers.submit(moved, urgent)
+        return moved
 
     def release_all(self) -> None:
         for owner in list(self.backlog):

@@ -543,12 +543,23 @@ class Server:
                             slots = self._checked_slots(p.keys, p.slots)
                             if p.session.holder != p.holder:
                                 # The client began a new token before this reply (a pipelining
-                                # client): its old pins are gone, so pin for the token it reads in.
-                                for slot in slots:
-                                    self.store.policy.pin(slot, p.session.holder)
+                                # client): its old pins are gone, so pin for the token it reads in,
+                                # within that token's quota like any fetch in it.
+                                self._repin(p.session, slots)
                             self._send(p.session.routing, p.rid, {"slots": slots})
                         except K3Error as e:
                             self._send_error(p.session.routing, p.rid, e)
+
+    def _repin(self, s: Session, slots: list[int]) -> None:
+        policy, quota = self.store.policy, self.store.pin_quota
+        if quota:
+            after = len(policy.held(s.holder) | set(slots))
+            if after > quota:
+                raise errors.QuotaExceeded(
+                    f"pin quota exceeded: this fetch, answered after begin_token, would pin {after} slots "
+                    f"in the new token, the quota is {quota} per client per token; fetch it again")
+        for slot in slots:
+            policy.pin(slot, s.holder)
 
     def _checked_slots(self, keys, slots) -> list[int]:
         st = self.store
@@ -612,8 +623,19 @@ class Server:
 
     def _drop(self, s: Session, reason: str, dead: bool) -> None:
         released, _ = self.store.end_epoch(s.client_id, s.holder)
-        self.fair.release(s.client_id)     # others may be waiting on those reads
+        # Its held-back reads go on as background reads (another client may fetch
+        # those keys: that promotes them), never ahead of the urgent reads of others.
+        for job in self.fair.release(s.client_id, urgent=False):
+            self.store.loads[job.load_id].urgent = False     # so a fetch of its key promotes it
         s.alive = False
+        # A fetch it still waits on is answered now (a live process whose lease ran
+        # out must not wait for its own timeout to learn it is no longer attached).
+        for pending in {id(p): p for ps in self.waiters.values() for p in ps}.values():
+            if pending.session is s and not pending.done:
+                pending.done = True
+                self._send_error(s.routing, pending.rid, NotAttached(
+                    f"the daemon dropped this client ({reason}) before the fetch finished; "
+                    "its pins are released: connect again"))
         self.sessions.pop(s.routing, None)
         self.by_id.pop(s.client_id, None)
         if dead:

@@ -66,8 +66,44 @@ def test_kill9_leaves_nothing_and_next_start_takes_over(checkpoint, start_daemon
 def test_second_daemon_on_same_endpoint_is_refused(checkpoint, start_daemon):
     d = start_daemon(checkpoint, "--arena", "4MiB")
     r = k3d("start", "--source", checkpoint, "--endpoint", d.endpoint, "--arena", "4MiB")
-    assert r.returncode == 1 and "already serving" in r.stderr
+    assert r.returncode == 1 and "another k3d is starting or serving at" in r.stderr, r.stderr
     assert k3ctl("status", "--endpoint", d.endpoint).returncode == 0
+
+
+def _first_progress(d, timeout=30):
+    deadline = time.monotonic() + timeout
+    while "pre-faulting arena" not in d.log() and "collapsing arena" not in d.log():
+        assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
+        time.sleep(0.01)
+
+
+def test_second_daemon_refused_while_the_first_is_still_starting(checkpoint, start_daemon):
+    """The first holds the endpoint from before its arena is built: a second start (whose
+    sockets would otherwise replace the first's) is refused, and the first then serves."""
+    first = start_daemon(checkpoint, "--arena", "3GiB", wait_ready=False)
+    _first_progress(first)
+    r = k3d("start", "--source", checkpoint, "--endpoint", first.endpoint, "--arena", "4MiB")
+    assert r.returncode == 1 and "another k3d is starting or serving at" in r.stderr, r.stderr
+    deadline = time.monotonic() + 60
+    while "k3d: ready" not in first.log():
+        assert first.proc.poll() is None and time.monotonic() < deadline, first.log()
+        time.sleep(0.02)
+    assert k3ctl("status", "--endpoint", first.endpoint).returncode == 0
+    assert first.stop() == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_during_startup_exits_0(checkpoint, start_daemon, sig):
+    """systemctl stop while the arena is still being pre-faulted: a clean exit 0, no
+    traceback, the endpoint free for the next start."""
+    before = shm()
+    d = start_daemon(checkpoint, "--arena", "3GiB", wait_ready=False)
+    _first_progress(d)
+    assert d.stop(sig) == 0, d.log()
+    assert "Traceback" not in d.log() and "stopped during start-up" in d.log(), d.log()
+    assert shm() == before
+    again = start_daemon(checkpoint, "--arena", "4MiB", endpoint=d.endpoint)
+    assert again.stop() == 0
 
 
 @pytest.mark.parametrize("args,words", [

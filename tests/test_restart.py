@@ -25,6 +25,7 @@ import pytest
 from safetensors import safe_open
 
 import k3client
+import zmq
 from conftest import SCRATCH
 
 
@@ -182,3 +183,43 @@ def test_daemon_back_with_another_layout_is_an_error(checkpoint, start_daemon, t
         with pytest.raises(k3client.DaemonRestarted, match="different expert layout"):
             c.fetch(0, [1])
     assert d.stop() == 0
+
+
+def test_heartbeats_follow_the_lease_of_the_daemon_that_came_back(checkpoint, start_daemon):
+    """A daemon restarted with a shorter lease: the client's lease thread beats at the new
+    daemon's pace, so an idle but live client keeps its pins."""
+    ep = fresh_endpoint()
+    d1 = start_daemon(checkpoint, "--slots", "8", "--lease", "10", endpoint=ep)
+    with k3client.connect(ep, name="idle") as c:
+        d1.stop(signal.SIGKILL)
+        d2 = start_daemon(checkpoint, "--slots", "8", "--lease", "0.8", endpoint=ep)
+        c.fetch(0, [1])                      # re-attaches to d2, pins one slot
+        time.sleep(2.5)                      # three leases of silence but for the heartbeats
+        me = next(x for x in c.status()["clients"] if x["name"] == "idle")
+        assert me["pins"] == 1, me
+        assert "silent for" not in d2.log(), d2.log()
+    assert d2.stop() == 0
+
+
+def test_lease_thread_outlives_a_full_send_queue():
+    """While no daemon listens, beats are skipped, not queued: a full queue (here after one
+    message) must not end the lease thread, or the client would never heartbeat again."""
+    from k3client.client import _heartbeat
+
+    class Idle:
+        _lease, lease_s = (1, 1), 0.8       # beats every 0.2 s
+
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.SNDHWM, 1)
+    client, stop, wake = Idle(), threading.Event(), threading.Event()
+    t = threading.Thread(target=_heartbeat, args=(lambda: client, ctx, fresh_endpoint(), 0.2, stop, wake),
+                         daemon=True)
+    t.start()
+    time.sleep(1.2)                          # ~6 beats with nobody listening
+    try:
+        assert t.is_alive()
+    finally:
+        stop.set()
+        wake.set()
+        t.join(2)
+        ctx.term()

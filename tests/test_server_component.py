@@ -363,3 +363,80 @@ def test_closed_client_raises_a_typed_error(server):
     c.close()
     with pytest.raises(k3client.K3Error, match="closed"):
         c.fetch(0, [0])
+
+
+def _hello(s, name):
+    assert ask(s, pack({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "name": name}))["ok"]
+
+
+def _replies(s, n, wait_ms=5000):
+    out = {}
+    for _ in range(n):
+        assert s.poll(wait_ms), f"only {len(out)} of {n} replies"
+        r = unpack(s.recv())
+        out[r["id"]] = r
+    return out
+
+
+def test_fetch_answered_after_begin_token_stays_within_the_quota(server):
+    """A pipelining client's late fetch is pinned in the new token only within its quota."""
+    srv = server(slots=8, pin_quota=2)
+    srv.source.delay[(1, 2)] = srv.source.delay[(1, 3)] = 0.4
+    s = raw_dealer(srv.cfg.endpoint)
+    _hello(s, "pipe")
+    s.send(pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": 2, "keys": [[1, 2], [1, 3]]}))
+    s.send(pack({"v": PROTOCOL_VERSION, "op": "begin_token", "id": 3}))
+    s.send(pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": 4, "keys": [[0, 0]]}))
+    r = _replies(s, 3)
+    assert r[3]["ok"] and r[4]["ok"]
+    assert not r[2]["ok"] and r[2]["error"]["code"] == "quota_exceeded", r[2]
+    assert "would pin 3 slots in the new token, the quota is 2" in r[2]["error"]["message"]
+    with k3client.connect(srv.cfg.endpoint, name="obs") as o:
+        pipe = next(c for c in o.status()["clients"] if c["name"] == "pipe")
+    assert pipe["epoch"] == 1 and pipe["pins"] == 1
+    s.close()
+
+
+def test_client_dropped_while_its_fetch_waits_is_told_at_once(server):
+    """A live client whose lease ran out (stopped, swapped out) while its fetch waits on a
+    read gets a not_attached error then, not silence until its own timeout."""
+    srv = server(slots=8, lease_s=0.3)
+    srv.source.delay[(2, 5)] = 2.5
+    s = raw_dealer(srv.cfg.endpoint)         # a raw client: it sends no heartbeats
+    _hello(s, "sleepy")
+    s.send(pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": 2, "keys": [[2, 5]]}))
+    r = _replies(s, 1, wait_ms=2000)[2]      # before the read ends (2.5 s): told at the drop
+    assert not r["ok"] and r["error"]["code"] == "not_attached"
+    assert "dropped this client (silent for" in r["error"]["message"]
+    s.close()
+
+
+def test_dead_clients_held_back_reads_do_not_jump_the_queue(server):
+    """The held-back part of a big cold fetch whose client leaves goes to the background
+    queue: another client's miss is not put behind it, and fetching one of its keys
+    promotes that read."""
+    srv = server(slots=32, readers=1)         # fair share: 2 jobs in the pool at a time
+    for e in range(12):
+        srv.source.delay[(2, e)] = 0.3
+    a = raw_dealer(srv.cfg.endpoint)
+    _hello(a, "big")
+    a.send(pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": 2, "keys": [[2, e] for e in range(12)]}))
+    with k3client.connect(srv.cfg.endpoint, name="small") as b:
+        deadline = time.monotonic() + 3
+        while b.status()["readers"]["queued_urgent"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        a.send(pack({"v": PROTOCOL_VERSION, "op": "bye", "id": 3}))
+        r = _replies(a, 2)                    # bye, and the fetch it left: not_attached
+        assert r[3]["ok"] and r[2]["error"]["code"] == "not_attached"
+        q = b.status()["readers"]
+        assert q["queued_background"] >= 8 and q["queued_urgent"] <= 1, q
+        exs = b.fetch(3, [7])                 # a miss of its own: urgent, ahead of the 8+
+        assert bytes(exs[0].memory()[:srv.source.expert_bytes]) == reference(srv, (3, 7))
+        q = b.status()["readers"]
+        assert q["queued_background"] >= 6, q
+        b.begin_token()
+        exs = b.fetch(2, [11])                # one of the big fetch's keys: promoted, served
+        assert bytes(exs[0].memory()[:srv.source.expert_bytes]) == reference(srv, (2, 11))
+        assert b.status()["readers"]["queued_background"] >= 4
+    a.close()
