@@ -68,13 +68,26 @@ LIVE = ("log_level", "lease_s", "pin_quota", "trace")   # what SIGHUP may change
 WASTE_LIMIT = 0.9        # share of unused predictions above which a client is throttled
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (/proc/PID/stat field 22);
+    None if it is gone.  Read by hand because psutil's ``create_time()`` is wall-clock
+    time (boot time + ticks): a clock step (NTP, settimeofday) would move it, and every
+    live client would then look like a reused pid and lose its pins."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])   # fields from 3 on, after "(comm) "
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Session:
-    __slots__ = ("routing", "client_id", "name", "pid", "create_time", "epoch", "last_seen",
+    __slots__ = ("routing", "client_id", "name", "pid", "started", "epoch", "last_seen",
                  "pfu", "alive", "fetches", "lease_s", "pf_started", "pf_waste")
 
-    def __init__(self, routing, client_id, name, pid, create_time, now, lease_s=0.0):
+    def __init__(self, routing, client_id, name, pid, started, now, lease_s=0.0):
         self.routing, self.client_id, self.name = routing, client_id, name
-        self.pid, self.create_time = pid, create_time
+        self.pid, self.started = pid, started
         self.epoch, self.last_seen, self.pfu, self.alive, self.fetches = 0, now, 0, True, 0
         # The lease told to the client at hello: it heartbeats at a quarter of it,
         # so a reload that shortens the lease applies to new clients only.
@@ -365,17 +378,16 @@ class Server:
             raise errors.PermissionDenied(refusal(uid, gid, pid))
         if pid is None and type(msg.get("pid")) is int:
             pid = msg["pid"]
-        create_time = None
+        started = None
         if pid is not None:
-            try:
-                create_time = psutil.Process(pid).create_time()
-            except psutil.Error:
+            started = start_ticks(pid)
+            if started is None:
                 pid = None
         old = self.sessions.get(routing)
         if old is not None:
             self._drop(old, "said hello again", dead=False)
         now = time.monotonic()
-        s = Session(routing, self._next_client, name[:200], pid, create_time, now, self.cfg.lease_s)
+        s = Session(routing, self._next_client, name[:200], pid, started, now, self.cfg.lease_s)
         self._next_client += 1
         self.sessions[routing] = s
         self.by_id[s.client_id] = s
@@ -605,16 +617,19 @@ class Server:
         for s in list(self.sessions.values()):
             reason = None
             if s.pid is not None:
-                try:
-                    p = psutil.Process(s.pid)
-                    if p.create_time() != s.create_time:
-                        reason = "exited (pid reused)"
-                    elif p.status() == psutil.STATUS_ZOMBIE:
-                        reason = "exited"
-                except psutil.NoSuchProcess:
+                ticks = start_ticks(s.pid)
+                if ticks is None:
                     reason = "exited"
-                except psutil.Error:
-                    pass
+                elif ticks != s.started:
+                    reason = "exited (pid reused)"
+                else:
+                    try:
+                        if psutil.Process(s.pid).status() == psutil.STATUS_ZOMBIE:
+                            reason = "exited"
+                    except psutil.NoSuchProcess:
+                        reason = "exited"
+                    except psutil.Error:
+                        pass
             lease = max(self.cfg.lease_s, s.lease_s)
             if reason is None and now - s.last_seen > lease:
                 reason = f"silent for {now - s.last_seen:.1f}s (lease {lease:g}s)"

@@ -13,6 +13,7 @@ import warnings
 
 import msgpack
 import numpy as np
+import psutil
 import pytest
 import zmq
 
@@ -440,3 +441,24 @@ def test_dead_clients_held_back_reads_do_not_jump_the_queue(server):
         assert bytes(exs[0].memory()[:srv.source.expert_bytes]) == reference(srv, (2, 11))
         assert b.status()["readers"]["queued_background"] >= 4
     a.close()
+
+
+def test_start_ticks_reads_proc_stat_even_with_odd_process_names(tmp_path):
+    """The clock-step-proof start time of a process, parsed past a comm holding ') ('."""
+    import subprocess
+    import sys
+    from k3d.server import start_ticks
+
+    odd = tmp_path / "a) b (c"
+    odd.symlink_to(sys.executable)
+    p = subprocess.Popen([str(odd), "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        ticks = start_ticks(p.pid)
+        with open(f"/proc/{p.pid}/stat") as f:
+            assert "(a) b (c)" in f.read()
+        hz = os.sysconf("SC_CLK_TCK")
+        want = (psutil.Process(p.pid).create_time() - psutil.boot_time()) * hz
+        assert isinstance(ticks, int) and abs(ticks - want) <= 1
+    finally:
+        p.communicate(b"")
+    assert start_ticks(p.pid) is None                 # exited and reaped
