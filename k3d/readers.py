@@ -122,8 +122,10 @@ class ReaderPool:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         if self.alive():
             return False
-        os.close(self.wake_fd)
-        self.wake_fd = None
+        # None first: a signal handler's late wake-up must never write to the closed
+        # descriptor's number (another file may have it by then)
+        fd, self.wake_fd = self.wake_fd, None
+        os.close(fd)
         return True
 
     def alive(self) -> int:

@@ -194,8 +194,6 @@ class Server:
     def apply_config(self, new) -> None:
         """Apply the ``LIVE`` settings of ``new``; log the rest as needing a restart."""
         cur = self.cfg
-        changed = [f"{n} {getattr(cur, n)!r} -> {getattr(new, n)!r}" for n in LIVE
-                   if getattr(cur, n) != getattr(new, n)]
         fixed = [f.name for f in dataclasses.fields(cur)
                  if f.name not in LIVE and getattr(cur, f.name) != getattr(new, f.name)]
         trace = self.trace
@@ -210,6 +208,8 @@ class Server:
         if self.trace is not None and trace is not self.trace:
             self.trace.close()
         self.trace = trace
+        changed = [f"{n} {getattr(cur, n)!r} -> {getattr(new, n)!r}" for n in LIVE   # as applied
+                   if getattr(cur, n) != getattr(new, n)]
         logging.getLogger().setLevel(new.log_level.upper())
         self.store.pin_quota = new.pin_quota
         self.cfg = dataclasses.replace(cur, **{n: getattr(new, n) for n in LIVE})

@@ -255,3 +255,17 @@ def test_sighup_keeps_cli_precedence(checkpoint, start_daemon, tmp_path):
         with pytest.raises(k3client.QuotaExceeded):          # the command line still wins
             c.fetch(0, [0, 1])
     assert d.stop() == 0
+
+
+def test_sighup_with_an_unopenable_trace_says_what_it_kept(checkpoint, start_daemon, tmp_path):
+    cfg = tmp_path / "k3d.toml"
+    cfg.write_text("slots = 8\n")
+    d = start_daemon(checkpoint, "--config", str(cfg), "--log-level", "info")
+    cfg.write_text('slots = 8\npin_quota = 3\ntrace = "/nonexistent/dir/route.trace"\n')
+    d.proc.send_signal(signal.SIGHUP)
+    wait_log(d, "reloaded config")
+    log = d.log()
+    assert "cannot open trace /nonexistent/dir/route.trace" in log
+    line = next(l for l in log.splitlines() if "reloaded config" in l)
+    assert "pin_quota 0 -> 3" in line and "trace" not in line, line   # the log says what applies
+    assert d.stop() == 0
