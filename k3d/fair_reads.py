@@ -8,13 +8,16 @@ busy (work-conserving).  A backlogged read jumps the line (``release``) when
 another client waits on it and at shutdown (so the pool's ``stop`` cancels and
 reports it like any other queued job); when its owner dies it goes to the
 background queue (nobody waits on it; a later fetch of its key promotes it).
+Predicted (background) parts a client starts waiting for are submitted here
+too, so predicting keys and then fetching them is no way around the share.
 
 State (server thread only, no lock):
 - ``backlog``: client -> deque of its held-back Jobs;
 - ``in_pool``: client -> how many of its metered Jobs are in the pool now;
-- ``owner``: loading slot -> the client whose Jobs for it are metered.
-Background (predicted) reads are not metered: the pool already serves them
-after every urgent read.
+- ``owner``: (load, part) of every metered Job -> its client.  Metering is per
+  part, not per load: a promoted load may have parts that started unmetered.
+Background reads are not metered: the pool already serves them after every
+urgent read.
 """
 
 from __future__ import annotations
@@ -28,32 +31,29 @@ class FairReads:
         self.fair_jobs = fair_jobs
         self.backlog: dict[int, deque] = {}
         self.in_pool: dict[int, int] = {}
-        self.owner: dict[int, int] = {}
+        self.owner: dict[tuple[int, int], int] = {}
 
     def submit(self, jobs: list, owner: int) -> None:
-        """Meter ``owner``'s urgent jobs (all parts of the loads they belong to)."""
+        """Meter ``owner``'s urgent jobs."""
         for j in jobs:
-            self.owner[j.load_id] = owner
+            self.owner[(j.load_id, j.part)] = owner
         self.backlog.setdefault(owner, deque()).extend(jobs)
         self._feed(owner)
 
-    def part_done(self, load_id: int, last: bool) -> None:
-        """A part of ``load_id`` finished (``last``: the load is complete)."""
-        owner = self.owner.get(load_id)
+    def part_done(self, load_id: int, part: int) -> None:
+        """Part ``part`` of ``load_id`` finished (or was cancelled)."""
+        owner = self.owner.pop((load_id, part), None)
         if owner is None:
             return
         self.in_pool[owner] -= 1
-        if last:
-            del self.owner[load_id]
         if self.backlog.get(owner):
             self._feed(owner)
         elif not self.in_pool[owner]:
             del self.in_pool[owner]
 
     def waited_on(self, slot: int, client: int) -> None:
-        """``client`` now waits on ``slot``: if another client's read of it is held back, release it."""
-        owner = self.owner.get(slot, client)
-        if owner != client:
+        """``client`` now waits on ``slot``: another client's held-back reads of it go now."""
+        for owner in [o for o, q in self.backlog.items() if o != client and any(j.load_id == slot for j in q)]:
             self.release(owner, slot)
 
     def release(self, owner: int, slot: int | None = None, urgent: bool = True) -> list:
@@ -70,7 +70,13 @@ class FairReads:
             self.backlog[owner] = rest
         else:
             del self.backlog[owner]
-        self.in_pool[owner] = self.in_pool.get(owner, 0) + len(moved)
+        if urgent:
+            self.in_pool[owner] = self.in_pool.get(owner, 0) + len(moved)
+        else:                           # background reads are not metered
+            for j in moved:
+                del self.owner[(j.load_id, j.part)]
+            if not self.in_pool.get(owner):
+                self.in_pool.pop(owner, None)
         self.readers.submit(moved, urgent)
         return moved
 

@@ -2,8 +2,9 @@
 
 Queues: two FIFO deques under one condition variable; a reader always takes
 from URGENT first, so a background (predicted) read never delays a fetch that
-a client is blocked on.  ``promote(load_id)`` moves a load's not-yet-started
-parts to URGENT when a client starts waiting for a predicted key.
+a client is blocked on.  ``take_background(load_id)`` hands back a load's
+not-yet-started background parts when a client starts waiting for a predicted
+key; the server re-submits them urgent, through the client's fair share.
 
 A job is one part of one expert's read: ``Job(load_id, part, extents, dest)``.
 The reader calls ``source.read(extents, dest)`` (pread straight into the slot)
@@ -63,14 +64,14 @@ class ReaderPool:
             (self._urgent if urgent else self._background).extend(jobs)
             self._cv.notify(len(jobs))
 
-    def promote(self, load_id: int) -> int:
-        """Move queued background parts of ``load_id`` to the urgent queue."""
+    def take_background(self, load_id: int) -> list[Job]:
+        """Remove and return the queued (not started) background parts of ``load_id``:
+        the caller re-submits them as urgent reads, metered for the client now waiting."""
         with self._cv:
-            moved = [j for j in self._background if j.load_id == load_id]
-            if moved:
+            taken = [j for j in self._background if j.load_id == load_id]
+            if taken:
                 self._background = deque(j for j in self._background if j.load_id != load_id)
-                self._urgent.extend(moved)
-            return len(moved)
+            return taken
 
     def queued(self) -> tuple[int, int]:
         with self._cv:

@@ -414,8 +414,10 @@ class Server:
         predicted = self._keys(msg, "predicted", unique=False) if msg.get("predicted") is not None else []
         plan = self.store.fetch(s.holder, keys)
         self._start_loads(plan.new_loads, urgent=True, owner=s.client_id)
-        for slot in plan.promote:
-            self.readers.promote(slot)
+        for slot in plan.promote:     # its predicted reads not started yet: urgent, in its fair share
+            taken = self.readers.take_background(slot)
+            if taken:
+                self.fair.submit(taken, s.client_id)
         for slot in plan.waiting:     # someone else's held-back read: this client waits too
             self.fair.waited_on(slot, s.client_id)
         s.fetches += 1
@@ -523,7 +525,7 @@ class Server:
                 return
             load = self.store.loads[d.load_id]
             load.parts_left -= 1
-            self.fair.part_done(d.load_id, last=not load.parts_left)
+            self.fair.part_done(d.load_id, d.part)
             if d.error and load.fail is None:
                 load.fail = d.error
             self.stats.bytes_read += d.nbytes

@@ -36,7 +36,10 @@ def test_urgent_before_background_and_promote():
     time.sleep(0.1)
     pool.submit([Job(1, 0, "bg-1", None, src), Job(2, 0, "bg-2", None, src)], urgent=False)
     pool.submit([Job(3, 0, "urgent", None, src)], urgent=True)
-    assert pool.promote(2) == 1
+    taken = pool.take_background(2)                              # a client now waits on load 2
+    assert [j.extents for j in taken] == ["bg-2"] and pool.queued() == (1, 1)
+    assert pool.take_background(2) == []
+    pool.submit(taken, urgent=True)
     src.gate.set()
     done = drain(pool, 4)
     assert [d.error for d in done] == [None] * 4

@@ -462,3 +462,27 @@ def test_start_ticks_reads_proc_stat_even_with_odd_process_names(tmp_path):
     finally:
         p.communicate(b"")
     assert start_ticks(p.pid) is None                 # exited and reaped
+
+
+def test_predicting_then_fetching_stays_within_the_fair_share(server):
+    """Predicted reads a client then waits for are metered like its misses: predicting a
+    big batch and fetching it is no way around the fair share of the readers."""
+    srv = server(slots=32, readers=1)         # fair share: 2 urgent jobs in the pool at a time
+    for e in range(12):
+        srv.source.delay[(2, e)] = 0.2
+    with k3client.connect(srv.cfg.endpoint, name="greedy") as a, \
+            k3client.connect(srv.cfg.endpoint, name="other") as b:
+        a.predict([(2, e) for e in range(12)])
+        t = threading.Thread(target=a.fetch, args=(2, list(range(12))))
+        t.start()
+        deadline = time.monotonic() + 3
+        while b.status()["readers"]["held_back"] < 8:
+            assert time.monotonic() < deadline, b.status()["readers"]
+            time.sleep(0.01)
+        q = b.status()["readers"]
+        assert q["queued_urgent"] <= 2 and q["queued_background"] == 0, q
+        exs = b.fetch(3, [7])                 # ahead of the greedy client's held-back reads
+        assert bytes(exs[0].memory()[:srv.source.expert_bytes]) == reference(srv, (3, 7))
+        assert b.status()["readers"]["held_back"] >= 4
+        t.join(10)
+        assert not t.is_alive()
