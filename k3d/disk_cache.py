@@ -179,6 +179,8 @@ class DiskCache:
             os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError as e:        # a read-only or vanished directory: the index forgets it anyway
+            log.warning("disk cache: cannot remove %s: %s", path, e)
 
     def _evict_to(self, limit: int) -> None:
         # caller holds _mu

@@ -117,14 +117,19 @@ def skip_bytes(bufs: list[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def fill_from(readinto, bufs: list[memoryview], what: str) -> int:
-    """Read a body into ``bufs`` with ``readinto``; a short body is Retryable."""
+def fill_from(readinto, bufs: list[memoryview], what: str, deadline: float | None = None) -> int:
+    """Read a body into ``bufs`` with ``readinto``; a short body is Retryable, and so is
+    one still arriving at ``deadline`` (monotonic): the socket timeout bounds each read,
+    not a body that trickles in."""
     got = pos = 0
     want = sum(len(b) for b in bufs)
     try:
         for b in bufs:
             pos = 0
             while pos < len(b):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise Retryable(f"timed out: {got + pos} of {want} bytes of {what} arrived "
+                                    "within the request timeout", got + pos)
                 n = readinto(b[pos:])
                 if not n:
                     raise Retryable(f"truncated body: {got + pos} of {want} bytes of {what}", got + pos)
@@ -140,10 +145,11 @@ def fill_from(readinto, bufs: list[memoryview], what: str) -> int:
 
 class _Load:
     """One expert load in progress: its parts' (slot_offset, length, crc) and where they came from."""
-    __slots__ = ("token", "parts", "got", "entry", "t0")
+    __slots__ = ("token", "parts", "got", "entry", "t0", "fallback")
 
     def __init__(self, token, entry):
         self.token, self.parts, self.got, self.entry, self.t0 = token, [], 0, entry, time.perf_counter()
+        self.fallback = False     # a part of it came from the origin: its disk entry was unreadable
 
 
 class RemoteSource(Source, metaclass=abc.ABCMeta):
@@ -172,6 +178,14 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         self._open(url, pattern)
         if not self.keys:
             raise SourceError(f"{url}: no experts")
+        blind = [f for f, v in zip(self.files, self.validators) if not v.get("etag") and not v.get("last_modified")]
+        if blind and self.format != "packed":
+            # Without a validator a file changed mid-run (or between runs, for the disk tier)
+            # cannot be told from the one k3d started with: a retry could resume into the new
+            # version.  A .k3pack carries a crc32 per expert, so it is safe anyway.
+            raise SourceError(f"{blind[0]}: the server sends neither a strong ETag nor Last-Modified, so k3d "
+                              "could not tell a changed file from the one it started with; serve it from a server "
+                              "that does (nginx, S3), or `k3d pack` it and serve the .k3pack (crc32 per expert)")
         self._owners = self._build_owners()
         self._payload = {k: sum(e.length for e in ex) for k, ex in self.keys.items()}
         self._fp = {}
@@ -197,7 +211,8 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         """One ranged read of file ``fi`` from ``start`` into ``bufs``, checked."""
 
     def _join(self, base: str, name: str) -> str:
-        return urllib.parse.urljoin(base, name)
+        # a shard name is a file name, not a URL: '#', '?', '%', spaces and non-ASCII quoted
+        return urllib.parse.urljoin(base, urllib.parse.quote(name))
 
     # -- ranged reads with retries -----------------------------------------------------------
     def fetch_into(self, fi: int, start: int, bufs: list[memoryview]) -> int:
@@ -461,39 +476,52 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
     def _read_part(self, load: _Load, key, extents, slot) -> list | None:
         if load.entry is not None:
             try:
-                fd = os.open(load.entry.path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                fd = -1        # evicted since the lookup: this part from the origin (crc still checked)
-            if fd >= 0:
-                try:
-                    # the entry is the slot image: one pread per run of extents separated only by
-                    # the padding between two layout tensors (one ends, the next begins), so a run
-                    # writes no byte that another part of the load owns
-                    pad = self._padding()
-                    runs: list[list[int]] = []
-                    for e in sorted(extents, key=lambda x: x.slot_offset):
-                        if runs and (runs[-1][1] == e.slot_offset or pad.get(runs[-1][1]) == e.slot_offset):
-                            runs[-1][1] = e.slot_offset + e.length
-                        else:
-                            runs.append([e.slot_offset, e.slot_offset + e.length])
-                    for lo, hi in runs:
-                        got = 0
-                        while got < hi - lo:
-                            n = os.preadv(fd, [slot[lo + got:hi]], DATA_OFFSET + lo + got)
-                            if n <= 0:
-                                break      # a short entry: the crc check below refetches
-                            got += n
-                        # the arena is the cache: a second copy in the page cache only wastes RAM
-                        os.posix_fadvise(fd, DATA_OFFSET + lo, hi - lo, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-                return [(e.slot_offset, e.length, crc32(slot[e.slot_offset:e.slot_offset + e.length]))
-                        for e in extents]
+                return self._disk_part(load, extents, slot)
+            except OSError as e:
+                # gone or unreadable (deleted under the daemon, EIO): the index forgets it and
+                # this part comes from the origin; the whole load is still checked against the
+                # entry's crc (other parts may have come from disk) and then written back
+                log.warning("disk cache entry of expert (layer %d, expert %d) unreadable (%s): "
+                            "dropped, reading from %s", key[0], key[1], e, self.path)
+                self.cache.discard(self.path, key)
+                with self._mu:
+                    load.fallback = True
+                    self.counters["disk_corrupt"] += 1
         self._origin_read(extents, slot)
         if self._want_crc(load, key):
             return [(e.slot_offset, e.length, crc32(slot[e.slot_offset:e.slot_offset + e.length]))
                     for e in extents]
         return None
+
+    def _disk_part(self, load: _Load, extents, slot) -> list:
+        """Read a part from its disk entry; its crcs are checked once the load is whole.
+        Caller's obligation: a load from disk is one part (``max_parts`` is 1), so a
+        failure here leaves no other part of it read from the entry."""
+        fd = os.open(load.entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)   # a FIFO must not block
+        try:
+            # the entry is the slot image: one pread per run of extents separated only by
+            # the padding between two layout tensors (one ends, the next begins), so a run
+            # writes no byte that another part of the load owns
+            pad = self._padding()
+            runs: list[list[int]] = []
+            for e in sorted(extents, key=lambda x: x.slot_offset):
+                if runs and (runs[-1][1] == e.slot_offset or pad.get(runs[-1][1]) == e.slot_offset):
+                    runs[-1][1] = e.slot_offset + e.length
+                else:
+                    runs.append([e.slot_offset, e.slot_offset + e.length])
+            for lo, hi in runs:
+                got = 0
+                while got < hi - lo:
+                    n = os.preadv(fd, [slot[lo + got:hi]], DATA_OFFSET + lo + got)
+                    if n <= 0:
+                        break      # a short entry: the crc check in _finish refetches
+                    got += n
+                # the arena is the cache: a second copy in the page cache only wastes RAM
+                os.posix_fadvise(fd, DATA_OFFSET + lo, hi - lo, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return [(e.slot_offset, e.length, crc32(slot[e.slot_offset:e.slot_offset + e.length]))
+                for e in extents]
 
     def _origin_read(self, extents, slot) -> int:
         t0 = time.perf_counter()
@@ -547,6 +575,8 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
                     self.counters["errors"] += 1
                 raise SourceError(f"checksum mismatch in expert (layer {key[0]}, expert {key[1]}) of "
                                   f"{self.path}: crc32 {crc:08x}, header says {want:08x}")
+        if load.fallback:
+            from_disk = False       # verified, but (some of) it came from the origin: write it again
         with self._mu:
             self.counters["disk_hits" if from_disk else "origin_fetches"] += 1
         if not from_disk and self.cache is not None:
@@ -690,7 +720,9 @@ class HttpSource(RemoteSource):
             pool = self._pools.get((u.scheme, u.netloc))
             if pool is None:
                 pool = self._pools[(u.scheme, u.netloc)] = _Pool(u.scheme, u.netloc, self._conns, self._timeout)
-        return pool, (u.path or "/") + (f"?{u.query}" if u.query else "")
+        # non-ASCII and spaces in the path quoted; what is already %-encoded stays as given
+        path = urllib.parse.quote(u.path or "/", safe="/%:@!$&'()*+,;=~-._")
+        return pool, path + (f"?{u.query}" if u.query else "")
 
     def _request(self, method: str, url: str, headers: dict):
         """Send one request; returns (pool, conn, response). Transport failures are Retryable."""
@@ -703,11 +735,17 @@ class HttpSource(RemoteSource):
             pool.put(conn, False)
             raise SourceError(f"{method} {url}: TLS certificate not trusted ({e.verify_message}); "
                               "point SSL_CERT_FILE at its CA bundle") from None
+        except (http.client.InvalidURL, UnicodeError, ValueError) as e:   # no retry mends the URL
+            pool.put(conn, False)
+            raise SourceError(f"{method} {url!r}: not a usable URL ({e})") from None
         except (OSError, http.client.HTTPException) as e:
             pool.put(conn, False)
             stale = reused and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError))
             kind = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
             raise Retryable(f"{method} {url}: {kind}: {e}", 0, stale) from None
+        except BaseException:
+            pool.put(conn, False)        # never keep the pool's permit
+            raise
         return pool, conn, resp
 
     def _simple(self, method: str, url: str, ok_missing: bool):
@@ -768,6 +806,7 @@ class HttpSource(RemoteSource):
             headers["If-Match"] = v["etag"]
         elif v.get("last_modified"):
             headers["If-Unmodified-Since"] = v["last_modified"]
+        deadline = time.monotonic() + self._timeout      # --http-timeout: the whole request
         pool, conn, resp = self._request("GET", url, headers)
         reusable = False
         try:
@@ -775,7 +814,7 @@ class HttpSource(RemoteSource):
             where = f"GET {url} bytes={start}-{end}"
             if st == 206:
                 self._check_206(resp, url, start, end, fi, where)
-                fill_from(resp.readinto, bufs, where)
+                fill_from(resp.readinto, bufs, where, deadline)
                 reusable = not resp.will_close
                 return
             if st == 200:
@@ -783,7 +822,7 @@ class HttpSource(RemoteSource):
                                   f"{resp.getheader('Content-Length', '?')} bytes); refusing a whole-file download")
             if st == 412:
                 raise SourceError(f"origin changed: {url} no longer matches "
-                                  f"{'ETag ' + v['etag'] if v.get('etag') else 'its Last-Modified'} seen at start "
+                                  f"{'ETag ' + repr(v['etag']) if v.get('etag') else 'its Last-Modified'} seen at start "
                                   "(412 Precondition Failed); restart k3d to serve the new version")
             if st in RETRY_STATUS:
                 raise Retryable(f"HTTP {st} {resp.reason}")
@@ -805,12 +844,12 @@ class HttpSource(RemoteSource):
         v = self.validators[fi]
         etag = resp.getheader("ETag")
         if v.get("etag") and etag and etag != v["etag"]:
-            raise SourceError(f"origin changed: {url} has ETag {etag}, not {v['etag']} seen at start; "
+            raise SourceError(f"origin changed: {url} has ETag {etag!r}, not {v['etag']!r} seen at start; "
                               "restart k3d to serve the new version")
         if not v.get("etag") and v.get("last_modified") and resp.getheader("Last-Modified") \
                 and resp.getheader("Last-Modified") != v["last_modified"]:
-            raise SourceError(f"origin changed: {url} is now Last-Modified {resp.getheader('Last-Modified')}, "
-                              f"was {v['last_modified']}; restart k3d to serve the new version")
+            raise SourceError(f"origin changed: {url} is now Last-Modified {resp.getheader('Last-Modified')!r}, "
+                              f"was {v['last_modified']!r}; restart k3d to serve the new version")
 
     def close(self):
         super().close()

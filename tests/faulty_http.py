@@ -12,8 +12,11 @@ next ``times`` matching ranged GETs (``times=None``: all of them)::
     status         answer ``status`` (500, 503, 404 ...) with an empty body
     bad_range      206 whose Content-Range is off by one byte
     short_length   206 whose Content-Length is one byte short of the range
+    trickle        206 whose body comes 4 KiB every ``stall_s`` seconds (never stalls a read)
 
-``set_etag(name, etag)`` changes a file's ETag mid-run (as a re-upload would).
+``set_etag(name, etag)`` changes a file's ETag mid-run (as a re-upload would);
+``validators = False`` sends neither ETag nor Last-Modified (a bare server).
+Paths are percent-decoded, as real servers do.
 Every request is logged in ``requests`` (method, path, Range, If-Match, client port).
 
 ``Nginx``: starts the system nginx (Debian) on a loopback port with a generated
@@ -35,6 +38,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -56,16 +60,17 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _file(self):
-        rel = self.path.split("?", 1)[0].lstrip("/")
+        rel = urllib.parse.unquote(self.path.split("?", 1)[0]).lstrip("/")
         full = os.path.realpath(os.path.join(self.server.root, rel))
         if not full.startswith(self.server.root + os.sep) or not os.path.isfile(full):
             return rel, None
         return rel, full
 
     def _headers_common(self, rel, size):
-        self.send_header("ETag", self.server.etag(rel, size))
+        if self.server.validators:
+            self.send_header("ETag", self.server.etag(rel, size))
+            self.send_header("Last-Modified", "Tue, 01 Dec 2026 00:00:00 GMT")
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("Last-Modified", "Tue, 01 Dec 2026 00:00:00 GMT")
 
     def do_HEAD(self):
         rel, full = self._file()
@@ -131,11 +136,14 @@ class _Handler(BaseHTTPRequestHandler):
             f.seek(start)
             left = send
             while left:
-                chunk = f.read(min(left, 1 << 20))
+                chunk = f.read(min(left, 4096 if kind == "trickle" else 1 << 20))
                 if not chunk:
                     break
                 self.wfile.write(chunk)
                 left -= len(chunk)
+                if kind == "trickle":
+                    self.wfile.flush()
+                    time.sleep(fault.stall_s)
         self.wfile.flush()
         if kind == "truncate":
             self.connection.shutdown(socket.SHUT_RDWR)
@@ -152,6 +160,7 @@ class FaultyServer(ThreadingHTTPServer):
         self._mu = threading.Lock()
         self.faults: list[Fault] = []
         self.etags: dict[str, str] = {}
+        self.validators = True
         self.requests: list[tuple] = []
         self._thread = None
 

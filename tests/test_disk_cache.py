@@ -191,6 +191,30 @@ def test_corrupt_entry_is_never_served(origin, tmp_path):
     src.close()
 
 
+@pytest.mark.parametrize("damage", ["deleted", "unreadable"])
+def test_entry_gone_under_the_daemon_is_read_from_the_origin_and_rewritten(origin, tmp_path, damage):
+    """An entry file deleted (or replaced by something that cannot be read) while the index
+    still lists it: the expert comes from the origin, counted as such, and is written back."""
+    srv, ref = origin
+    src = open_src(srv, tmp_path)
+    read_expert(src, (0, 2))
+    src.flush()
+    path = os.path.join(tmp_path, entry_name(src.path, (0, 2)) + ".k3e")
+    os.unlink(path)
+    if damage == "unreadable":
+        os.mkdir(path)                      # open() works, every read fails (EISDIR)
+    ref.check(src, (0, 2), read_expert(src, (0, 2), parts=1))
+    t = src.tier_stats()
+    assert t["disk"]["hits"] == 0 and t["origin"]["fetches"] == 2 and t["disk"]["corrupt"] == 1
+    if damage == "unreadable":
+        os.rmdir(path)
+    src.flush()
+    assert os.path.isfile(path)             # written again
+    ref.check(src, (0, 2), read_expert(src, (0, 2)))
+    assert src.tier_stats()["disk"]["hits"] == 1
+    src.close()
+
+
 def test_changed_origin_etag_invalidates_entries(origin, tmp_path):
     srv, ref = origin
     src = open_src(srv, tmp_path)

@@ -46,6 +46,7 @@ def server(origin):
     yield srv, root
     srv.clear()
     srv.etags.clear()
+    srv.validators = True
 
 
 class Reference:
@@ -235,6 +236,59 @@ def test_stall_times_out_and_retries(server, ref):
     srv.add(Fault("stall", times=None, stall_s=1.5))
     with pytest.raises(SourceError, match="timed out"):
         read_expert(src, (0, 2))
+    src.close()
+
+
+def test_trickling_body_times_out_as_a_whole(server, ref):
+    """--http-timeout bounds the request, not each socket read: a body that keeps arriving,
+    too slowly, is given up on (and retried), never waited on for ever."""
+    srv, _ = server
+    src = source(srv, timeout=0.5, retries=0)
+    srv.add(Fault("trickle", times=None, stall_s=0.1))       # ~40 KB/s: each read is quick
+    with pytest.raises(SourceError, match="arrived within the request timeout"):
+        read_expert(src, (0, 1))
+    srv.clear()
+    ref.check(src, (0, 1), read_expert(src, (0, 1)))
+    src.close()
+
+
+def test_origin_without_validators_is_refused_unless_packed(server, ref):
+    """No ETag and no Last-Modified: k3d could not tell a re-upload from the file it started
+    with, so it refuses the checkpoint; a .k3pack (a crc32 per expert) is served anyway."""
+    from k3d.packed import write_pack
+    from k3d.sources import open_source
+
+    srv, root = server
+    srv.validators = False
+    with pytest.raises(SourceError, match="neither a strong ETag nor Last-Modified"):
+        source(srv)
+    local = open_source(str(root / "ck"), DEFAULT_PATTERN)
+    write_pack(local, str(root / "ck.k3pack"), progress=False)
+    local.close()
+    src = source(srv, path="ck.k3pack")
+    ref.check(src, (1, 3), read_expert(src, (1, 3)))
+    src.close()
+
+
+def test_shard_names_are_quoted_in_urls(server, ref, tmp_path):
+    """Shard names are file names: a space, '#', '%' and non-ASCII go into the URL quoted."""
+    import shutil
+
+    srv, root = server
+    d = root / "odd"
+    if not d.exists():
+        shutil.copytree(root / "ck", d)
+        names = {"model-00001-of-00002.safetensors": "one shard #1 100%.safetensors",
+                 "model-00002-of-00002.safetensors": "zwei-grüße.safetensors"}
+        for old, new in names.items():
+            (d / old).rename(d / new)
+        idx = json.loads((d / "model.safetensors.index.json").read_text())
+        idx["weight_map"] = {t: names[f] for t, f in idx["weight_map"].items()}
+        (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    src = source(srv, path="odd/")
+    for key in [(0, 0), (1, 3)]:
+        ref.check(src, key, read_expert(src, key))
+    assert {r[1] for r in ranged_gets(srv)} == {"odd/one shard #1 100%.safetensors", "odd/zwei-grüße.safetensors"}
     src.close()
 
 
