@@ -40,7 +40,7 @@ import numpy as np
 import zmq
 
 from . import errors
-from .endpoint import ipc_path, resolve_endpoint
+from .endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
 from .layout import DTYPES, TensorSpec, numpy_dtype
 from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 
@@ -157,6 +157,9 @@ class Client:
         """One attempt: new DEALER socket, hello, the arena's memfd."""
         path = ipc_path(self.endpoint)
         if path is not None and not os.path.exists(path):
+            blocked = unreachable_dir(path)
+            if blocked:
+                raise errors.PermissionDenied(no_access_message(path, blocked))
             raise errors.DaemonNotRunning(
                 f"k3d daemon not running at {self.endpoint}: no socket {path} (start it with `k3d start`)")
         self._sock_ino = self._socket_inode()

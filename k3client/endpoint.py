@@ -34,3 +34,20 @@ def arena_socket_for(endpoint: str, env) -> str:
     port = endpoint.rsplit(":", 1)[-1]
     base = ipc_path(default_endpoint(env))
     return os.path.join(os.path.dirname(base), f"k3d-{port}.arena")
+
+
+def unreachable_dir(path: str) -> str | None:
+    """The nearest directory above ``path`` that exists but this process may not enter
+    (the sockets' 0750 directory, for a user outside the daemon's group); None if
+    nothing in the way is closed to it."""
+    d = os.path.dirname(path)
+    while d and d != "/":
+        if os.path.isdir(d):
+            return None if os.access(d, os.X_OK) else d
+        d = os.path.dirname(d)
+    return None
+
+
+def no_access_message(path: str, blocked: str) -> str:
+    return (f"cannot reach the k3d socket {path}: no permission to enter {blocked} (the daemon's user "
+            "and group only: join its group, e.g. `usermod -aG k3d $USER`, and log in again)")

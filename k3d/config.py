@@ -68,15 +68,17 @@ def _size(value) -> int:
 
 
 def _positive(value) -> float:
+    if isinstance(value, bool):
+        raise ValueError("not a number of seconds")
     v = float(value)
-    if not v > 0:
-        raise ValueError("must be positive")
+    if not 0 < v < 10**6:               # inf would overflow every timed wait
+        raise ValueError("must be a positive number of seconds, under 1000000")
     return v
 
 
 def _int_in(lo: int, hi: int | None = None):
     def conv(value) -> int:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or isinstance(value, float):
             raise ValueError("not an integer")
         v = int(value)
         if v < lo or (hi is not None and v > hi):
@@ -149,6 +151,10 @@ _CONVERTERS = {
 }
 
 
+# Fields whose command-line option is not --<field with dashes>.
+_OPTION = {"lease_s": "--lease"}
+
+
 def _convert(name: str, value, origin: str):
     try:
         return _CONVERTERS.get(name, _string)(value)
@@ -162,7 +168,7 @@ def load_file(path: str) -> dict:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} does not parse: {e}") from None
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror}") from None
@@ -189,7 +195,11 @@ def resolve(cli: dict, env, config_file: str | None = None) -> Config:
         if v is not None:
             if name not in names:
                 raise ConfigError(f"unknown option {name}")
-            values[name] = _convert(name, v, f"--{name.replace('_', '-')}")
+            values[name] = _convert(name, v, _OPTION.get(name, f"--{name.replace('_', '-')}"))
+    # --arena on the command line sizes the arena even where the file or environment
+    # gave slots (slots would otherwise override it: the user's last word wins)
+    if cli.get("arena") is not None and cli.get("slots") is None:
+        values.pop("slots", None)
     # CLI, env and file are merged above; the default is the rule clients share.
     values["endpoint"] = values.get("endpoint") or _convert("endpoint", default_endpoint(env), "default endpoint")
     if values.get("disk_cache"):

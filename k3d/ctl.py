@@ -9,7 +9,7 @@ import sys
 
 import zmq
 
-from k3client.endpoint import ipc_path, resolve_endpoint
+from k3client.endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 
 
@@ -17,6 +17,9 @@ def query_status(endpoint: str, timeout: float) -> dict:
     """One status request without attaching (no hello, no arena)."""
     path = ipc_path(endpoint)
     if path is not None and not os.path.exists(path):
+        blocked = unreachable_dir(path)
+        if blocked:
+            raise RuntimeError(no_access_message(path, blocked))
         raise RuntimeError(f"k3d is not running at {endpoint} (no socket {path})")
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
@@ -93,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="machine-readable status")
     p.add_argument("--timeout", type=float, default=2.0)
     args = ap.parse_args(argv)
+    if not 0 < args.timeout < 10**6:          # poll(-1) would wait for ever
+        ap.error(f"--timeout {args.timeout:g}: use a positive number of seconds")
     endpoint = resolve_endpoint(args.endpoint, os.environ)
     try:
         st = query_status(endpoint, args.timeout)

@@ -25,6 +25,7 @@ import socket
 import sys
 
 import psutil
+import zmq
 
 from k3client.endpoint import arena_socket_for, ipc_path
 from k3client.layout import align
@@ -122,7 +123,12 @@ def claim_endpoint(endpoint: str, arena_sock: str) -> int:
     ``k3d start`` on the endpoint is refused even while the first is still building its
     arena (its sockets do not answer yet, and binding over them would strand it).  The
     kernel drops the lock when the process dies, however it dies."""
-    os.makedirs(os.path.dirname(arena_sock), mode=0o750, exist_ok=True)
+    dirs = [os.path.dirname(arena_sock)]
+    if ipc_path(endpoint):
+        dirs.append(os.path.dirname(ipc_path(endpoint)))
+    for d in dirs:
+        os.makedirs(d, mode=0o750, exist_ok=True)
+        _check_socket_dir(d)
     lock_path = arena_sock + ".lock"
     lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -153,9 +159,19 @@ def _clear_stale(endpoint: str, arena_sock: str) -> None:
                 os.unlink(path)
         finally:
             probe.close()
-    path = ipc_path(endpoint)
-    if path:
-        os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+
+
+def _check_socket_dir(d: str) -> None:
+    """The directory of the sockets must be this user's (or root's) and not writable by
+    others without the sticky bit: whoever can rename entries there can take the endpoint
+    over (a /tmp/k3d-UID made first by someone else, say)."""
+    st = os.stat(d)
+    if st.st_uid not in (os.geteuid(), 0):
+        raise StartupError(f"socket directory {d} belongs to uid {st.st_uid}, not to this user: another user "
+                           "could replace the sockets; remove it, or set XDG_RUNTIME_DIR or --endpoint")
+    if st.st_mode & 0o002 and not st.st_mode & 0o1000:
+        raise StartupError(f"socket directory {d} is writable by every user (mode {st.st_mode & 0o7777:o}): "
+                           "anyone could replace the sockets; chmod 750 it")
 
 
 def _progress(done: int, total: int, seconds: float, what: str) -> None:
@@ -202,6 +218,11 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
     arena = server = lock = None
     try:
         check_stop()
+        if cfg.trace:                    # before the arena is built: a typo must not cost a pre-fault
+            try:
+                open(cfg.trace, "a").close()
+            except OSError as e:
+                raise StartupError(f"cannot open the route trace {cfg.trace}: {e.strerror}") from None
         slots, slot_bytes = size_arena(cfg, source.expert_bytes)
         arena_sock = arena_socket_for(cfg.endpoint, env)
         lock = claim_endpoint(cfg.endpoint, arena_sock)
@@ -223,8 +244,10 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
                      f" ({arena.thp_why})" if arena.thp_why else "")
         try:
             server = Server(cfg, source, arena, arena_sock, notifier)
-        except Exception as e:
+        except zmq.ZMQError as e:
             raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
+        except OSError as e:
+            raise StartupError(f"cannot start serving at {cfg.endpoint}: {e}") from None
         stop["server"] = server
         if stop["requested"]:            # came while binding: the loop shuts down at once, cleanly
             server.request_stop()

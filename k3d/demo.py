@@ -72,10 +72,13 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
         print(f"demo: checkpoint {ckpt}: {LAYERS} layers x {EXPERTS} experts; arena {slots} slots; "
               f"{clients} model processes x {tokens} tokens; seed {seed}", flush=True)
         log_path = os.path.join(tmp, "daemon.log")
+        # the demo is the embedded default: the caller's K3D_* settings (a pin quota, hugepages,
+        # a config file) are for their own daemon, not this one
+        env = {k: v for k, v in os.environ.items() if not k.startswith("K3D_")}
         with open(log_path, "w") as log:
             daemon = subprocess.Popen([sys.executable, "-m", "k3d.cli", "start", "--source", ckpt,
                                        "--endpoint", endpoint, "--slots", str(slots), "--readers", "4"],
-                                      stdout=log, stderr=subprocess.STDOUT)
+                                      stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             deadline = time.monotonic() + 60
             while "k3d: ready" not in open(log_path).read():
@@ -88,7 +91,7 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
                 [sys.executable, "-m", "k3d.demo_worker", "--endpoint", endpoint, "--name", f"model-{i}",
                  "--digests", dpath, "--layers", str(LAYERS), "--experts", str(EXPERTS),
                  "--tokens", str(tokens), "--seed", str(seed + i + 1), "--route-seed", str(seed)],
-                stdout=subprocess.PIPE, text=True) for i in range(clients)]
+                stdout=subprocess.PIPE, text=True, env=env) for i in range(clients)]
             results = []
             for w in workers:
                 out, _ = w.communicate(timeout=300)
@@ -111,7 +114,7 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
             ok &= r["wrong"] == 0
             print(f"{r['name']:<12} {r['fetches']:>7}  {r['checked']:>15}  {r['wrong']:>5}  "
                   f"{r['p50_us']:7.0f}us {r['p99_us']:7.0f}us  {r['rss'] / 2**20:7.1f}  {r['pss'] / 2**20:7.1f}")
-        print(f"\ncache: hit rate {100 * st['hits'] / total:.1f}% ({st['hits']} hits / {st['misses']} misses), "
+        print(f"\ncache: hit rate {100 * st['hits'] / max(total, 1):.1f}% ({st['hits']} hits / {st['misses']} misses), "
               f"{st['waited']} waited on a read in flight, {st['evictions']} evictions")
         print(f"predictions: {st['prefetched']} prefetched, {st['prefetch_hits']} used, "
               f"{st['prefetch_unused']} unused")

@@ -68,3 +68,28 @@ def test_bad_endpoints_are_refused_before_start(ep, words):
 def test_good_endpoints():
     for ep in ("ipc:///run/k3d/k3d.sock", "tcp://127.0.0.1:5555", "tcp://[::1]:5555", "tcp://localhost:1"):
         assert resolve({"endpoint": ep}, {}).endpoint == ep
+
+
+def test_values_of_the_wrong_kind_are_refused(tmp_path):
+    f = tmp_path / "k.toml"
+    for text, words in [("readers = 4.7\n", "bad value 4.7 for readers: not an integer"),
+                        ("lease_s = true\n", "bad value True for lease_s: not a number of seconds"),
+                        ("lease_s = inf\n", "bad value inf for lease_s: must be a positive number"),
+                        ("http_timeout = nan\n", "bad value nan for http_timeout")]:
+        f.write_text(text)
+        with pytest.raises(ConfigError, match=words):
+            resolve({}, {}, str(f))
+    with pytest.raises(ConfigError, match="^--lease: bad value 0.0 for lease_s"):
+        resolve({"lease_s": 0.0}, {})                      # the option as the CLI spells it
+    f.write_bytes(b"\xff\xfe arena = 1\n")                 # not UTF-8
+    with pytest.raises(ConfigError, match=f"config file {f} does not parse"):
+        resolve({}, {}, str(f))
+
+
+def test_cli_arena_beats_slots_from_file_or_env(tmp_path):
+    f = tmp_path / "k.toml"
+    f.write_text("slots = 10\n")
+    assert resolve({"arena": "1GiB"}, {}, str(f)).slots == 0
+    assert resolve({"arena": "1GiB"}, {"K3D_SLOTS": "7"}).slots == 0
+    assert resolve({}, {}, str(f)).slots == 10                      # no --arena: the file's slots
+    assert resolve({"arena": "1GiB", "slots": 3}, {}, str(f)).slots == 3

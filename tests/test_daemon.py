@@ -113,6 +113,8 @@ def test_stop_during_startup_exits_0(checkpoint, start_daemon, sig):
     (["--arena", "lots"], "bad value 'lots' for arena"),
     (["--readers", "0"], "readers"),
     (["--pattern", "x.{layer}.{name}"], "{expert}"),
+    (["--trace", "/nonexistent/dir/route.trace"], "cannot open the route trace /nonexistent/dir/route.trace"),
+    (["--lease", "inf"], "--lease: bad value inf for lease_s"),
 ])
 def test_bad_start_is_one_line(checkpoint, tmp_path, args, words):
     base = ["start", "--endpoint", f"ipc://{tmp_path}/k.sock"]
@@ -213,10 +215,33 @@ def test_route_trace_survives_kill9(checkpoint, start_daemon, tmp_path):
 
 
 def test_demo_runs_and_verifies():
+    # the caller's own K3D_* settings (a tight quota here) are not the demo's
+    env = dict(os.environ, K3D_PIN_QUOTA="2", K3D_READERS="0")
     r = subprocess.run([sys.executable, "-m", "k3d.cli", "demo", "--tokens", "20"], capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "demo: OK" in r.stdout and "hit rate" in r.stdout and "PSS" in r.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory owned by another user")
+def test_socket_directory_of_another_user_is_refused(checkpoint, tmp_path):
+    """/tmp/k3d-UID made first by someone else (who could then move the sockets away)."""
+    import pwd
+
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o777)
+    os.chown(d, pwd.getpwnam("nobody").pw_uid, -1)
+    r = k3d("start", "--source", checkpoint, "--endpoint", f"ipc://{d}/k.sock", "--arena", "4MiB")
+    assert r.returncode == 1 and f"socket directory {d} belongs to uid" in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0
+
+
+def test_world_writable_socket_directory_is_refused(checkpoint, tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    r = k3d("start", "--source", checkpoint, "--endpoint", f"ipc://{d}/k.sock", "--arena", "4MiB")
+    assert r.returncode == 1 and "is writable by every user (mode 777)" in r.stderr, r.stderr
 
 
 ABANDON = """
@@ -249,3 +274,8 @@ def test_malformed_endpoint_is_one_line_for_k3ctl_and_client():
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "cannot connect to foo://x" in r.stderr
     with pytest.raises(k3client.DaemonNotRunning, match="cannot connect to foo://x"):
         k3client.connect("foo://x")
+
+
+def test_k3ctl_refuses_a_timeout_that_would_wait_for_ever():
+    r = k3ctl("status", "--timeout", "-1")
+    assert r.returncode == 2 and "--timeout -1: use a positive number of seconds" in r.stderr

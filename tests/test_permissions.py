@@ -165,7 +165,8 @@ def test_other_user_is_kept_out_by_file_modes(checkpoint, start_daemon, other_us
     os.chmod(base, 0o755)                 # the parent is open; k3d's own 0750 dir is not
     out = as_user(endpoint, uid, gid)
     assert out["uid"] == uid
-    assert out["error"] == "DaemonNotRunning" and "fetched" not in out
+    assert out["error"] == "PermissionDenied" and "fetched" not in out, out
+    assert "no permission to enter" in out["message"] and "usermod -aG" in out["message"]
     assert out["arena_error"] in ("PermissionError", "FileNotFoundError")
     assert d.stop() == 0
 
