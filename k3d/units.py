@@ -14,7 +14,12 @@
 Why the settings are what they are (each pitfall was checked):
 - The arena's shared-memory pages are charged to the unit's cgroup, so
   ``MemoryMax`` is the arena plus headroom (``--arena`` here, or the config
-  file's ``arena``); ``LimitMEMLOCK`` covers the arena so it may be locked.
+  file's ``arena``; a config that sizes by ``slots`` needs ``--arena``).
+- ``k3d.service`` keeps ``/run/k3d`` when it stops (``RuntimeDirectoryPreserve``):
+  the ``k3d@MODEL`` instances have their sockets below it, in ``/run/k3d/MODEL``.
+- Paths the daemon writes (``trace``, ``disk_cache``) must be under the
+  StateDirectory ``/var/lib/k3d`` (or its private /tmp): the rest of the file
+  system is read-only to it (``ProtectSystem=strict``).
 - ``RemoveIPC=yes`` and ``DynamicUser=yes`` delete the user's POSIX shared
   memory and IPC objects when the unit stops: both stay off, with a fixed user.
 - The hardening keeps /dev/shm writable (``ProtectSystem=strict`` leaves /dev
@@ -54,7 +59,6 @@ TimeoutStopSec=60
 WatchdogSec=30
 # The arena's shared memory is charged to this unit: arena {arena} + headroom.
 MemoryMax={memory_max}
-LimitMEMLOCK={memlock}
 LimitNOFILE=65536
 # No RemoveIPC=yes and no DynamicUser=yes: both delete the user's shared memory
 # and IPC objects when the unit stops.  A fixed system user instead.
@@ -100,6 +104,8 @@ ExecStart={exec} start --config /etc/k3d/k3d.toml
 Environment=K3D_ENDPOINT=ipc:///run/k3d/k3d.sock
 RuntimeDirectory=k3d
 RuntimeDirectoryMode=0750
+# Kept when this unit stops: k3d@MODEL instances have their sockets below it.
+RuntimeDirectoryPreserve=yes
 StateDirectory=k3d
 StateDirectoryMode=0750
 {common}
@@ -148,7 +154,7 @@ def render(name: str, exec_path: str, arena: int) -> str:
     """The text of unit file ``name`` (one of ``FILES``)."""
     if name == "k3d.sysusers.conf":
         return _SYSUSERS
-    common = _COMMON.format(arena=_mib(arena), memory_max=_mib(arena + HEADROOM), memlock=_mib(arena))
+    common = _COMMON.format(arena=_mib(arena), memory_max=_mib(arena + HEADROOM))
     body = {"k3d.service": _SERVICE, "k3d@.service": _TEMPLATE}[name]
     return body.format(exec=exec_path, common=common)
 
@@ -170,7 +176,24 @@ def arena_from(config_file: str | None, given: str | None) -> int:
         data = load_file(config_file)
         if "arena" in data:
             return parse_size(data["arena"])
+        if data.get("slots"):
+            raise ConfigError(f"config file {config_file} sizes the arena by slots ({data['slots']}); MemoryMax "
+                              "needs bytes: pass --arena (slots x the expert size, see `k3ctl status`)")
     return Config().arena
+
+
+def closed_to_others(path: str) -> str | None:
+    """The first directory above ``path`` that other users cannot enter (mode o-x), if any:
+    the unit's ``k3d`` user could not run an ExecStart there (a pyenv under /root)."""
+    d = os.path.dirname(os.path.abspath(path.split()[0]))
+    while d and d != "/":
+        try:
+            if not os.stat(d).st_mode & 0o001:
+                return d
+        except FileNotFoundError:       # not made yet: what is above it decides
+            pass
+        d = os.path.dirname(d)
+    return None
 
 
 def install(dest: str, sysusers_dir: str, exec_path: str, arena: int) -> list[str]:
@@ -207,6 +230,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"k3d: error: {e}", file=sys.stderr)
         return 1
     exec_path = args.exec_path or default_exec()
+    closed = closed_to_others(exec_path)
+    if closed:
+        print(f"k3d: warning: ExecStart {exec_path.split()[0]} is under {closed}, which other users cannot enter: "
+              "the k3d user could not start it; install k3d where it can (e.g. a venv under /opt) and pass --exec",
+              file=sys.stderr)
     if args.print_only:
         for name in FILES:
             print(f"# ---- {name}")
