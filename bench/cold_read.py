@@ -78,7 +78,7 @@ import numpy as np  # noqa: E402
 import harness  # noqa: E402
 import k3client  # noqa: E402
 from k3d.arena import Arena, hugepages  # noqa: E402
-from k3d.checksum import CrcPipeline, crc32_combine  # noqa: E402
+from k3d.checksum import CrcPipeline, crc32_of_parts  # noqa: E402
 from k3d.config import DEFAULT_PATTERN, Config  # noqa: E402
 from k3d.packed import CHUNK, PackedSource, read_header, write_pack  # noqa: E402
 from k3d.sources import Extent, open_source, parts_per_key, split_extents  # noqa: E402
@@ -222,9 +222,7 @@ class RawReaders:
                 crc = crcs.finish()
             parts[j].append((start, length, crc))        # list.append: atomic under the GIL
             if sum(p[1] for p in parts[j]) == self.stride:   # the part that completes the expert checks it
-                whole = 0
-                for s, n, c in sorted(parts[j]):
-                    whole = crc32_combine(whole, c, n) if s else c
+                whole = crc32_of_parts(parts[j])
                 if whole != expected[j]:
                     raise ValueError(f"floorcrc: crc32 {whole:08x} of the expert at {off - start} "
                                      f"is not the header's {expected[j]:08x}")

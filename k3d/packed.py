@@ -42,7 +42,7 @@ Invariants:
   never serves it.  The server may split one
   expert into page-aligned parts read by several threads: each part's crc is
   recorded and the part that completes the expert combines them
-  (``crc32_combine``) and checks.  Parts of one load share one slot
+  (``crc32_of_parts``) and checks.  Parts of one load share one slot
   memoryview object (the server makes one per load); that object identifies
   the load, so parts of an earlier, failed load of the same expert are never
   mixed in.
@@ -79,7 +79,7 @@ import time
 
 from k3client.layout import DTYPES, TensorSpec, align, build_layout, layout_bytes
 
-from .checksum import CrcPipeline, crc32, crc32_combine
+from .checksum import CrcPipeline, crc32, crc32_of_parts
 from .sources import PAGE, Extent, Source, SourceError, read_fully
 
 MAGIC = b"K3DPACK\n"
@@ -339,13 +339,12 @@ class PackedSource(Source):
                 return
             del self._pending[i]
         parts.sort()
-        pos, whole = 0, 0
-        for s, length, c in parts:
+        pos = 0
+        for s, length, _ in parts:
             if s != pos:
                 raise ChecksumError(f"expert {self._names[i]}: parts read overlap or leave a hole at {pos}")
-            whole = crc32_combine(whole, c, length) if pos else c
             pos += length
-        self._check(i, whole)
+        self._check(i, crc32_of_parts(parts))
 
     def _check(self, i: int, crc: int) -> None:
         if crc != self._crcs[i]:

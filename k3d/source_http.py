@@ -81,7 +81,7 @@ import threading
 import time
 import urllib.parse
 
-from .checksum import crc32, crc32_combine
+from .checksum import crc32, crc32_of_parts
 from .disk_cache import DATA_OFFSET, DiskCache, DiskCacheError
 from .sources import Extent, Source, SourceError, contiguous_runs
 
@@ -544,21 +544,13 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
                 out.append([so, so + length])
         return out
 
-    @staticmethod
-    def _combine(parts) -> int:
-        crc, first = 0, True
-        for _, length, c in sorted(parts):
-            crc = c if first else crc32_combine(crc, c, length)
-            first = False
-        return crc
-
     def _finish(self, load: _Load, key, slot) -> None:
         """The last part of ``key`` landed: verify, count, and write through to disk."""
         from_disk = load.entry is not None
         if self._want_crc(load, key):
             if self._tiles(load.parts) != self._tiles([(e.slot_offset, e.length, 0) for e in self.keys[key]]):
                 raise SourceError(f"internal: the parts read of expert {key} do not tile it exactly")
-            crc = self._combine(load.parts)
+            crc = crc32_of_parts(load.parts)
             if from_disk and crc != load.entry.crc32:
                 log.warning("disk cache entry of expert (layer %d, expert %d) fails its crc32 "
                             "(%08x, entry says %08x): dropped, refetching from %s",

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 import k3client
 import k3d.packed as k3d_packed
-from k3d.checksum import CrcPipeline, crc32, crc32_combine
+from k3d.checksum import CrcPipeline, crc32, crc32_combine, crc32_of_parts
 from k3d.config import DEFAULT_PATTERN, ConfigError, resolve
 from k3d.packed import MAGIC, ChecksumError, PackedSource, read_header, write_pack
 from k3d.source_gguf import write_synthetic_gguf
@@ -571,3 +571,11 @@ def test_direct_handles_unaligned_pieces(packed):
     finally:
         src.close()
         buf.close()
+
+
+def test_crc32_of_parts_joins_in_offset_order():
+    data = os.urandom(10000)
+    cuts = [(0, 3000), (3000, 1), (3001, 6999)]
+    parts = [(o, n, zlib.crc32(data[o:o + n])) for o, n in cuts]
+    assert crc32_of_parts(reversed(parts)) == zlib.crc32(data)
+    assert crc32_of_parts([]) == 0
