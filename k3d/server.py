@@ -42,7 +42,6 @@ import random
 import socket
 import time
 
-import psutil
 import zmq
 
 from k3client import errors
@@ -70,13 +69,15 @@ WASTE_LIMIT = 0.9        # share of unused predictions above which a client is t
 
 def start_ticks(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks since boot (/proc/PID/stat field 22);
-    None if it is gone.  Read by hand because psutil's ``create_time()`` is wall-clock
-    time (boot time + ticks): a clock step (NTP, settimeofday) would move it, and every
-    live client would then look like a reused pid and lose its pins."""
+    None if it is gone or a zombie (exited, not yet reaped).  Read by hand because
+    psutil's ``create_time()`` is wall-clock time (boot time + ticks): a clock step (NTP,
+    settimeofday) would move it, and every live client would then look like a reused pid
+    and lose its pins."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])   # fields from 3 on, after "(comm) "
+        fields = stat[stat.rindex(b")") + 2:].split()     # fields from 3 (state) on, after "(comm) "
+        return None if fields[0] == b"Z" else int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -624,14 +625,6 @@ class Server:
                     reason = "exited"
                 elif ticks != s.started:
                     reason = "exited (pid reused)"
-                else:
-                    try:
-                        if psutil.Process(s.pid).status() == psutil.STATUS_ZOMBIE:
-                            reason = "exited"
-                    except psutil.NoSuchProcess:
-                        reason = "exited"
-                    except psutil.Error:
-                        pass
             lease = max(self.cfg.lease_s, s.lease_s)
             if reason is None and now - s.last_seen > lease:
                 reason = f"silent for {now - s.last_seen:.1f}s (lease {lease:g}s)"

@@ -494,9 +494,8 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         return None
 
     def _disk_part(self, load: _Load, extents, slot) -> list:
-        """Read a part from its disk entry; its crcs are checked once the load is whole.
-        Caller's obligation: a load from disk is one part (``max_parts`` is 1), so a
-        failure here leaves no other part of it read from the entry."""
+        """Read a part from its disk entry; its crcs are checked against the entry's once
+        the load is whole (also when another part fell back to the origin)."""
         fd = os.open(load.entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)   # a FIFO must not block
         try:
             # the entry is the slot image: one pread per run of extents separated only by

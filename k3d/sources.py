@@ -81,7 +81,6 @@ class Source:
 def read_fully(fd: int, buffers: list[memoryview], offset: int, what: str) -> int:
     """``os.preadv`` until every buffer is full; a short file is an error."""
     total = 0
-    buffers = [b for b in buffers if len(b)]      # preadv of only empty buffers returns 0: not EOF
     while buffers:
         n = os.preadv(fd, buffers, offset)
         if n == 0:

@@ -459,8 +459,16 @@ def test_start_ticks_reads_proc_stat_even_with_odd_process_names(tmp_path):
         hz = os.sysconf("SC_CLK_TCK")
         want = (psutil.Process(p.pid).create_time() - psutil.boot_time()) * hz
         assert isinstance(ticks, int) and abs(ticks - want) <= 1
+        p.stdin.close()                               # it exits; not reaped yet: a zombie
+        deadline = time.monotonic() + 5
+        while start_ticks(p.pid) is not None:
+            assert time.monotonic() < deadline, "a zombie must read as gone"
+            time.sleep(0.01)
+        with open(f"/proc/{p.pid}/stat") as f:
+            stat = f.read()
+        assert stat[stat.rindex(")") + 2:].startswith("Z")
     finally:
-        p.communicate(b"")
+        p.communicate()
     assert start_ticks(p.pid) is None                 # exited and reaped
 
 
