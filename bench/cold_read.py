@@ -78,10 +78,11 @@ import numpy as np  # noqa: E402
 import harness  # noqa: E402
 import k3client  # noqa: E402
 from k3d.arena import Arena, hugepages  # noqa: E402
-from k3d.checksum import CrcPipeline, crc32_of_parts  # noqa: E402
+from k3d.sources.checksum import CrcPipeline, crc32_of_parts  # noqa: E402
 from k3d.config import DEFAULT_PATTERN, Config  # noqa: E402
-from k3d.packed import CHUNK, PackedSource, read_header, write_pack  # noqa: E402
-from k3d.sources import Extent, open_source, parts_per_key, split_extents  # noqa: E402
+from k3d.sources.packed import CHUNK, PackedSource, read_header, write_pack  # noqa: E402
+from k3d.sources import Extent, open_source  # noqa: E402
+from k3d.reads.plan import parts_per_key, split_extents  # noqa: E402
 
 CACHE = "/tmp/k3d-bench-cold"
 HIDDEN = INTER = 2880           # gpt-oss: 13.2 MB MXFP4 experts
@@ -95,7 +96,7 @@ LABELS = {"floor": "O_DIRECT preadv (floor)", "floorcrc": "O_DIRECT preadv + crc
 
 def build(layers: int, experts: int) -> str:
     """The packed file (built once, then reused from CACHE)."""
-    from k3d.synthetic import write_checkpoint
+    from k3d.demo.synthetic import write_checkpoint
 
     out = os.path.join(CACHE, f"gptoss-{layers}x{experts}.k3pack")
     if os.path.exists(out):

@@ -83,7 +83,7 @@ class Daemon:
 
 def checkpoint(layers: int, experts: int, hidden: int, inter: int, seed: int = 0) -> str:
     """A synthetic MXFP4-shaped checkpoint in a fresh temp dir (caller removes it)."""
-    from k3d.synthetic import write_checkpoint
+    from k3d.demo.synthetic import write_checkpoint
 
     path = tempfile.mkdtemp(prefix="k3d-bench-ckpt-", dir="/tmp")
     return write_checkpoint(path, layers=layers, experts=experts, hidden=hidden, inter=inter, seed=seed)

@@ -48,14 +48,14 @@ import harness  # noqa: E402
 import k3client  # noqa: E402
 from faulty_http import Nginx  # noqa: E402
 from k3d.config import DEFAULT_PATTERN  # noqa: E402
-from k3d.packed import write_pack  # noqa: E402
+from k3d.sources.packed import write_pack  # noqa: E402
 from k3d.sources import open_source  # noqa: E402
 
 CACHE = "/tmp/k3d-bench-http"
 
 
 def build(mb: int) -> tuple[str, str]:
-    from k3d.synthetic import write_checkpoint
+    from k3d.demo.synthetic import write_checkpoint
     experts = max(8, round(mb * 1e6 / 3.3e6 / 4))
     ck = os.path.join(CACHE, f"ck-{experts}")
     pack = ck + ".k3pack"

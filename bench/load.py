@@ -153,7 +153,7 @@ def main():
     import psutil
 
     import k3client
-    from k3d.synthetic import write_checkpoint
+    from k3d.demo.synthetic import write_checkpoint
 
     ckpt = f"/tmp/k3d-load-ckpt-{LAYERS}x{EXPERTS}"
     if not os.path.exists(os.path.join(ckpt, "model.safetensors.index.json")):

@@ -34,7 +34,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
-from k3d.sources import Extent, Source, parts_per_key, split_extents  # noqa: E402
+from k3d.sources import Extent, Source  # noqa: E402
+from k3d.reads.plan import parts_per_key, split_extents  # noqa: E402
 
 HIDDEN = INTER = 2880
 LAYERS = 3

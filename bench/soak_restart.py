@@ -61,7 +61,7 @@ def main():
     from safetensors import safe_open
 
     import k3client
-    from k3d.synthetic import write_checkpoint
+    from k3d.demo.synthetic import write_checkpoint
 
     ckpt = "/tmp/k3d-soak-ckpt"
     if not os.path.exists(os.path.join(ckpt, "model.safetensors.index.json")):

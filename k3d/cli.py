@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _start_parser(sub)
     _pack_parser(sub)
-    from . import units
+    from .service import units
     units.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
     d.add_argument("--tokens", type=int, default=200)
@@ -73,13 +73,13 @@ def main(argv=None) -> int:
     d.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args(argv)
     if args.cmd == "demo":
-        from .demo import run_demo
+        from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
     if args.cmd == "install-unit":
         return units.main(args)
     if args.cmd == "pack":
         from .config import DEFAULT_PATTERN
-        from .packed import pack_main
+        from .sources.packed import pack_main
         return pack_main(args.src, args.out, args.pattern or DEFAULT_PATTERN, args.force, args.progress)
     cli = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
     try:
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         return 1
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="k3d: %(levelname)s %(message)s")
-    from .daemon import StartupError, run
+    from .service.daemon import StartupError, run
     try:
         return run(cfg, os.environ, reload=lambda: resolve(cli, os.environ, args.config))
     except StartupError as e:

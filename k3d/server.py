@@ -51,9 +51,9 @@ from k3client.protocol import MAX_KEYS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pac
 
 from . import __version__
 from .access import peer_allowed, peer_cred, refusal, unix_peer_cred
-from .fair_reads import FairReads
-from .readers import Job, ReaderPool
-from .sources import parts_per_key, split_extents
+from .reads.fair import FairReads
+from .reads.pool import Job, ReaderPool
+from .reads.plan import parts_per_key, split_extents
 from .stats import Throughput
 from .store import READY, Store
 from .trace import RouteTrace
@@ -72,13 +72,19 @@ def start_ticks(pid: int) -> int | None:
     None if it is gone or a zombie (exited, not yet reaped).  Read by hand because
     psutil's ``create_time()`` is wall-clock time (boot time + ticks): a clock step (NTP,
     settimeofday) would move it, and every live client would then look like a reused pid
-    and lose its pins."""
+    and lose its pins.
+
+    Any other OSError (EMFILE while fds run out) is raised: it says nothing about the
+    process, and reading it as "gone" would drop a live client's pins."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
         fields = stat[stat.rindex(b")") + 2:].split()     # fields from 3 (state) on, after "(comm) "
         return None if fields[0] == b"Z" else int(fields[19])
-    except (OSError, ValueError, IndexError):
+    except (ValueError, IndexError):
         return None
 
 
@@ -381,7 +387,10 @@ class Server:
             pid = msg["pid"]
         started = None
         if pid is not None:
-            started = start_ticks(pid)
+            try:
+                started = start_ticks(pid)
+            except OSError:
+                started = None
             if started is None:
                 pid = None
         old = self.sessions.get(routing)
@@ -620,7 +629,11 @@ class Server:
         for s in list(self.sessions.values()):
             reason = None
             if s.pid is not None:
-                ticks = start_ticks(s.pid)
+                try:
+                    ticks = start_ticks(s.pid)
+                except OSError as e:      # cannot tell now (fds exhausted): ask again next round
+                    log.debug("liveness of pid %s unknown: %s", s.pid, e)
+                    continue
                 if ticks is None:
                     reason = "exited"
                 elif ticks != s.started:

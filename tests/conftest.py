@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from k3d.synthetic import write_checkpoint
+from k3d.demo.synthetic import write_checkpoint
 
 # Every socket directory and daemon log of this test session lives under one
 # short /tmp directory (ipc paths must fit sun_path's 108 bytes, so not under

@@ -4,7 +4,7 @@
    (8 layers x 32 experts, two shards) and digests every expert from it.
 2. Starts a real daemon (``k3d start``) with an arena that holds ~40% of the
    experts, so the LRU, predictions and evictions all matter.
-3. Runs ``clients`` model processes (``k3d.demo_worker``) that share it over many
+3. Runs ``clients`` model processes (``k3d.demo.worker``) that share it over many
    tokens with skewed routing and next-layer predictions; each verifies every
    byte it reads.
 4. Prints hit rate, waits, prefetch use, bytes read and per-process RSS/PSS,
@@ -88,7 +88,7 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
                     return 1
                 time.sleep(0.05)
             workers = [subprocess.Popen(
-                [sys.executable, "-m", "k3d.demo_worker", "--endpoint", endpoint, "--name", f"model-{i}",
+                [sys.executable, "-m", "k3d.demo.worker", "--endpoint", endpoint, "--name", f"model-{i}",
                  "--digests", dpath, "--layers", str(LAYERS), "--experts", str(EXPERTS),
                  "--tokens", str(tokens), "--seed", str(seed + i + 1), "--route-seed", str(seed)],
                 stdout=subprocess.PIPE, text=True, env=env) for i in range(clients)]

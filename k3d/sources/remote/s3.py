@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import re
 
-from .source_http import RETRY_STATUS, RemoteSource, Retryable, fill_from
-from .sources import SourceError
+from .http import RETRY_STATUS, RemoteSource, Retryable, fill_from
+from ..base import SourceError
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\Z")
 _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
@@ -90,7 +90,7 @@ class S3Source(RemoteSource):
     def _retrying(self, url: str, op: str, fn):
         import random
         import time
-        from .source_http import BACKOFF_BASE, BACKOFF_CAP
+        from .http import BACKOFF_BASE, BACKOFF_CAP
         attempt = 0
         while True:
             try:

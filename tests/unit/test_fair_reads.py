@@ -1,7 +1,7 @@
 """Unit: per-client metering of urgent reads (FairReads) with a recording pool."""
 
-from k3d.fair_reads import FairReads
-from k3d.readers import Job
+from k3d.reads.fair import FairReads
+from k3d.reads.pool import Job
 
 
 class Pool:

@@ -22,9 +22,9 @@ from safetensors import safe_open
 import k3client
 from k3client.mxfp4 import dequantize
 from k3d.config import DEFAULT_PATTERN
-from k3d.source_gguf import write_synthetic_gguf
+from k3d.sources.gguf import write_synthetic_gguf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOP_K = 4
 
 

@@ -17,9 +17,10 @@ moto_server = pytest.importorskip("moto.server", reason="S3 tests need moto's se
 
 import k3client  # noqa: E402
 from k3d.config import DEFAULT_PATTERN  # noqa: E402
-from k3d.source_s3 import S3Source  # noqa: E402
-from k3d.sources import SourceError, split_extents  # noqa: E402
-from k3d.synthetic import write_checkpoint  # noqa: E402
+from k3d.sources.remote.s3 import S3Source  # noqa: E402
+from k3d.sources import SourceError  # noqa: E402
+from k3d.reads.plan import split_extents  # noqa: E402
+from k3d.demo.synthetic import write_checkpoint  # noqa: E402
 from test_http_faults import Reference  # noqa: E402
 
 BUCKET = "k3d-models"

@@ -18,11 +18,11 @@ import time
 import pytest
 
 import k3client
-from k3d import units
+from k3d.service import units
 from k3d.config import Config
 from conftest import SCRATCH
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- units ---------------------------------------------------------------------

@@ -15,8 +15,10 @@ from gguf.quants import dequantize as gguf_dequantize, quantize
 
 import k3client
 from k3client.mxfp4 import dequantize
-from k3d.source_gguf import GGML_TYPES, GGUFSource, write_synthetic_gguf
-from k3d.sources import SourceError, open_source, split_extents
+from k3d.sources.gguf import GGML_TYPES, GGUFSource, write_synthetic_gguf
+from k3d.sources import SourceError, open_source
+
+from k3d.reads.plan import split_extents
 
 PARTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
 

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from k3d.readers import Job, ReaderPool
+from k3d.reads.pool import Job, ReaderPool
 
 
 class Gate:

@@ -19,13 +19,14 @@ import pytest
 
 from faulty_http import FaultyServer
 from k3d.config import DEFAULT_PATTERN
-from k3d.disk_cache import DATA_OFFSET, DiskCache, DiskCacheError, entry_name, read_entry_header
-from k3d.source_http import HttpSource
-from k3d.sources import SourceError, split_extents
-from k3d.synthetic import write_checkpoint
+from k3d.sources.remote.disk_cache import DATA_OFFSET, DiskCache, DiskCacheError, entry_name, read_entry_header
+from k3d.sources.remote.http import HttpSource
+from k3d.sources import SourceError
+from k3d.reads.plan import split_extents
+from k3d.demo.synthetic import write_checkpoint
 from test_http_faults import Reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def entries(d):
@@ -101,7 +102,7 @@ def test_kill9_while_writing_leaves_nothing_served(tmp_path):
     code = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {ROOT!r})
-        from k3d.disk_cache import DiskCache
+        from k3d.sources.remote.disk_cache import DiskCache
         c = DiskCache({str(d)!r}, 1 << 30)
         c.insert("o", (0, 0), "fp", {{}}, bytes(1 << 16), 0)
         def stuck(fd):
@@ -279,7 +280,7 @@ def test_daemon_kill9_during_write_behind_then_restart(origin, start_daemon, tmp
 
 
 def test_full_write_backlog_skips_instead_of_slowing_fetches(origin, tmp_path, monkeypatch):
-    import k3d.source_http as sh
+    import k3d.sources.remote.http as sh
     srv, ref = origin
     monkeypatch.setattr(sh, "WRITE_BACKLOG", 1)
     src = open_src(srv, tmp_path)

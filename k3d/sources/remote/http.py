@@ -81,9 +81,9 @@ import threading
 import time
 import urllib.parse
 
-from .checksum import crc32, crc32_of_parts
+from ..checksum import crc32, crc32_of_parts
 from .disk_cache import DATA_OFFSET, DiskCache, DiskCacheError
-from .sources import Extent, Source, SourceError, contiguous_runs
+from ..base import Extent, Source, SourceError, contiguous_runs
 
 log = logging.getLogger("k3d")
 
@@ -311,13 +311,13 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         head = self._fetch_bytes(fi, 0, min(HEAD_PROBE, size))
         if len(head) >= 8:
             n = int.from_bytes(head[:8], "little")
-            from .source_safetensors import MAX_HEADER
+            from ..safetensors import MAX_HEADER
             if len(head) < 8 + n <= size and n <= MAX_HEADER:
                 head += self._fetch_bytes(fi, len(head), 8 + n - len(head))
         return head
 
     def _open_safetensors(self, index_url, index, pattern, tmp) -> None:
-        from .source_safetensors import SafetensorsSource
+        from ..safetensors import SafetensorsSource
         if index_url is None:
             shard_urls = list(index)
             weight_map = None
@@ -345,7 +345,7 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         self.layout, self.keys, self.tensor_format = st.layout, st.keys, st.tensor_format
 
     def _open_gguf(self, url: str, tmp: str) -> None:
-        from .source_gguf import GGUFSource, parse_gguf
+        from ..gguf import GGUFSource, parse_gguf
         fi = self._add_file(url)
         size = self.sizes[fi]
         have = min(size, GGUF_HEAD_START)
@@ -374,7 +374,7 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         self.tensor_types = dict(g.tensor_types)
 
     def _open_packed(self, url: str, tmp: str) -> None:
-        from .packed import MAX_HEADER, PackedSource
+        from ..packed import MAX_HEADER, PackedSource
         fi = self._add_file(url)
         size = self.sizes[fi]
         head = self._fetch_bytes(fi, 0, min(size, HEAD_PROBE))
@@ -699,7 +699,7 @@ class HttpSource(RemoteSource):
         self._pools: dict[tuple[str, str], _Pool] = {}
         self._conns, self._timeout = conns, timeout
         self._pools_mu = threading.Lock()
-        from . import __version__
+        from ... import __version__
         self._ua = f"k3d/{__version__}"
         super().__init__(url, pattern, **kw)
 

@@ -80,7 +80,7 @@ import time
 from k3client.layout import DTYPES, TensorSpec, align, build_layout, layout_bytes
 
 from .checksum import CrcPipeline, crc32, crc32_of_parts
-from .sources import PAGE, Extent, Source, SourceError, read_fully
+from .base import PAGE, Extent, Source, SourceError, read_fully
 
 MAGIC = b"K3DPACK\n"
 FORMAT = "k3d-pack"
@@ -518,7 +518,7 @@ def write_pack(src: Source, out: str, progress: bool = True) -> dict:
 
 def pack_main(src_spec: str, out: str, pattern: str, force: bool = False, progress: bool = True) -> int:
     """``k3d pack SRC OUT``: returns the exit code; every failure is one line on stderr."""
-    from .sources import open_source
+    from . import open_source
 
     if os.path.exists(out) and not force:
         print(f"k3d: error: {out} exists; pass --force to replace it", file=sys.stderr)

@@ -40,7 +40,7 @@ import os
 import shutil
 import sys
 
-from .config import Config, ConfigError, load_file, parse_size
+from ..config import Config, ConfigError, load_file, parse_size
 
 HEADROOM = 2 * 2**30         # Python, reader threads, page cache of the source
 

@@ -21,9 +21,9 @@ import k3client
 from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 from k3d.arena import Arena
 from k3d.config import resolve
-from k3d.daemon import size_arena
+from k3d.service.daemon import size_arena
 from k3d.server import Server
-from k3d.source_safetensors import SafetensorsSource
+from k3d.sources.safetensors import SafetensorsSource
 from k3d.config import DEFAULT_PATTERN
 from conftest import SCRATCH
 

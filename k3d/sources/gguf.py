@@ -46,7 +46,7 @@ import struct
 
 from k3client.layout import build_layout
 
-from .sources import Extent, Source, SourceError
+from .base import Extent, Source, SourceError
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -31,7 +31,7 @@ import re
 
 from k3client.layout import DTYPES, build_layout
 
-from .sources import Extent, Source, SourceError
+from .base import Extent, Source, SourceError
 
 MAX_HEADER = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"

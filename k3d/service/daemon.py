@@ -30,10 +30,10 @@ import zmq
 from k3client.endpoint import arena_socket_for, ipc_path
 from k3client.layout import align
 
-from .arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
-from .server import Server
-from .sources import SourceError, open_source
-from .systemd import Notifier
+from ..arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
+from ..server import Server
+from ..sources import SourceError, open_source
+from .notify import Notifier
 
 log = logging.getLogger("k3d")
 

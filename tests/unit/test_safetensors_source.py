@@ -9,8 +9,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from k3d.source_safetensors import SafetensorsSource
-from k3d.sources import Extent, SourceError, split_extents
+from k3d.sources.safetensors import SafetensorsSource
+from k3d.sources import Extent, SourceError
+from k3d.reads.plan import split_extents
 from k3d.config import DEFAULT_PATTERN
 
 P = "model.layers.{l}.mlp.experts.{e}.{n}"

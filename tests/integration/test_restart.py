@@ -172,7 +172,7 @@ def test_reconnect_timeout_zero_raises_daemon_restarted(checkpoint, start_daemon
 
 
 def test_daemon_back_with_another_layout_is_an_error(checkpoint, start_daemon, tmp_path):
-    from k3d.synthetic import write_checkpoint
+    from k3d.demo.synthetic import write_checkpoint
     other = write_checkpoint(str(tmp_path / "other"), layers=2, experts=4, hidden=256, inter=128, seed=3)
     endpoint = fresh_endpoint()
     d = start_daemon(checkpoint, "--slots", "8", endpoint=endpoint)

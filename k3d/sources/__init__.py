@@ -1,0 +1,76 @@
+"""Sources: where expert bytes come from.  ``open_source`` is the one place that names kinds.
+
+- ``base``: the ``Source`` interface (layout, keys -> extents, ``read``), ``Extent``,
+  ``SourceError``, pread helpers;
+- ``safetensors``, ``gguf``, ``packed``: local formats (``packed`` also writes packs);
+- ``checksum``: crc32 pipelines for packed files and the disk tier;
+- ``remote/``: HTTP(S) and S3 origins with their disk tier.
+
+Thread: sources are built on the main thread before the server starts; after
+that they are read-only and ``read`` runs on reader threads.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .base import Extent, Source, SourceError
+from .gguf import MAGIC as GGUF_MAGIC, GGUFSource
+from .packed import MAGIC as PACK_MAGIC, PARTIAL, PackedSource
+from .remote.http import HttpSource
+from .remote.s3 import S3Source
+from .safetensors import SafetensorsSource
+
+__all__ = ["Extent", "Source", "SourceError", "open_source", "open_remote"]
+
+
+def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg=None) -> Source:
+    """Pick the source for a path (directory or file) or URL; raises SourceError.
+
+    Files are recognised by their magic (``GGUF``, ``K3DPACK``), else by extension;
+    ``read_mode`` (buffered | direct) applies to packed files, whose experts are
+    4096-aligned; direct reads of other formats are refused.  ``http(s)://`` and
+    ``s3://`` specs are remote sources (``remote/``) configured
+    from ``cfg`` (connections, timeouts, retries, the disk cache tier).
+    """
+    if spec.startswith(("http://", "https://", "s3://")):
+        if read_mode == "direct":
+            raise SourceError(f"--read-mode direct reads local packed files; {spec} is remote "
+                              "(its disk cache tier reads buffered)")
+        return open_remote(spec, pattern, cfg)
+    if not os.path.exists(spec):
+        raise SourceError(f"checkpoint not found: {spec}")
+    head = b""
+    if os.path.isfile(spec):
+        fd = os.open(spec, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            # no readahead: its window would leave a PG_readahead mark that later sets off
+            # async readahead of expert pages the reads never asked for (see packed.py)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            head = os.pread(fd, 8, 0)
+        finally:
+            os.close(fd)
+    if head == PACK_MAGIC or spec.endswith((".k3pack", PARTIAL)):   # PackedSource refuses a .partial
+        return PackedSource(spec, read_mode)
+    if read_mode not in ("buffered", "direct"):
+        raise SourceError(f"unknown read mode {read_mode!r} (use buffered or direct)")
+    if read_mode == "direct":
+        raise SourceError(f"--read-mode direct needs a packed file (4096-aligned experts); "
+                          f"convert {spec} with `k3d pack {spec} OUT.k3pack`")
+    if head[:4] == GGUF_MAGIC or spec.endswith(".gguf"):
+        return GGUFSource(spec)
+    if os.path.isdir(spec) or spec.endswith(".safetensors") or spec.endswith(".json"):
+        return SafetensorsSource(spec, pattern)
+    raise SourceError(f"unsupported source {spec}: expected a safetensors directory or file, "
+                      "a .gguf file or a .k3pack file")
+
+
+def open_remote(spec: str, pattern: str, cfg=None) -> Source:
+    """An HTTP(S) or S3 source; ``cfg`` (a Config, or None for defaults) supplies the tunables."""
+    kw = {"disk_cache": getattr(cfg, "disk_cache", None),
+          "disk_cache_size": getattr(cfg, "disk_cache_size", 16 * 2**30),
+          "retries": getattr(cfg, "http_retries", 5)}
+    conns, timeout = getattr(cfg, "http_conns", 4), getattr(cfg, "http_timeout", 30.0)
+    if spec.startswith("s3://"):
+        return S3Source(spec, pattern, conns=conns, timeout=timeout, **kw)
+    return HttpSource(spec, pattern, conns=conns, timeout=timeout, **kw)
