@@ -4,8 +4,6 @@ The daemon test runs the real ``k3d start`` on a GGUF file and a real client.
 """
 
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from k3d.sources.gguf import GGML_TYPES, GGUFSource, write_synthetic_gguf
 from k3d.sources import SourceError, open_source
 
 from k3d.reads.plan import split_extents
+from helpers import k3d
 
 PARTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
 
@@ -223,8 +222,7 @@ def test_not_gguf(tmp_path):
 
 def test_start_refuses_bad_gguf_in_one_line(tmp_path):
     p = _write(tmp_path / "dense.gguf", {"blk.0.attn_q.weight": _q8((64, 64))})
-    r = subprocess.run([sys.executable, "-m", "k3d.cli", "start", "--source", p,
-                        "--endpoint", f"ipc://{tmp_path}/k.sock"], capture_output=True, text=True, timeout=60)
+    r = k3d("start", "--source", p, "--endpoint", f"ipc://{tmp_path}/k.sock")
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "no expert tensors" in lines[0], r.stderr

@@ -12,7 +12,6 @@ import zlib
 
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 import k3client
 import k3d.sources.packed as k3d_packed
@@ -23,14 +22,7 @@ from k3d.sources.gguf import write_synthetic_gguf
 from k3d.sources import SourceError, open_source
 
 from k3d.reads.plan import split_extents
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def k3d(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "k3d.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
-
+from helpers import ROOT, k3d, reference, verify
 
 @pytest.fixture(scope="module")
 def packed(checkpoint, tmp_path_factory):
@@ -42,14 +34,6 @@ def packed(checkpoint, tmp_path_factory):
     return out
 
 
-def reference(checkpoint, key, name):
-    with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
-        wm = json.load(f)["weight_map"]
-    t = DEFAULT_PATTERN.format(layer=key[0], expert=key[1], name=name)
-    with safe_open(os.path.join(checkpoint, wm[t]), "np") as f:
-        return f.get_tensor(t)
-
-
 def test_file_layout(packed, checkpoint):
     h, size = read_header(packed)
     assert open(packed, "rb").read(8) == MAGIC
@@ -57,27 +41,27 @@ def test_file_layout(packed, checkpoint):
     assert h["stride"] % 4096 == 0 and h["data_offset"] % 4096 == 0
     assert h["keys"] == [[l, e] for l in range(4) for e in range(16)]
     assert size == h["data_offset"] + 64 * h["stride"]
+    ref = reference(checkpoint)
     with open(packed, "rb") as f:
         for i, (l, e) in enumerate(h["keys"]):
             f.seek(h["data_offset"] + i * h["stride"])
             blob = f.read(h["stride"])
             assert f"{zlib.crc32(blob):08x}" == h["checksums"][i]
             for name, dtype, shape, off, nb in h["layout"]:
-                assert blob[off:off + nb] == reference(checkpoint, (l, e), name).tobytes()
+                assert blob[off:off + nb] == ref.expert(l, e, name).tobytes()
 
 
 @pytest.mark.parametrize("mode", ["buffered", "direct"])
 def test_daemon_serves_packed(packed, checkpoint, start_daemon, mode):
     d = start_daemon(packed, "--read-mode", mode, "--arena", "4MiB", "--readers", "3")
+    ref = reference(checkpoint)
     with k3client.connect(d.endpoint, name=f"packed-{mode}") as c:
         assert c.model["kind"] == "packed" and c.model["read_mode"] == mode
         assert c.model["packed_from"] == "safetensors" and c.model["tensor_format"] == "ocp:MXFP4"
         # one key per fetch splits the read over all readers; many keys read one each
         for layer in range(4):
             c.begin_token()
-            for ex in c.fetch(layer, [layer * 3 % 16]) + c.fetch(layer, [1, 9, 15, 4]):
-                for spec in c.layout:
-                    assert ex.array(spec.name).tobytes() == reference(checkpoint, (layer, ex.expert), spec.name).tobytes()
+            verify(c, c.fetch(layer, [layer * 3 % 16]) + c.fetch(layer, [1, 9, 15, 4]), ref)
         st = c.status()
         assert st["stats"]["errors"] == 0
     assert d.stop() == 0
@@ -263,7 +247,7 @@ def test_crc_pipeline_interrupted_and_closed():
             outcome.append(str(e))
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.002)
+    time.sleep(0.002)                # close at some point of the run: the race itself is the test
     p.close()
     t.join(10)
     assert not t.is_alive(), "finish() hung after close()"
