@@ -28,7 +28,8 @@ def query_status(endpoint: str, timeout: float) -> dict:
         try:
             s.connect(endpoint)
         except zmq.ZMQError as e:
-            raise RuntimeError(f"cannot connect to {endpoint}: {e.strerror} (use ipc:///path/k3d.sock or tcp://host:port)") from None
+            raise RuntimeError(f"cannot connect to {endpoint}: {e.strerror} "
+                               "(use ipc:///path/k3d.sock or tcp://host:port)") from None
         s.send(pack({"v": PROTOCOL_VERSION, "op": "status", "id": 1}))
         if not s.poll(int(timeout * 1000)):
             raise RuntimeError(f"k3d is not running at {endpoint} (no answer in {timeout:g}s)")

@@ -52,8 +52,8 @@ from k3client.protocol import MAX_KEYS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pac
 from . import __version__
 from .access import peer_allowed, peer_cred, refusal, unix_peer_cred
 from .reads.fair import FairReads
-from .reads.pool import Job, ReaderPool
 from .reads.plan import parts_per_key, split_extents
+from .reads.pool import Job, ReaderPool
 from .stats import Throughput
 from .store import READY, Store
 from .trace import RouteTrace

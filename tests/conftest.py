@@ -16,9 +16,8 @@ import tempfile
 
 import pytest
 
-from k3d.demo.synthetic import write_checkpoint
-
 from helpers import poll_for
+from k3d.demo.synthetic import write_checkpoint
 
 # Every socket directory and daemon log of this test session lives under one
 # short /tmp directory (ipc paths must fit sun_path's 108 bytes, so not under

@@ -41,7 +41,8 @@ def write_checkpoint(path: str, layers: int = 4, experts: int = 16, hidden: int 
     for sh in range(shards):
         tensors = {}
         for layer in range(sh * per_shard, min(layers, (sh + 1) * per_shard)):
-            tensors[f"model.layers.{layer}.mlp.router.weight"] = rng.standard_normal((experts, hidden)).astype(np.float16)
+            router = rng.standard_normal((experts, hidden)).astype(np.float16)
+            tensors[f"model.layers.{layer}.mlp.router.weight"] = router
             tensors[f"model.layers.{layer}.post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
             for e in range(experts):
                 for name, arr in expert_tensors(rng, hidden, inter).items():

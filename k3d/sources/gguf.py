@@ -320,7 +320,8 @@ def write_synthetic_gguf(path: str, layers: int = 2, experts: int = 8, hidden: i
             x = (rng.standard_normal((experts, rows, cols)) / np.sqrt(cols)).astype(np.float32)
             qt = GGMLQuantizationType[tname]
             if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", x.astype(np.float16 if tname == "F16" else np.float32))
+                w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight",
+                             x.astype(np.float16 if tname == "F16" else np.float32))
             else:
                 w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", quantize(x, qt), raw_dtype=qt)
         if bias:

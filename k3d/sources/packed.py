@@ -79,8 +79,8 @@ import time
 
 from k3client.layout import DTYPES, TensorSpec, align, build_layout, layout_bytes
 
-from .checksum import CrcPipeline, crc32, crc32_of_parts
 from .base import PAGE, Extent, Source, SourceError, read_fully
+from .checksum import CrcPipeline, crc32, crc32_of_parts
 
 MAGIC = b"K3DPACK\n"
 FORMAT = "k3d-pack"

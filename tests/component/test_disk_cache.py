@@ -18,13 +18,13 @@ import time
 import pytest
 
 from faulty_http import FaultyServer
+from helpers import ROOT, Reference, poll_for
 from k3d.config import DEFAULT_PATTERN
+from k3d.demo.synthetic import write_checkpoint
+from k3d.reads.plan import split_extents
+from k3d.sources import SourceError
 from k3d.sources.remote.disk_cache import DATA_OFFSET, DiskCache, DiskCacheError, entry_name, read_entry_header
 from k3d.sources.remote.http import HttpSource
-from k3d.sources import SourceError
-from k3d.reads.plan import split_extents
-from k3d.demo.synthetic import write_checkpoint
-from helpers import ROOT, Reference, poll_for
 
 
 def entries(d):

@@ -7,17 +7,18 @@ import struct
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFWriter, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize as gguf_dequantize, quantize
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize
 
 import k3client
-from k3client.mxfp4 import dequantize
-from k3d.sources.gguf import GGML_TYPES, GGUFSource, write_synthetic_gguf
-from k3d.sources import SourceError, open_source
-
-from k3d.reads.plan import split_extents
 from helpers import k3d
+from k3client.mxfp4 import dequantize
+from k3d.reads.plan import split_extents
+from k3d.sources import SourceError, open_source
+from k3d.sources.gguf import GGML_TYPES, GGUFSource, write_synthetic_gguf
 
 PARTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
 
@@ -52,7 +53,8 @@ def test_extents_match_reader(mixed):
                                                 "ffn_gate_exps.weight", "ffn_up_exps.weight"]
         spec = {s.name: s for s in src.layout}
         assert spec["ffn_down_exps.weight"].dtype == "F16" and spec["ffn_down_exps.weight"].shape == (256, 128)
-        assert spec["ffn_gate_exps.weight"].dtype == "U8" and spec["ffn_gate_exps.weight"].shape == (128, 256 // 32 * 17)
+        assert spec["ffn_gate_exps.weight"].dtype == "U8"
+        assert spec["ffn_gate_exps.weight"].shape == (128, 256 // 32 * 17)
         assert spec["ffn_up_exps.weight"].shape == (128, 256 // 32 * 34)
         assert src.tensor_types == {"ffn_down_exps.weight": "ggml:F16", "ffn_gate_exps.bias": "ggml:F32",
                                     "ffn_gate_exps.weight": "ggml:MXFP4", "ffn_up_exps.weight": "ggml:Q8_0"}
@@ -192,7 +194,8 @@ def test_shapes_differ_between_layers(tmp_path):
     with pytest.raises(SourceError, match=r"blk\.1\.ffn_up_exps\.weight is Q8_0\[64, 16, 4\], but "
                                           r"blk\.0\.ffn_up_exps\.weight is Q8_0\[64, 8, 4\]"):
         GGUFSource(p)
-    t = {"blk.0.ffn_up_exps.weight": _q8((4, 8, 64)), "blk.1.ffn_up_exps.weight": (np.zeros((4, 8, 64), np.float16), None)}
+    t = {"blk.0.ffn_up_exps.weight": _q8((4, 8, 64)),
+         "blk.1.ffn_up_exps.weight": (np.zeros((4, 8, 64), np.float16), None)}
     p = _write(tmp_path / "t2.gguf", t)
     with pytest.raises(SourceError, match=r"blk\.1\.ffn_up_exps\.weight is F16"):
         GGUFSource(p)

@@ -16,12 +16,12 @@ import pytest
 
 import k3client
 from faulty_http import Fault, FaultyServer
-from k3d.config import DEFAULT_PATTERN
-from k3d.sources.remote.http import HttpSource
-from k3d.sources import SourceError
-from k3d.reads.plan import split_extents
-from k3d.demo.synthetic import write_checkpoint
 from helpers import Reference, k3ctl
+from k3d.config import DEFAULT_PATTERN
+from k3d.demo.synthetic import write_checkpoint
+from k3d.reads.plan import split_extents
+from k3d.sources import SourceError
+from k3d.sources.remote.http import HttpSource
 
 SHARD1 = "model-00001-of-00002.safetensors"
 
@@ -235,8 +235,8 @@ def test_trickling_body_times_out_as_a_whole(server, ref):
 def test_origin_without_validators_is_refused_unless_packed(server, ref):
     """No ETag and no Last-Modified: k3d could not tell a re-upload from the file it started
     with, so it refuses the checkpoint; a .k3pack (a crc32 per expert) is served anyway."""
-    from k3d.sources.packed import write_pack
     from k3d.sources import open_source
+    from k3d.sources.packed import write_pack
 
     srv, root = server
     srv.validators = False

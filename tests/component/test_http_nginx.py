@@ -14,20 +14,19 @@ import os
 import shutil
 import signal
 
-
 import numpy as np
 import pytest
 
 import k3client
 from faulty_http import Nginx, nginx_binary
-from k3d.config import DEFAULT_PATTERN
-from k3d.sources.packed import PackedSource, write_pack
-from k3d.sources.gguf import GGUFSource, write_synthetic_gguf
-from k3d.sources.remote.http import HttpSource
-from k3d.sources import SourceError, open_source
-from k3d.reads.plan import split_extents
-from k3d.demo.synthetic import write_checkpoint
 from helpers import Reference, k3ctl
+from k3d.config import DEFAULT_PATTERN
+from k3d.demo.synthetic import write_checkpoint
+from k3d.reads.plan import split_extents
+from k3d.sources import SourceError, open_source
+from k3d.sources.gguf import GGUFSource, write_synthetic_gguf
+from k3d.sources.packed import PackedSource, write_pack
+from k3d.sources.remote.http import HttpSource
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,14 @@ import pytest
 
 import k3client
 import k3d.sources.packed as k3d_packed
-from k3d.sources.checksum import CrcPipeline, crc32, crc32_combine, crc32_of_parts
-from k3d.config import DEFAULT_PATTERN, ConfigError, resolve
-from k3d.sources.packed import MAGIC, ChecksumError, PackedSource, read_header, write_pack
-from k3d.sources.gguf import write_synthetic_gguf
-from k3d.sources import SourceError, open_source
-
-from k3d.reads.plan import split_extents
 from helpers import ROOT, k3d, reference, verify
+from k3d.config import DEFAULT_PATTERN, ConfigError, resolve
+from k3d.reads.plan import split_extents
+from k3d.sources import SourceError, open_source
+from k3d.sources.checksum import CrcPipeline, crc32, crc32_combine, crc32_of_parts
+from k3d.sources.gguf import write_synthetic_gguf
+from k3d.sources.packed import MAGIC, ChecksumError, PackedSource, read_header, write_pack
+
 
 @pytest.fixture(scope="module")
 def packed(checkpoint, tmp_path_factory):
@@ -47,7 +47,7 @@ def test_file_layout(packed, checkpoint):
             f.seek(h["data_offset"] + i * h["stride"])
             blob = f.read(h["stride"])
             assert f"{zlib.crc32(blob):08x}" == h["checksums"][i]
-            for name, dtype, shape, off, nb in h["layout"]:
+            for name, _dtype, _shape, off, nb in h["layout"]:
                 assert blob[off:off + nb] == ref.expert(l, e, name).tobytes()
 
 
@@ -546,8 +546,9 @@ def test_direct_handles_unaligned_pieces(packed):
     buf = mmap.mmap(-1, 3 * 4096 * 64)
     try:
         with open(packed, "rb") as f:
-            for off, length, addr in [(4096, 4096 * 40, 0), (4096 + 100, 4096 * 40, 100), (4096 + 100, 4096 * 40 - 300, 100),
-                                      (8192, 4096 * 40 + 17, 0), (8192, 4096 * 3, 64), (4096 + 5, 10, 5)]:
+            for off, length, addr in [(4096, 4096 * 40, 0), (4096 + 100, 4096 * 40, 100),
+                                      (4096 + 100, 4096 * 40 - 300, 100), (8192, 4096 * 40 + 17, 0),
+                                      (8192, 4096 * 3, 64), (4096 + 5, 10, 5)]:
                 f.seek(off)
                 want = f.read(length)
                 view = memoryview(buf)[addr:addr + length]

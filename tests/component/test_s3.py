@@ -16,12 +16,12 @@ boto3 = pytest.importorskip("boto3", reason="S3 tests need boto3 (pip install 'm
 moto_server = pytest.importorskip("moto.server", reason="S3 tests need moto's server (pip install 'moto[server]')")
 
 import k3client  # noqa: E402
-from k3d.config import DEFAULT_PATTERN  # noqa: E402
-from k3d.sources.remote.s3 import S3Source  # noqa: E402
-from k3d.sources import SourceError  # noqa: E402
-from k3d.reads.plan import split_extents  # noqa: E402
-from k3d.demo.synthetic import write_checkpoint  # noqa: E402
 from helpers import Reference  # noqa: E402
+from k3d.config import DEFAULT_PATTERN  # noqa: E402
+from k3d.demo.synthetic import write_checkpoint  # noqa: E402
+from k3d.reads.plan import split_extents  # noqa: E402
+from k3d.sources import SourceError  # noqa: E402
+from k3d.sources.remote.s3 import S3Source  # noqa: E402
 
 BUCKET = "k3d-models"
 

@@ -18,16 +18,15 @@ import pytest
 import zmq
 
 import k3client
-from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
-from k3d.arena import Arena
-from k3d.config import resolve
-from k3d.service.daemon import size_arena
-from k3d.server import Server
-from k3d.sources.safetensors import SafetensorsSource
-from k3d.config import DEFAULT_PATTERN
 from conftest import SCRATCH
 from helpers import expert_bytes, poll_for
 from helpers import reference as reference_reader
+from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
+from k3d.arena import Arena
+from k3d.config import DEFAULT_PATTERN, resolve
+from k3d.server import Server
+from k3d.service.daemon import size_arena
+from k3d.sources.safetensors import SafetensorsSource
 
 
 class Faulty(SafetensorsSource):
@@ -449,6 +448,7 @@ def test_start_ticks_reads_proc_stat_even_with_odd_process_names(tmp_path):
     """The clock-step-proof start time of a process, parsed past a comm holding ') ('."""
     import subprocess
     import sys
+
     from k3d.server import start_ticks
 
     odd = tmp_path / "a) b (c"

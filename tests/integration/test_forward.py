@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGUFReader, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 import k3client
+from helpers import k3d, reference
 from k3client.mxfp4 import dequantize
 from k3d.sources.gguf import write_synthetic_gguf
-from helpers import k3d, reference
 
 TOP_K = 4
 

@@ -20,8 +20,8 @@ import numpy as np
 import zmq
 
 import k3client
-from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 from helpers import poll_for
+from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 
 VALID = [
     {"v": PROTOCOL_VERSION, "op": "status", "id": 1},

@@ -13,8 +13,8 @@ import socket
 import pytest
 
 import k3client
-from k3d.arena import hugepages
 from helpers import k3d, reference, verify
+from k3d.arena import hugepages
 
 NR = "/proc/sys/vm/nr_hugepages"
 

@@ -12,6 +12,7 @@ runs the same loop for 100 cycles; test_faults re-issues a fetch parked on a
 slow read across a kill -9.
 """
 
+import functools
 import os
 import random
 import signal
@@ -21,9 +22,9 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
 import k3client
-import zmq
 from conftest import SCRATCH
 from helpers import poll_for, reference
 
@@ -96,7 +97,7 @@ def test_kill9_restart_cycles_client_survives(checkpoint, start_daemon):
         d.proc.wait(10)
         d = start_daemon(checkpoint, "--slots", "24", endpoint=endpoint)
         t_ready = time.monotonic()
-        poll_for(lambda: w.served_since(t_ready), 5, "the client to be served within 5 s of the restart")
+        poll_for(functools.partial(w.served_since, t_ready), 5, "the client to be served within 5 s of the restart")
         resume.append(w.ok_times[-1] - t_ready)
     w.stop.set()
     w.join(30)

@@ -17,10 +17,11 @@ import time
 import pytest
 
 import k3client
-from k3d.service import units
-from k3d.config import Config
 from conftest import SCRATCH
 from helpers import ROOT, k3d, poll_for
+from k3d.config import Config
+from k3d.service import units
+
 
 # -- units ---------------------------------------------------------------------
 def test_repo_unit_files_are_the_embedded_ones():

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import k3client
+import k3d.thp as thp
+from helpers import reference, verify
+from k3d.arena import Arena, memfd_bytes
 from k3d.config import ConfigError, resolve
 from k3d.ctl import render
-import k3d.thp as thp
-from k3d.arena import Arena, memfd_bytes
 from k3d.thp import collapse, pmd_bytes, region_bytes
-from helpers import reference, verify
 
 PMD = pmd_bytes()
 

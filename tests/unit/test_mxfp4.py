@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from k3client.mxfp4 import dequantize
 

@@ -81,9 +81,9 @@ import threading
 import time
 import urllib.parse
 
+from ..base import Extent, Source, SourceError, contiguous_runs
 from ..checksum import crc32, crc32_of_parts
 from .disk_cache import DATA_OFFSET, DiskCache, DiskCacheError
-from ..base import Extent, Source, SourceError, contiguous_runs
 
 log = logging.getLogger("k3d")
 
@@ -813,7 +813,8 @@ class HttpSource(RemoteSource):
                                   f"{resp.getheader('Content-Length', '?')} bytes); refusing a whole-file download")
             if st == 412:
                 raise SourceError(f"origin changed: {url} no longer matches "
-                                  f"{'ETag ' + repr(v['etag']) if v.get('etag') else 'its Last-Modified'} seen at start "
+                                  f"{'ETag ' + repr(v['etag']) if v.get('etag') else 'its Last-Modified'} "
+                                  "seen at start "
                                   "(412 Precondition Failed); restart k3d to serve the new version")
             if st in RETRY_STATUS:
                 raise Retryable(f"HTTP {st} {resp.reason}")

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import re
 
-from .http import RETRY_STATUS, RemoteSource, Retryable, fill_from
 from ..base import SourceError
+from .http import RETRY_STATUS, RemoteSource, Retryable, fill_from
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\Z")
 _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
@@ -90,6 +90,7 @@ class S3Source(RemoteSource):
     def _retrying(self, url: str, op: str, fn):
         import random
         import time
+
         from .http import BACKOFF_BASE, BACKOFF_CAP
         attempt = 0
         while True:
@@ -159,7 +160,8 @@ class S3Source(RemoteSource):
             if m[3] != "*" and int(m[3]) != self.sizes[fi]:
                 raise SourceError(f"origin changed: {url} is now {m[3]} bytes, was {self.sizes[fi]} at start")
             if r.get("ContentLength") != want:
-                raise SourceError(f"{where}: ContentLength {r.get('ContentLength')!r} is not the {want} bytes asked for")
+                raise SourceError(f"{where}: ContentLength {r.get('ContentLength')!r} "
+                                  f"is not the {want} bytes asked for")
             if r.get("ETag") and r["ETag"] != etag:
                 raise SourceError(f"origin changed: {url} has ETag {r['ETag']}, not {etag} seen at start")
             raw = getattr(body, "_raw_stream", None)
