@@ -2,19 +2,19 @@
 
 from .client import Client, Expert, connect
 from .errors import (
-                     BadRequest,
-                     CacheFull,
-                     DaemonNotRunning,
-                     DaemonRestarted,
-                     K3Error,
-                     NotAttached,
-                     PermissionDenied,
-                     ProtocolMismatch,
-                     QuotaExceeded,
-                     ReadFailed,
-                     ShuttingDown,
-                     Timeout,
-                     UnknownExpert,
+    BadRequest,
+    CacheFull,
+    DaemonNotRunning,
+    DaemonRestarted,
+    K3Error,
+    NotAttached,
+    PermissionDenied,
+    ProtocolMismatch,
+    QuotaExceeded,
+    ReadFailed,
+    ShuttingDown,
+    Timeout,
+    UnknownExpert,
 )
 from .layout import TensorSpec
 from .protocol import PROTOCOL_VERSION

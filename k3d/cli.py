@@ -1,4 +1,10 @@
-"""``k3d``: start the daemon, or run the demo.
+"""``k3d``: start the daemon, pack a checkpoint, install the systemd units, or run the demo.
+
+Runs in the process's main thread; each subcommand's module is imported only when
+that subcommand runs (``pack``, ``install-unit``, ``demo``, and ``start``'s
+``k3d.service.daemon``), so ``k3d --help`` stays light.  ``start`` resolves the
+config here (``k3d.config.resolve``, the one reader of the environment) and hands
+it to ``k3d.service.daemon.run``, which serves in this same thread.
 
 ``k3d start`` runs in the foreground (no double fork: systemd's Type=notify
 way), logs to stderr, prints a ``ready`` line once it serves, and exits 0 after

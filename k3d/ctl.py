@@ -1,4 +1,8 @@
-"""``k3ctl status``: what the daemon is doing.  Exit 0 when it answers, 1 when not."""
+"""``k3ctl status``: what the daemon is doing.  Exit 0 when it answers, 1 when not.
+
+A short-lived process of its own (the ``k3ctl`` console script): one thread, one
+DEALER socket per request; ``render`` is a pure function of the status dict.  It
+needs no hello (``status`` is answered to anyone allowed on the socket)."""
 
 from __future__ import annotations
 

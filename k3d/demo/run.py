@@ -9,6 +9,8 @@
    byte it reads.
 4. Prints hit rate, waits, prefetch use, bytes read and per-process RSS/PSS,
    then stops the daemon with SIGTERM and checks it exited 0 and left nothing.
+
+Runs in the CLI's main thread; the daemon and the workers are child processes.
 """
 
 from __future__ import annotations

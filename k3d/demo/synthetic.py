@@ -9,7 +9,8 @@ Per expert (OCP/compressed-tensors layout, as gpt-oss ships it)::
 Scales are valid E8M0 (never 0xFF).  Non-expert tensors (router, norm) are
 written too, so the source must ignore them.  With ``shards > 1`` the layers
 are spread over shards with a ``model.safetensors.index.json``.  Used by the
-demo, the tests and the benchmarks.
+demo, the tests and the benchmarks.  Pure function of its arguments and seed,
+run in the caller's thread; it writes only under the directory it is given.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ a client is blocked on.  ``take_background(load_id)`` hands back a load's
 not-yet-started background parts when a client starts waiting for a predicted
 key; the server re-submits them urgent, through the client's fair share.
 
-A job is one part of one expert's read: ``Job(load_id, part, extents, dest)``.
+A job is one part of one expert's read: ``Job(load_id, part, extents, dest, source)``.
 The reader calls ``source.read(extents, dest)`` (pread straight into the slot)
 and reports ``Done(load_id, part, nbytes, seconds, error)`` on a SimpleQueue,
 then writes the eventfd so the server loop (which polls it beside the ROUTER
@@ -14,7 +14,12 @@ socket) wakes up.  Readers never touch the store, the policy or any socket:
 the server thread alone owns those, so that state needs no lock.
 
 Shutdown: ``stop()`` drops queued jobs (reporting each as cancelled) and joins
-the threads after their current part.
+the threads after their current part; while a reader is stuck in ``read`` past
+the timeout, ``stop`` returns False and the eventfd stays open for its late report.
+
+Threads: ``submit``, ``take_background``, ``queued`` and ``stop`` are the server
+thread's; the ``k3d-reader-N`` threads only run jobs.  The queues are shared
+between them under ``_cv``; ``done`` and ``wake_fd`` are the one way back.
 """
 
 from __future__ import annotations

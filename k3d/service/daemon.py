@@ -13,6 +13,10 @@ handlers are installed first of all: a stop during start-up (a long pre-fault)
 ends it at the next progress tick, releasing what was built, with exit 0.
 One daemon per endpoint: ``claim_endpoint`` flocks ``ARENA_SOCK.lock`` for the
 daemon's life, so a second start is refused even before the first answers.
+
+Thread: everything here runs in the process's main thread, and ``Server.serve_forever``
+runs in it too (so that thread is the server thread); the handlers run there
+between bytecodes and only set flags.
 """
 
 from __future__ import annotations
