@@ -360,7 +360,7 @@ def test_bad_remote_header_names_the_url(server):
 
 def test_gguf_header_longer_than_the_first_fetch(server, monkeypatch):
     """The GGUF header is fetched progressively until the parser sees all of it."""
-    import k3d.sources.remote.http as sh
+    import k3d.sources.remote.headers as sh
     from k3d.sources.gguf import GGUFSource, write_synthetic_gguf
     srv, root = server
     write_synthetic_gguf(str(root / "m.gguf"), layers=2, experts=4, seed=5)
