@@ -22,7 +22,7 @@ from safetensors import safe_open
 import k3client
 from k3client.mxfp4 import dequantize
 from k3d.config import DEFAULT_PATTERN
-from k3d.sources.gguf import write_synthetic_gguf
+from k3d.demo.synthetic import write_synthetic_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOP_K = 4
