@@ -33,7 +33,7 @@ no expert tensors, stacked tensors with different expert counts, an
 The GGML type table is ours (the daemon does not import ``gguf``); a test
 checks it against ``gguf.constants.GGML_QUANT_SIZES``.
 
-Thread-safety: read-only after construction; ``read`` (the base class's
+Thread: built on the main thread; read-only after construction; ``read`` (the base class's
 preadv) is called by many reader threads at once.
 """
 
