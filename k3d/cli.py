@@ -46,6 +46,8 @@ def _start_parser(sub):
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
                    help="leave the arena in 4 KiB pages (default: collapse it into transparent huge pages)")
+    p.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (needs pip install 'k3d[metrics]')")
     return p
 
 

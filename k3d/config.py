@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from k3client.endpoint import default_endpoint
 
+from .metrics import parse_hostport
+
 DEFAULT_PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -48,6 +50,7 @@ class Config:
     disk_cache_size: int = 16 * 2**30 # bytes the disk tier may hold (LRU beyond)
     hugepages: bool = False           # arena in hugetlb pages (vm.nr_hugepages must hold it)
     thp: bool = True                  # without hugepages: collapse the arena into transparent huge pages
+    metrics: str | None = None        # HOST:PORT for Prometheus /metrics; off by default
 
 
 def parse_size(text) -> int:
@@ -113,6 +116,12 @@ def _string(value) -> str:
     return value
 
 
+def _hostport(value) -> str:
+    v = _string(value)
+    parse_hostport(v)
+    return v
+
+
 def _endpoint(value) -> str:
     """``ipc://PATH`` (short enough for sun_path, with the ``.arena`` socket beside it) or ``tcp://HOST:PORT``."""
     v = _string(value)
@@ -148,6 +157,7 @@ _CONVERTERS = {
     "endpoint": _endpoint,
     "hugepages": _bool,
     "thp": _bool,
+    "metrics": _hostport,
 }
 
 

@@ -31,6 +31,7 @@ from k3client.endpoint import arena_socket_for, ipc_path
 from k3client.layout import align
 
 from ..arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
+from ..metrics import Exporter, SnapshotBoard
 from ..server import Server
 from ..sources import SourceError, open_source
 from .notify import Notifier
@@ -215,7 +216,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         source = open_source(cfg.source, cfg.pattern, cfg.read_mode, cfg=cfg)
     except SourceError as e:
         raise StartupError(str(e)) from None
-    arena = server = lock = None
+    arena = server = lock = exporter = None
     try:
         check_stop()
         if cfg.trace:                    # before the arena is built: a typo must not cost a pre-fault
@@ -226,6 +227,13 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         slots, slot_bytes = size_arena(cfg, source.expert_bytes)
         arena_sock = arena_socket_for(cfg.endpoint, env)
         lock = claim_endpoint(cfg.endpoint, arena_sock)
+        board = SnapshotBoard()
+        if cfg.metrics:                  # before the arena: a port in use must not cost a pre-fault
+            try:
+                exporter = Exporter(cfg.metrics, board)
+            except RuntimeError as e:
+                raise StartupError(str(e)) from None
+            log.info("metrics at http://%s/metrics", exporter.address)
         log.info("source %s: %d experts, %d bytes each; arena %d slots x %d bytes",
                  source.path, len(source.keys), source.expert_bytes, slots, slot_bytes)
         try:
@@ -243,7 +251,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             log.info("arena: %d of %d MiB in transparent huge pages%s", arena.thp_bytes >> 20, arena.mapped >> 20,
                      f" ({arena.thp_why})" if arena.thp_why else "")
         try:
-            server = Server(cfg, source, arena, arena_sock, notifier)
+            server = Server(cfg, source, arena, arena_sock, notifier, board)
         except zmq.ZMQError as e:
             raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
         except OSError as e:
@@ -260,6 +268,8 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         log.info("stopped")
         return 0
     finally:
+        if exporter is not None:
+            exporter.stop()
         if arena is not None:
             arena.close()
         if server is None or not server.readers.alive():   # a stuck reader may still use the fds
