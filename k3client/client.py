@@ -90,7 +90,11 @@ class Expert:
         return memoryview(mm)[base:base + c.expert_bytes]
 
     def array(self, name: str) -> np.ndarray:
-        """Read-only numpy view of one tensor (bf16/fp8 as same-width uints)."""
+        """Read-only numpy view of one tensor, no copy.
+
+        numpy has no bfloat16 or fp8: those types come back as the unsigned
+        integer of the same width (BF16 -> ``uint16``, F8_* -> ``uint8``) holding the raw
+        bits; ``tensor()`` gives the real dtype, or ``arr.view(ml_dtypes.bfloat16)``."""
         mm = self._mapping()
         spec = self._spec(name)
         dt = numpy_dtype(spec.dtype)
@@ -99,8 +103,13 @@ class Expert:
                              offset=off).reshape(spec.shape)
 
     def tensor(self, name: str):
-        """torch view of one tensor, no copy (needs torch). Do not write to it."""
-        import torch
+        """torch view of one tensor, no copy, in its real dtype (needs torch). Do not write to it."""
+        try:
+            import torch   # optional: k3client itself needs only numpy, pyzmq and msgpack
+        except ImportError:
+            raise ImportError("Expert.tensor() needs torch: pip install torch --index-url "
+                              "https://download.pytorch.org/whl/cpu (CPU build; or your CUDA build); "
+                              "Expert.array() works without it") from None
 
         mm = self._mapping()
         spec = self._spec(name)
@@ -424,5 +433,16 @@ def _heartbeat(client_ref, ctx, endpoint: str, period: float, stop: threading.Ev
 
 
 def connect(endpoint: str | None = None, name: str | None = None, **kw) -> Client:
-    """Connect to the daemon at ``endpoint`` (default: ``K3D_ENDPOINT`` or the per-user socket)."""
+    """Attach to the daemon and map its arena; returns a ``Client`` (a context manager).
+
+    - ``endpoint``: ``ipc:///path/k3d.sock`` or ``tcp://host:port``; default ``K3D_ENDPOINT``,
+      else ``ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock`` (``ipc:///tmp/k3d-$UID/k3d.sock``).
+    - ``name``: shown in ``k3ctl status`` and the daemon's log (default ``pid-<pid>``).
+    - ``timeout`` (120 s): longest wait for one reply (a fetch of cold experts included).
+    - ``connect_timeout`` (5 s): longest wait for the daemon's answer to hello.
+    - ``reconnect_timeout`` (30 s): after a daemon restart, how long a request keeps
+      re-attaching before ``DaemonNotRunning``; 0 raises ``DaemonRestarted`` at once.
+
+    Raises ``DaemonNotRunning`` (nothing listens), ``PermissionDenied`` (not the daemon's
+    user or group), ``ProtocolMismatch`` (k3client and k3d versions differ)."""
     return Client(endpoint=endpoint, name=name, **kw)

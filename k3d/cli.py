@@ -14,6 +14,7 @@ import sys
 
 from . import __version__
 from .config import Config, ConfigError, resolve
+from .ctl import parse_args
 
 
 def _start_parser(sub):
@@ -35,7 +36,8 @@ def _start_parser(sub):
     p.add_argument("--http-conns", dest="http_conns", type=int,
                    help="remote sources: persistent connections per host (default 4)")
     p.add_argument("--http-timeout", dest="http_timeout", type=float,
-                   help="remote sources: seconds per connect or socket read (default 30)")
+                   help="remote sources: seconds one request may take in all, connect, headers and body "
+                   "(a body still arriving then is given up on and retried; default 30)")
     p.add_argument("--http-retries", dest="http_retries", type=int,
                    help="remote sources: retries of a failing request, full-jitter backoff (default 5)")
     p.add_argument("--disk-cache", dest="disk_cache",
@@ -70,11 +72,15 @@ def main(argv=None) -> int:
     from .service import units
     units.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
-    d.add_argument("--tokens", type=int, default=200)
-    d.add_argument("--clients", type=int, default=3)
+    d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default 200)")
+    d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default 3)")
     d.add_argument("--seed", type=int, default=1234)
-    args = ap.parse_args(argv)
+    args = parse_args(ap, sub, argv)
     if args.cmd == "demo":
+        for opt, value, top in (("--tokens", args.tokens, 100000), ("--clients", args.clients, 64)):
+            if not 1 <= value <= top:
+                print(f"k3d demo: error: {opt} {value}: use 1 to {top}", file=sys.stderr)
+                return 2
         from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
     if args.cmd == "install-unit":

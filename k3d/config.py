@@ -44,7 +44,7 @@ class Config:
     log_level: str = "info"
     read_mode: str = "buffered"       # packed sources: buffered | direct (O_DIRECT)
     http_conns: int = 4               # remote sources: persistent connections per host
-    http_timeout: float = 30.0        # remote sources: seconds per connect / socket read
+    http_timeout: float = 30.0        # remote sources: seconds one whole request may take
     http_retries: int = 5             # remote sources: retries of a transient failure per request
     disk_cache: str | None = None     # remote sources: directory of the disk tier
     disk_cache_size: int = 16 * 2**30 # bytes the disk tier may hold (LRU beyond)

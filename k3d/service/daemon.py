@@ -35,6 +35,7 @@ from ..metrics import Exporter, SnapshotBoard
 from ..server import Server
 from ..sources import SourceError, open_source
 from .notify import Notifier
+from .sizing import arena_warnings
 
 log = logging.getLogger("k3d")
 
@@ -225,6 +226,8 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             except OSError as e:
                 raise StartupError(f"cannot open the route trace {cfg.trace}: {e.strerror}") from None
         slots, slot_bytes = size_arena(cfg, source.expert_bytes)
+        for warning in arena_warnings(slots, slot_bytes, source.describe()):
+            log.warning("%s", warning)
         arena_sock = arena_socket_for(cfg.endpoint, env)
         lock = claim_endpoint(cfg.endpoint, arena_sock)
         board = SnapshotBoard()
