@@ -19,7 +19,12 @@ import time
 
 import zmq
 
-from k3client.endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
+from k3client.endpoint import (
+    ipc_path,
+    no_access_message,
+    resolve_endpoint,
+    unreachable_dir,
+)
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 
 

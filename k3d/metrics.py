@@ -110,7 +110,11 @@ def parse_hostport(text: str) -> tuple[str, int]:
 def families(st: dict):
     """The metric families for one status dict (prometheus_client objects)."""
     # prometheus_client is the optional ``metrics`` extra: imported only when --metrics is used
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
 
     for name, value in st["stats"].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):

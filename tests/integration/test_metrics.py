@@ -16,12 +16,12 @@ import pytest
 import k3client
 
 prometheus_client = pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def k3ctl_json(endpoint):
     r = subprocess.run([sys.executable, "-m", "k3d.ctl", "status", "--endpoint", endpoint, "--json"],
-                       capture_output=True, text=True, timeout=30)
+                       check=False, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -79,7 +79,7 @@ def test_metrics_port_in_use_is_one_line(checkpoint, tmp_path):
         port = busy.getsockname()[1]
         r = subprocess.run([sys.executable, "-m", "k3d.cli", "start", "--source", checkpoint, "--arena", "4MiB",
                             "--endpoint", f"ipc://{tmp_path}/k.sock", "--metrics", f"127.0.0.1:{port}"],
-                           capture_output=True, text=True, timeout=60)
+                           check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr.strip().count("\n") == 0, r.stderr
     assert f"--metrics 127.0.0.1:{port}: cannot listen" in r.stderr
@@ -89,7 +89,7 @@ def test_metrics_port_in_use_is_one_line(checkpoint, tmp_path):
 def test_bad_metrics_address_is_one_line(checkpoint, tmp_path, value):
     r = subprocess.run([sys.executable, "-m", "k3d.cli", "start", "--source", checkpoint, "--arena", "4MiB",
                         "--endpoint", f"ipc://{tmp_path}/k.sock", "--metrics", value],
-                       capture_output=True, text=True, timeout=60)
+                       check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "HOST:PORT" in r.stderr
 
 
