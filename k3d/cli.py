@@ -13,7 +13,7 @@ import os
 import sys
 
 from . import __version__
-from .config import Config, ConfigError, resolve
+from .config import ConfigError, resolve
 from .ctl import parse_args
 
 
@@ -26,7 +26,8 @@ def _start_parser(sub):
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes (rounded down to whole slots)")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
-    p.add_argument("--readers", type=int, help=f"reader threads (default {Config.readers})")
+    p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, 2-8, for safetensors/GGUF "
+                   "page-cache reads; 8 for packed files and HTTP/S3 origins)")
     p.add_argument("--trace", help="append a route trace line per fetch to FILE")
     p.add_argument("--lease", dest="lease_s", type=float, help="seconds a silent client keeps its pins (default 10)")
     p.add_argument("--pin-quota", dest="pin_quota", type=int, help="slots one client may pin per token (0: no limit)")

@@ -37,7 +37,7 @@ class Config:
     arena: int = 512 * 2**20          # bytes; rounded down to whole slots
     slots: int = 0                    # if > 0, overrides arena
     endpoint: str = ""                # resolved: never empty after resolve()
-    readers: int = 8                  # reader threads: enough requests in flight for a cold disk
+    readers: int | None = None        # reader threads; None: chosen per read path (reads/plan.readers_for)
     trace: str | None = None
     lease_s: float = 10.0             # a client silent this long loses its pins
     pin_quota: int = 0                # slots one client may pin per token; 0 = no limit
@@ -88,6 +88,13 @@ def _int_in(lo: int, hi: int | None = None):
             raise ValueError(f"must be >= {lo}" if hi is None else f"out of range ({lo}..{hi})")
         return v
     return conv
+
+
+def _readers(value):
+    """1..64, or ``auto`` (None: the daemon picks per read path)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    return _int_in(1, 64)(value)
 
 
 def _one_of(*choices: str):
@@ -147,7 +154,7 @@ _CONVERTERS = {
     "disk_cache_size": _size,
     "slots": _int_in(0),
     "pin_quota": _int_in(0),
-    "readers": _int_in(1, 64),
+    "readers": _readers,
     "http_conns": _int_in(1, 256),
     "http_retries": _int_in(0, 20),
     "lease_s": _positive,

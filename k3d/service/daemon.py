@@ -17,6 +17,7 @@ daemon's life, so a second start is refused even before the first answers.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -32,6 +33,7 @@ from k3client.layout import align
 
 from ..arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
 from ..metrics import Exporter, SnapshotBoard
+from ..reads.plan import readers_for
 from ..server import Server
 from ..sources import SourceError, open_source
 from .notify import Notifier
@@ -218,6 +220,15 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
     except SourceError as e:
         raise StartupError(str(e)) from None
     arena = server = lock = exporter = None
+
+    def with_readers(c):
+        """``readers`` left to the daemon: chosen for this source's read path."""
+        return c if c.readers else dataclasses.replace(c, readers=readers_for(source.kind, os.cpu_count()))
+
+    if not cfg.readers:
+        cfg = with_readers(cfg)
+        log.info("readers: %d (chosen for %s reads on %s CPUs; --readers N to set)", cfg.readers, source.kind,
+                 os.cpu_count())
     try:
         check_stop()
         if cfg.trace:                    # before the arena is built: a typo must not cost a pre-fault
@@ -262,7 +273,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         stop["server"] = server
         if stop["requested"]:            # came while binding: the loop shuts down at once, cleanly
             server.request_stop()
-        server.reloader = reload
+        server.reloader = (lambda: with_readers(reload())) if reload else None
         signal.signal(signal.SIGHUP, lambda *_: server.request_reload())
         print(f"k3d: ready endpoint={cfg.endpoint} slots={slots} slot_bytes={slot_bytes} "
               f"experts={len(source.keys)} pid={os.getpid()}", file=sys.stderr, flush=True)
