@@ -27,6 +27,8 @@ from k3client.endpoint import (
 )
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 
+from .service.starting import describe
+
 
 def query_status(endpoint: str, timeout: float) -> dict:
     """One status request without attaching (no hello, no arena)."""
@@ -71,20 +73,9 @@ def _pages(a: dict) -> str:
 EXIT_OK, EXIT_DOWN, EXIT_STARTING = 0, 1, 3
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f}"
-
-
 def render_starting(st: dict) -> str:
-    """``starting: pre-faulting 1.2/4.0 GiB (30 %), ~8 s left``."""
-    done, total = st.get("done", 0), st.get("total", 0)
-    line = f"starting: {st.get('phase', 'starting')}"
-    if total:
-        line += f" {_gib(done)}/{_gib(total)} GiB ({100 * done // total} %)"
-    eta = st.get("eta_s")
-    if eta is not None:
-        line += f", ~{eta:.0f} s left"
-    return line
+    """``starting: pre-faulting the arena 1.2/4.0 GiB (30 %), ~8 s left``."""
+    return f"starting: {describe(st)}"
 
 
 def render_rates(prev: dict | None, st: dict, dt: float) -> str:

@@ -54,6 +54,7 @@ from .access import peer_allowed, peer_cred, refusal, unix_peer_cred
 from .latency import FetchLatency, classify
 from .metrics import SnapshotBoard
 from .reads.fair import FairReads
+from .service.starting import open_endpoint
 from .reads.pool import Job, ReaderPool
 from .reads.plan import parts_per_key, split_extents
 from .stats import Throughput
@@ -123,7 +124,9 @@ class Pending:
 
 
 class Server:
-    def __init__(self, cfg, source, arena, arena_socket: str, notifier=None, board=None):
+    def __init__(self, cfg, source, arena, arena_socket: str, notifier=None, board=None, sock=None):
+        """``sock``: the endpoint's ROUTER socket, already bound (the daemon binds it before
+        the arena is built, so that it answers status while starting); None: bind it here."""
         self.cfg, self.source, self.arena = cfg, source, arena
         self.notifier = notifier
         self.t0 = time.monotonic()
@@ -146,26 +149,21 @@ class Server:
         self._reload = False
         self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Hard cap in libzmq (drops the peer); below it, _handle answers oversized messages.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_MESSAGE_BYTES)
-        self.sock.setsockopt(zmq.LINGER, 500)
-        self.sock.setsockopt(zmq.SNDHWM, 100000)
+        if sock is None:
+            self.ctx = zmq.Context()
+            self.sock = open_endpoint(self.ctx, cfg.endpoint)
+        else:
+            self.ctx, self.sock = sock.context, sock
         self.arena_socket = arena_socket
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         # Sockets are born 0660 (umask during bind; chmod again in case the
         # umask was ignored): only the daemon's user and group may connect.
         old_umask = os.umask(0o117)
         try:
-            self.sock.bind(cfg.endpoint)
             self.listener.bind(arena_socket)
         finally:
             os.umask(old_umask)
-        for path in (ipc_path(cfg.endpoint), arena_socket):
-            if path:
-                os.chmod(path, 0o660)
+        os.chmod(arena_socket, 0o660)
         if not ipc_path(cfg.endpoint):
             log.warning("endpoint %s is not ipc: peers have no credentials, so no uid check", cfg.endpoint)
         self.listener.listen(64)
@@ -688,6 +686,7 @@ class Server:
         st = self.stats
         urgent, background = self.readers.queued()
         return {
+            "state": "serving",
             "version": __version__,
             "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
