@@ -6,13 +6,14 @@ from .errors import (
     CacheFull,
     DaemonNotRunning,
     DaemonRestarted,
-    K3Error,
+                     K3Error,
     NotAttached,
     PermissionDenied,
     ProtocolMismatch,
     QuotaExceeded,
     ReadFailed,
     ShuttingDown,
+    Starting,
     Timeout,
     UnknownExpert,
 )
@@ -23,5 +24,5 @@ __all__ = [
     "Client", "Expert", "connect", "TensorSpec", "PROTOCOL_VERSION",
     "K3Error", "BadRequest", "CacheFull", "DaemonNotRunning", "DaemonRestarted",
     "NotAttached", "PermissionDenied", "ProtocolMismatch", "QuotaExceeded",
-    "ReadFailed", "ShuttingDown", "Timeout", "UnknownExpert",
+    "ReadFailed", "ShuttingDown", "Starting", "Timeout", "UnknownExpert",
 ]

@@ -7,18 +7,17 @@ import struct
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType as T, GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize as gguf_dequantize
-from gguf.quants import quantize
+from gguf.quants import dequantize as gguf_dequantize, quantize
 
 import k3client
 from helpers import k3d
 from k3client.mxfp4 import dequantize
+from k3d.demo.synthetic import write_synthetic_gguf
 from k3d.reads.plan import split_extents
 from k3d.sources import SourceError, open_source
-from k3d.sources.gguf import GGML_TYPES, GGUFSource, write_synthetic_gguf
+from k3d.sources.gguf import GGML_TYPES, GGUFSource
 
 PARTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
 

@@ -20,7 +20,7 @@ def shm():
 def test_ready_status_sigterm_leaves_nothing(checkpoint, start_daemon):
     before = shm()
     d = start_daemon(checkpoint, "--arena", "4MiB")
-    assert "pre-faulting arena" in d.log()
+    assert "pre-faulting the arena" in d.log()
     r = k3ctl("status", "--endpoint", d.endpoint, "--json")
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
@@ -65,7 +65,7 @@ def test_second_daemon_on_same_endpoint_is_refused(checkpoint, start_daemon):
 def _first_progress(d, timeout=30):
     def started():
         assert d.proc.poll() is None, d.log()
-        return "pre-faulting arena" in d.log() or "collapsing arena" in d.log()
+        return "pre-faulting the arena" in d.log() or "collapsing the arena" in d.log()
     poll_for(started, timeout, lambda: f"the arena's first progress line:\n{d.log()}")
 
 

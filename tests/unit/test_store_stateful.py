@@ -21,8 +21,7 @@ Invariants, checked after every step (plus ``store.check()``):
 - a refused fetch (cache full, quota) changes nothing.
 """
 
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from k3client.errors import CacheFull, QuotaExceeded
