@@ -96,7 +96,7 @@ class S3Source(RemoteSource):
         def attempt(_n: int):
             try:
                 return fn()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - botocore raises many types; _classify sorts them
                 raise self._classify(url, op, e) from None
         return retrying(attempt, self.retries, f"{op} {url}")
 
@@ -138,7 +138,7 @@ class S3Source(RemoteSource):
         where = f"GetObject {url} bytes={start}-{end}"
         try:
             r = self._s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}", IfMatch=etag)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - botocore raises many types; _classify sorts them
             err = self._classify(url, "GetObject", e)
             raise err from None
         body = r["Body"]
@@ -165,7 +165,7 @@ class S3Source(RemoteSource):
             raise
         except SourceError:
             raise
-        except Exception as e:    # urllib3 protocol errors mid-body: resume is not tracked here, refetch
+        except Exception as e:  # noqa: BLE001 - urllib3 protocol errors mid-body: not resumed here, refetched
             raise Retryable(f"{where}: {type(e).__name__}: {e}") from None
         finally:
             body.close()
