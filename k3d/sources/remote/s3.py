@@ -14,8 +14,9 @@ through ``RemoteSource`` (source.py); this module is the transport:
   and dropped connections are ``Retryable``.  ``retry.retrying`` is the only
   retry loop (HeadObject and the index GET here, ranged reads in
   ``RemoteSource.fetch_into``): botocore's own retries are off, so the counters
-  see each one.  A ranged read that fails mid-body is refetched whole (its
-  progress is not tracked through botocore's stream).
+  see each one.  A body cut short (a short read, a socket error in
+  ``readinto``) resumes after the bytes that landed, as over HTTP; any other
+  failure inside botocore's stream is retried from the start of the range.
 
 Endpoint, region and credentials come from boto3's usual chain (AWS_ENDPOINT_URL,
 AWS_REGION / AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY,
