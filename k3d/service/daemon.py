@@ -262,7 +262,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
     finally:
         if arena is not None:
             arena.close()
-        if server is None or not server.readers.alive():   # a stuck reader may still use the fds
+        if server is None or not server.reads.readers_alive():   # a stuck reader may still use the fds
             source.close()
         notifier.close()
         if lock is not None:
