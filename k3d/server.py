@@ -4,16 +4,16 @@ Loop (``serve_forever``): poll the ROUTER socket, the reader pool's eventfd and
 the arena hand-out socket; handle every ready request, apply every finished
 read, hand out the arena fd, then housekeeping (dead clients, systemd status
 and watchdog).  Nothing in the loop waits on I/O: a fetch that misses starts
-reads and is parked (``Pending``) until its slots are ready, while other
+reads and is parked (``parked.py``) until its slots are ready, while other
 clients' hits are answered at once.
 
 One small handler per op (``op_*``); its docstring is the spec.  ``_handle`` is
 the one place that turns exceptions into error replies; nothing a client sends
 can stop the loop.
 
-Every reply that names slots is checked against the store first (each slot
-READY and holding the requested key): a reply never names a loading or reused
-slot, whatever a client does.
+Every reply that names slots is checked against the store first
+(``parked.checked_slots``: each slot READY and holding the requested key): a
+reply never names a loading or reused slot, whatever a client does.
 
 Who does what (all on this thread; reader threads only fill slot memory and
 report through ``reads``):
@@ -22,6 +22,7 @@ report through ``reads``):
 - ``store``: slots, pins, predictions (changed only through its methods);
 - ``reads.loads``: reads in flight, by explicit load token (start, promote,
   cancel, finish); the server never touches a read's record;
+- ``parked``: fetches waiting for their reads, and how each is answered;
 - ``handout``: the arena fd over the Unix socket;
 - ``status``, ``reload``: what status shows; what SIGHUP may change.
 
@@ -63,10 +64,11 @@ from . import reload, wire
 from . import status as status_view
 from .access import peer_allowed, peer_cred, private_umask, refusal
 from .handout import ArenaHandout
+from .parked import Parked, checked_slots
 from .reads.loads import Load, Loads
 from .sessions import REAP_INTERVAL, Session, Sessions, identify
 from .stats import Throughput
-from .store import READY, Store
+from .store import Store
 from .trace import RouteTrace
 
 log = logging.getLogger("k3d")
@@ -75,17 +77,6 @@ DEFERRED = object()      # handler parked the request; it replies later
 NO_REPLY = object()      # heartbeat: nothing to send
 WASTE_LIMIT = 0.9        # share of unused predictions above which a client is throttled
 STATUS_INTERVAL = 5.0    # seconds between systemd STATUS= lines
-
-
-class Pending:
-    """A parked fetch; ``holder`` is the (client, epoch) its slots were pinned under."""
-
-    __slots__ = ("done", "holder", "keys", "left", "rid", "session", "slots")
-
-    def __init__(self, session, rid, keys, slots, left):
-        self.session, self.rid, self.keys, self.slots, self.left = session, rid, keys, slots, left
-        self.holder = session.holder
-        self.done = False
 
 
 class Server:
@@ -99,7 +90,6 @@ class Server:
         self.recent = Throughput()
         self.trace = RouteTrace(cfg.trace, self.t0) if cfg.trace else None
         self.sessions = Sessions()
-        self.waiters: dict[int, list[Pending]] = {}      # LOADING slot -> fetches parked on it
         self._stop = self._draining = self._reload = False
         self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
@@ -110,6 +100,7 @@ class Server:
             self.sock = wire.router(self.ctx, cfg.endpoint)
             self.handout.bind()
         self.replies = wire.Replies(self.sock, self.gen)
+        self.parked = Parked(self.store, self.replies, source.path)
         self.reads = Loads(cfg.readers, source, arena)
 
     # -- loop -----------------------------------------------------------------
@@ -284,10 +275,8 @@ class Server:
         if predicted:
             self._predict(s, predicted)
         if not plan.waiting:
-            return {"slots": self._checked_slots(keys, plan.slots)}
-        p = Pending(s, msg["id"], keys, plan.slots, set(plan.waiting))
-        for slot in plan.waiting:
-            self.waiters.setdefault(slot, []).append(p)
+            return {"slots": checked_slots(self.store, keys, plan.slots)}
+        self.parked.park(s, msg["id"], keys, plan.slots, plan.waiting)
         return DEFERRED
 
     def op_predict(self, routing, msg, frame):
@@ -367,45 +356,7 @@ class Server:
         self.store.complete(load.slot, load.fail, counted=not cancelled)
         if load.fail and not cancelled:
             log.warning("read of expert (layer %d, expert %d) failed: %s", *load.key, load.fail)
-        for p in self.waiters.pop(load.slot, ()):
-            if p.done:
-                continue
-            if load.fail:
-                p.done = True
-                if p.session.alive and cancelled:   # the client re-attaches after a restart
-                    self.replies.error(p.session.routing, p.rid, errors.ShuttingDown("the daemon is shutting down"))
-                elif p.session.alive:
-                    self.replies.error(p.session.routing, p.rid, errors.ReadFailed(
-                        f"reading expert (layer {load.key[0]}, expert {load.key[1]}) from "
-                        f"{self.source.path} failed: {load.fail}; the next fetch retries"))
-                continue
-            p.left.discard(load.slot)
-            if not p.left:
-                p.done = True
-                if p.session.alive:
-                    self._answer(p)
-
-    def _answer(self, p: Pending) -> None:
-        """Reply to a parked fetch whose slots are all ready."""
-        try:
-            slots = self._checked_slots(p.keys, p.slots)
-            if p.session.holder != p.holder:
-                # The client began a new token before this reply (a pipelining
-                # client): its old pins are gone, so pin for the token it reads in,
-                # within that token's quota like any fetch in it.
-                self.store.repin(p.session.holder, slots)
-            self.replies.ok(p.session.routing, p.rid, {"slots": slots})
-        except K3Error as e:
-            self.replies.error(p.session.routing, p.rid, e)
-
-    def _checked_slots(self, keys, slots) -> list[int]:
-        st = self.store
-        for key, slot in zip(keys, slots):
-            if st.state[slot] != READY or st.slot_key[slot] != key:
-                raise errors.K3Error(
-                    f"expert (layer {key[0]}, expert {key[1]}) was released before the fetch finished "
-                    "(begin_token during a fetch?); fetch it again")
-        return slots
+        self.parked.finished(load, cancelled)
 
     # -- clients ----------------------------------------------------------------
     def _drop(self, s: Session, reason: str, dead: bool) -> None:
@@ -415,14 +366,7 @@ class Server:
         for slot in self.reads.to_background(s.client_id):
             self.store.background(slot)
         self.sessions.remove(s)
-        # A fetch it still waits on is answered now (a live process whose lease ran
-        # out must not wait for its own timeout to learn it is no longer attached).
-        for pending in {id(p): p for ps in self.waiters.values() for p in ps}.values():
-            if pending.session is s and not pending.done:
-                pending.done = True
-                self.replies.error(s.routing, pending.rid, NotAttached(
-                    f"the daemon dropped this client ({reason}) before the fetch finished; "
-                    "its pins are released: connect again"))
+        self.parked.drop(s, reason)
         if dead:
             self.stats.clients_dead += 1
             log.warning("client %s (pid %s) %s: released %d pins", s.name, s.pid, reason, released)
@@ -447,12 +391,7 @@ class Server:
             log.error("%d reader(s) still busy after 30 s; exiting without waiting for them",
                       self.reads.readers_alive())
         self._apply_done()
-        for waiting in self.waiters.values():
-            for p in waiting:
-                if not p.done and p.session.alive:
-                    p.done = True
-                    self.replies.error(p.session.routing, p.rid, errors.ShuttingDown("the daemon is shutting down"))
-        self.waiters.clear()
+        self.parked.shut_down()
         self.sock.close()
         self.ctx.term()
         path = ipc_path(self.cfg.endpoint)
