@@ -14,6 +14,8 @@ import sys
 
 from . import __version__
 from .config import DEFAULT_PATTERN, Config, ConfigError, format_size, resolve
+from .ctl import parse_args
+from .reads.plan import COLD_READERS
 from .service import units
 
 D = Config()     # the defaults, written once (config.py); help strings read them here
@@ -28,7 +30,9 @@ def _start_parser(sub):
     p.add_argument("--arena", help=f"arena size: 512MiB, 8GiB or bytes, rounded down to whole slots (default {format_size(D.arena)})")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
-    p.add_argument("--readers", type=int, help=f"reader threads (default {D.readers})")
+    p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, "
+                   f"2-{COLD_READERS}, for safetensors/GGUF page-cache reads; {COLD_READERS} for packed "
+                   "files and HTTP/S3 origins)")
     p.add_argument("--trace", help="append a route trace line per fetch to FILE")
     p.add_argument("--lease", dest="lease_s", type=float, help=f"seconds a silent client keeps its pins (default {D.lease_s:g})")
     p.add_argument("--pin-quota", dest="pin_quota", type=int, help=f"slots one client may pin per token (0: no limit; default {D.pin_quota})")
@@ -39,7 +43,8 @@ def _start_parser(sub):
     p.add_argument("--http-conns", dest="http_conns", type=int,
                    help=f"remote sources: persistent connections per host (default {D.http_conns})")
     p.add_argument("--http-timeout", dest="http_timeout", type=float,
-                   help=f"remote sources: seconds per connect or socket read (default {D.http_timeout:g})")
+                   help="remote sources: seconds one request may take in all, connect, headers and body "
+                   f"(a body still arriving then is given up on and retried; default {D.http_timeout:g})")
     p.add_argument("--http-retries", dest="http_retries", type=int,
                    help=f"remote sources: retries of a failing request, full-jitter backoff (default {D.http_retries})")
     p.add_argument("--disk-cache", dest="disk_cache",
@@ -50,6 +55,8 @@ def _start_parser(sub):
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
                    help="leave the arena in 4 KiB pages (default: collapse it into transparent huge pages)")
+    p.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (needs pip install 'k3d[metrics]')")
     return p
 
 
@@ -71,11 +78,15 @@ def main(argv=None) -> int:
     _pack_parser(sub)
     units.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
-    d.add_argument("--tokens", type=int, default=200)
-    d.add_argument("--clients", type=int, default=3)
+    d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default %(default)s)")
+    d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default %(default)s)")
     d.add_argument("--seed", type=int, default=1234)
-    args = ap.parse_args(argv)
+    args = parse_args(ap, sub, argv)
     if args.cmd == "demo":
+        for opt, value, top in (("--tokens", args.tokens, 100000), ("--clients", args.clients, 64)):
+            if not 1 <= value <= top:
+                print(f"k3d demo: error: {opt} {value}: use 1 to {top}", file=sys.stderr)
+                return 2
         from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
     if args.cmd == "install-unit":

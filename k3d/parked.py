@@ -12,12 +12,15 @@ of them; it is answered exactly once (``done``):
   fetch retries), or ShuttingDown when the daemon cancelled it;
 - with NotAttached when the daemon drops its client (``drop``);
 - with ShuttingDown at shutdown (``shut_down``).
-A client already dropped gets no reply.
+A client already dropped gets no reply.  A fetch answered with its slots
+records its latency (arrival to reply, ``latency.py``).
 
 Thread: the server thread owns this object; no locking.
 """
 
 from __future__ import annotations
+
+import time
 
 from k3client import errors
 from k3client.errors import K3Error, NotAttached
@@ -30,12 +33,13 @@ SHUTTING_DOWN = "the daemon is shutting down"
 class Pending:
     """A parked fetch; ``holder`` is the (client, epoch) its slots were pinned under."""
 
-    __slots__ = ("done", "holder", "keys", "left", "rid", "session", "slots")
+    __slots__ = ("done", "holder", "keys", "left", "result", "rid", "session", "slots", "t0")
 
-    def __init__(self, session, rid, keys, slots, left):
+    def __init__(self, session, rid, keys, slots, left, t0=0.0, result="miss"):
         self.session, self.rid, self.keys, self.slots, self.left = session, rid, keys, slots, left
         self.holder = session.holder
         self.done = False
+        self.t0, self.result = t0, result     # arrival time and latency class (k3d/latency.py)
 
 
 def checked_slots(store, keys, slots) -> list[int]:
@@ -49,12 +53,13 @@ def checked_slots(store, keys, slots) -> list[int]:
 
 
 class Parked:
-    def __init__(self, store, replies, source_path: str):
-        self.store, self.replies, self.source_path = store, replies, source_path
+    def __init__(self, store, replies, source_path: str, latency):
+        self.store, self.replies, self.source_path, self.latency = store, replies, source_path, latency
         self.waiters: dict[int, list[Pending]] = {}      # LOADING slot -> fetches parked on it
 
-    def park(self, session, rid, keys, slots, waiting: set[int]) -> None:
-        p = Pending(session, rid, keys, slots, set(waiting))
+    def park(self, session, rid, keys, slots, waiting: set[int], t0: float, result: str) -> None:
+        """Park a fetch that arrived at ``t0`` (its latency class ``result``) on ``waiting``."""
+        p = Pending(session, rid, keys, slots, set(waiting), t0, result)
         for slot in waiting:
             self.waiters.setdefault(slot, []).append(p)
 
@@ -87,6 +92,7 @@ class Parked:
                 # within that token's quota like any fetch in it.
                 self.store.repin(p.session.holder, slots)
             self.replies.ok(p.session.routing, p.rid, {"slots": slots})
+            self.latency.record(p.result, time.monotonic() - p.t0)
         except K3Error as e:
             self._error(p, e)
 

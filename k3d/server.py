@@ -64,6 +64,8 @@ from . import reload, wire
 from . import status as status_view
 from .access import peer_allowed, peer_cred, private_umask, refusal
 from .handout import ArenaHandout
+from .latency import FetchLatency, classify
+from .metrics import SnapshotBoard
 from .parked import Parked, checked_slots
 from .reads.loads import Load, Loads
 from .sessions import REAP_INTERVAL, Session, Sessions, identify
@@ -80,7 +82,9 @@ STATUS_INTERVAL = 5.0    # seconds between systemd STATUS= lines
 
 
 class Server:
-    def __init__(self, cfg, source, arena, arena_socket: str, notifier=None):
+    def __init__(self, cfg, source, arena, arena_socket: str, notifier=None, board=None, sock=None):
+        """``sock``: the endpoint's ROUTER socket, already bound (the daemon binds it before
+        the arena is built, so that it answers status while starting); None: bind it here."""
         self.cfg, self.source, self.arena = cfg, source, arena
         self.notifier = notifier
         self.t0 = time.monotonic()
@@ -88,19 +92,29 @@ class Server:
         self.store = Store(arena.slots, cfg.pin_quota)
         self.stats = self.store.stats
         self.recent = Throughput()
+        self.latency = FetchLatency()
+        self._t_msg = 0.0        # arrival of the request being handled (fetch latency)
+        # /metrics reads status through this board, never the store (k3d/metrics.py)
+        self.board = board or SnapshotBoard()
+        self.board.wake = self._wake
         self.trace = RouteTrace(cfg.trace, self.t0) if cfg.trace else None
         self.sessions = Sessions()
         self._stop = self._draining = self._reload = False
         self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
-        self.ctx = zmq.Context()
+        if sock is None:
+            self.ctx = zmq.Context()
+            self.sock = wire.open_endpoint(self.ctx, cfg.endpoint)
+        else:
+            self.ctx, self.sock = sock.context, sock
+        if not ipc_path(cfg.endpoint):
+            log.warning("endpoint %s is not ipc: peers have no credentials, so no uid check", cfg.endpoint)
         self.arena_socket = arena_socket
         self.handout = ArenaHandout(arena_socket, arena, self.gen)
         with private_umask():
-            self.sock = wire.router(self.ctx, cfg.endpoint)
             self.handout.bind()
         self.replies = wire.Replies(self.sock, self.gen)
-        self.parked = Parked(self.store, self.replies, source.path)
+        self.parked = Parked(self.store, self.replies, source.path, self.latency)
         self.reads = Loads(cfg.readers, source, arena)
 
     # -- loop -----------------------------------------------------------------
@@ -118,7 +132,7 @@ class Server:
         """Make the loop's poll return now (it polls the reader pool's eventfd)."""
         try:
             os.eventfd_write(self.reads.wake_fd, 1)
-        except (OSError, TypeError):   # the pool already stopped
+        except (OSError, TypeError, AttributeError):   # the pool already stopped (or not yet made)
             pass
 
     def _do_reload(self) -> None:
@@ -158,6 +172,8 @@ class Server:
                     self.reads.drain_wake()
                 if self._reload:
                     self._do_reload()
+                if self.board.wanted:
+                    self.board.publish(self.status())
                 self._apply_done()
                 if self.sock in events:
                     self._recv_one()
@@ -186,6 +202,7 @@ class Server:
             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
+        self._t_msg = time.monotonic()
         self._handle(frames[0].bytes, frames[1:])
 
     # -- dispatch: the one place that turns exceptions into error replies ---
@@ -274,9 +291,12 @@ class Server:
         s.pfu = 0
         if predicted:
             self._predict(s, predicted)
+        result = classify(plan.misses, plan.waited)
         if not plan.waiting:
-            return {"slots": checked_slots(self.store, keys, plan.slots)}
-        self.parked.park(s, msg["id"], keys, plan.slots, plan.waiting)
+            slots = checked_slots(self.store, keys, plan.slots)
+            self.latency.record(result, time.monotonic() - self._t_msg)
+            return {"slots": slots}
+        self.parked.park(s, msg["id"], keys, plan.slots, plan.waiting, self._t_msg, result)
         return DEFERRED
 
     def op_predict(self, routing, msg, frame):
@@ -382,6 +402,7 @@ class Server:
 
     # -- shutdown -----------------------------------------------------------------
     def _shutdown(self) -> None:
+        self.board.close()            # a scrape waiting on the loop gets the last snapshot now
         if self.notifier is not None:
             self.notifier.stopping()
         log.info("draining: stop accepting, cancel queued reads")

@@ -2,9 +2,10 @@
 
 Sections (memcached/Redis style: clients skip fields they do not know; new
 sections may be added, existing fields keep their meaning):
-- top: ``version``, ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
+- top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``, ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
 - ``arena``: sizes, plus the store's gauges (``used``, ``pinned``, ``loading``, ``free``);
 - ``stats``: the monotonic counters (``stats.Counters``);
+- ``fetch_seconds``: the fetch latency histogram by result (``latency.py``);
 - ``readers``: threads, queued parts, held-back parts, throughput;
 - ``clients``: one entry per attached session.
 
@@ -26,6 +27,7 @@ def build(srv, now: float) -> dict:
     st = srv.stats
     urgent, background = srv.reads.queued()
     return {
+        "state": "serving",
         "version": __version__,
         "protocol": PROTOCOL_VERSION,
         "pid": os.getpid(),
@@ -38,6 +40,7 @@ def build(srv, now: float) -> dict:
                   "page_bytes": srv.arena.page_bytes,
                   "thp_bytes": srv.arena.thp_bytes, **srv.store.gauges()},
         "stats": st.as_dict(),
+        "fetch_seconds": srv.latency.as_dict(),
         "readers": {"threads": srv.reads.threads, "queued_urgent": urgent,
                     "queued_background": background,
                     "held_back": srv.reads.held_back(),

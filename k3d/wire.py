@@ -7,12 +7,14 @@ true, gen, ...fields}`` or ``{id, ok: false, gen, error: {code, message}}``;
 one line, cut to 1 KiB (it may quote client input; replies stay within the
 clients' decode limits).
 
+``open_endpoint`` binds the socket (the daemon, before start-up);
 ``decode`` and ``keys`` raise the typed errors of ``k3client.errors``; the
 server's ``_handle`` turns them into replies.  A reply to a peer that is gone
 (ROUTER_MANDATORY) or flooding is dropped with a debug line: nothing a client
 does stops the loop.
 
-Thread: the server thread owns the socket.
+Thread: the server thread owns the socket once the start-up responder
+(``service/starting.py``) has handed it over; these functions keep no state.
 """
 
 from __future__ import annotations
@@ -32,23 +34,30 @@ from k3client.protocol import (
     unpack,
 )
 
+from .access import private_umask
+
 log = logging.getLogger("k3d")
 
 
-def router(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    """The daemon's ROUTER socket, bound to ``endpoint`` (call under ``private_umask``)."""
+def open_endpoint(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """The daemon's ROUTER socket, bound to ``endpoint`` with mode 0660 (umask during bind;
+    chmod in case the umask was ignored).  The daemon binds it before start-up (the
+    starting responder answers on it), then hands it to the server loop."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     # Hard cap in libzmq (drops the peer); below it, decode answers oversized messages.
     sock.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.LINGER, 500)
     sock.setsockopt(zmq.SNDHWM, 100000)
-    sock.bind(endpoint)
+    try:
+        with private_umask():
+            sock.bind(endpoint)
+    except BaseException:
+        sock.close(0)
+        raise
     path = ipc_path(endpoint)
     if path:
         os.chmod(path, 0o660)
-    else:
-        log.warning("endpoint %s is not ipc: peers have no credentials, so no uid check", endpoint)
     return sock
 
 
