@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     if args.cmd == "install-unit":
         return units.main(args)
     if args.cmd == "pack":
-        from .sources.packed import pack_main
+        from .pack import pack_main
         return pack_main(args.src, args.out, args.pattern or DEFAULT_PATTERN, args.force, args.progress)
     cli = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
     try:
