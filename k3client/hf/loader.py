@@ -162,6 +162,18 @@ def _decoder(model, plan: _Plan):
     return model
 
 
+def _dequantized_by_default(config, kwargs: dict) -> None:
+    """An MXFP4 checkpoint (gpt-oss as shipped) builds the bf16 experts module: k3d dequantizes per expert.
+
+    transformers would otherwise ask for accelerate/kernels for a quantized module no
+    byte of which is ever loaded here."""
+    q = getattr(config, "quantization_config", None)
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    if str(getattr(method, "value", method)) == "mxfp4" and "quantization_config" not in kwargs:
+        from transformers import Mxfp4Config
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+
+
 def load_model(path: str, endpoint: str | None = None, name: str | None = None, predict: bool = True,
                **from_pretrained_kwargs):
     """The causal LM at ``path``, its routed experts served by the k3d daemon at ``endpoint``."""
@@ -171,6 +183,7 @@ def load_model(path: str, endpoint: str | None = None, name: str | None = None, 
     try:
         config = from_pretrained_kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
         base = from_pretrained_kwargs.pop("model_class", None) or AutoModelForCausalLM._model_mapping[type(config)]
+        _dequantized_by_default(config, from_pretrained_kwargs)
         plan = _Plan(client, os.path.abspath(path))
         cls = _make_loader_class(base, plan)
         model = cls.from_pretrained(path, config=config, experts_implementation=IMPLEMENTATION,
