@@ -8,8 +8,9 @@ How loading works (transformers 5, safetensors checkpoints):
    the experts modules (``@use_experts_implementation`` classes), maps every
    checkpoint key through the model's own renamings/converters
    (``rename_source_key``, the function transformers itself uses) and drops the
-   keys that land in an experts module.  Those tensors are never opened:
-   safetensors slices are lazy, so neither their bytes nor their pages are read;
+   keys that land in an experts module.  Only the headers are parsed and the
+   other tensors are read by byte range without readahead (``checkpoint``), so
+   no byte or page of an expert tensor is read;
 3. before anything else is loaded, the daemon's layers, experts and layouts are
    compared with the checkpoint's headers (``fingerprint.check``): another
    checkpoint is refused in one line;
@@ -37,6 +38,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 
 from ..client import connect
 from . import families, fingerprint, gpu
+from .checkpoint import Files, LazyTensor
 from .runtime import MoeLayer, Runtime
 
 IMPLEMENTATION = "k3d"
@@ -74,30 +76,26 @@ class _Plan:
         self.layers: dict[int, MoeLayer] = {}
 
 
-def _split_state_dict(model, checkpoint_files, load_config, plan: _Plan):
-    """(lazy non-expert slices, open files, {layer: [(key, dtype, shape)]} of expert keys)."""
-    from safetensors import safe_open   # transformers' own dependency
-
+def _split_state_dict(model, checkpoint_files, load_config, plan: _Plan, files: Files):
+    """(lazy non-expert tensors, {layer: [(key, dtype, shape)]} of the expert keys, never opened)."""
     mods = experts_modules(model)
     plan.expert_params = {f"{n}.{p}" for n, m in mods.items() for p, _ in m.named_parameters(recurse=False)}
     mapping = load_config.weight_mapping or []
     renamings = [w for w in mapping if isinstance(w, WeightRenaming)]
     converters = [w for w in mapping if isinstance(w, WeightConverter)]
     meta_sd = model.state_dict()
-    kept, files, expert_keys = {}, [], {}
+    kept, expert_keys = {}, {}
     for path in checkpoint_files:
         if not path.endswith(".safetensors"):
             raise ValueError(f"k3client.hf loads safetensors checkpoints; {path} is not one")
-        f = safe_open(path, framework="pt", device="cpu")
-        files.append(f)
-        for key in f.keys():
+        header, start = files.header(path)
+        for key, info in header.items():
             renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
             if renamed in plan.expert_params:
-                sl = f.get_slice(key)
-                expert_keys.setdefault(_layer_of(renamed), []).append((key, sl.get_dtype(), tuple(sl.get_shape())))
+                expert_keys.setdefault(_layer_of(renamed), []).append((key, info["dtype"], tuple(info["shape"])))
             else:
-                kept[key] = f.get_slice(key)     # lazy: read by transformers as usual
-    return kept, files, expert_keys
+                kept[key] = LazyTensor(files, path, start, info)     # read by transformers as usual
+    return kept, expert_keys
 
 
 def _bind_layers(model, plan: _Plan, model_type: str) -> None:
@@ -120,15 +118,15 @@ def _make_loader_class(cls, plan: _Plan):
             raise families.FamilyError(
                 f"model type {model_type!r} ({type(model).__name__}) has no experts module that dispatches "
                 f"through transformers' ExpertsInterface; k3client.hf computes: {families.supported()}")
-        kept, files, expert_keys = _split_state_dict(model, checkpoint_files, load_config, plan)
+        files = Files()
         try:
+            kept, expert_keys = _split_state_dict(model, checkpoint_files, load_config, plan, files)
             num_experts = next(iter(experts_modules(model).values())).num_experts
             fingerprint.check(plan.client, plan.path, fingerprint.local_layers(expert_keys), num_experts)
             _bind_layers(model, plan, model_type)
             return cls._load_pretrained_model(model, kept, None, load_config, expected_keys)
         finally:
-            for f in files:
-                f.__exit__(None, None, None)
+            files.close()
 
     def _finalize_model_loading(model, load_config, loading_info):
         loading_info.missing_keys -= plan.expert_params
