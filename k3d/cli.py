@@ -71,7 +71,12 @@ def main(argv=None) -> int:
     d.add_argument("--tokens", type=int, default=200)
     d.add_argument("--clients", type=int, default=3)
     d.add_argument("--seed", type=int, default=1234)
+    d.add_argument("--hf", action="store_true",
+                   help="transformers processes (k3client.hf) generating with one daemon, vs plain ones")
     args = ap.parse_args(argv)
+    if args.cmd == "demo" and args.hf:
+        from .demo.hf import run_hf_demo
+        return run_hf_demo(clients=args.clients, tokens=min(args.tokens, 32))
     if args.cmd == "demo":
         from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)

@@ -22,7 +22,7 @@ MIN_TRANSFORMERS = 5
 
 def _require_transformers() -> None:
     try:
-        import transformers   # optional extra: imported only by this subpackage
+        import transformers  # optional extra: imported only by this subpackage
     except ImportError:
         raise ImportError("k3client.hf needs transformers >= 5 and torch: pip install 'k3d[hf]'") from None
     major = transformers.__version__.split(".")[0]
@@ -33,12 +33,12 @@ def _require_transformers() -> None:
 
 _require_transformers()
 
-from transformers.integrations.moe import ExpertsInterface  # noqa: E402
+from transformers.integrations.moe import ExpertsInterface
 
-from .families import FAMILIES, FamilyError, supported  # noqa: E402
-from .fingerprint import Mismatch  # noqa: E402
-from .loader import IMPLEMENTATION, k3d_experts_forward, load_model  # noqa: E402
+from .families import FAMILIES, FamilyError, supported
+from .fingerprint import Mismatch
+from .loader import IMPLEMENTATION, k3d_experts_forward, load_model
 
 ExpertsInterface.register(IMPLEMENTATION, k3d_experts_forward)
 
-__all__ = ["load_model", "FAMILIES", "FamilyError", "Mismatch", "supported", "IMPLEMENTATION"]
+__all__ = ["FAMILIES", "IMPLEMENTATION", "FamilyError", "Mismatch", "load_model", "supported"]

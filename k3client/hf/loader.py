@@ -34,7 +34,11 @@ import re
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    rename_source_key,
+)
 
 from ..client import connect
 from . import families, fingerprint, gpu

@@ -29,6 +29,7 @@ next layer then fetched (precision as this process sees it).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -83,7 +84,7 @@ class Runtime:
         self._pending_prediction: tuple[int, set[int]] | None = None
         self._device_work = False              # GPU copies/compute queued since the last sync
         order = sorted(layers)
-        for a, b in zip(order, order[1:]):
+        for a, b in itertools.pairwise(order):
             layers[a].next = b
 
     # -- epochs ----------------------------------------------------------------

@@ -38,7 +38,7 @@ PROMPT_LEN = 12
 
 
 def prompt(seed: int, vocab: int = 128):
-    import torch   # optional extra (hf)
+    import torch  # optional extra (hf)
 
     return torch.randint(0, vocab, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
 
@@ -53,7 +53,7 @@ def worker(argv: list[str]) -> int:
     ap.add_argument("--no-predict", action="store_true")
     ap.add_argument("--hold", action="store_true", help="wait for stdin to close before exiting")
     a = ap.parse_args(argv)
-    import torch   # optional extra (hf)
+    import torch  # optional extra (hf)
     from transformers import AutoModelForCausalLM, TextStreamer
 
     torch.set_num_threads(1)
@@ -131,22 +131,22 @@ def run_hf_demo(clients: int = 3, tokens: int = 16, family: str = "qwen3_moe", h
         cmd = [sys.executable, "-m", "k3d.cli", "start", "--source", path, "--endpoint", endpoint, "--arena", str(arena)]
         if family in hf_models.PATTERNS:
             cmd += ["--pattern", hf_models.PATTERNS[family]]
-        log = open(os.path.join(tmp, "daemon.log"), "w+")
-        daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_ready(log, daemon)
-            t0 = time.perf_counter()
-            k3d_res = _collect([_spawn(path, endpoint, tokens, i, eager=False) for i in range(clients)])
-            k3d_wall = time.perf_counter() - t0
-            with connect(endpoint, name="hf-demo-status") as c:
-                status = c.status()
-            dmem = psutil.Process(daemon.pid).memory_full_info()
-            t0 = time.perf_counter()
-            eager_res = _collect([_spawn(path, endpoint, tokens, i, eager=True) for i in range(clients)])
-            eager_wall = time.perf_counter() - t0
-        finally:
-            daemon.terminate()
-            daemon.wait(30)
+        with open(os.path.join(tmp, "daemon.log"), "w+") as log:
+            daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                _wait_ready(log, daemon)
+                t0 = time.perf_counter()
+                k3d_res = _collect([_spawn(path, endpoint, tokens, i, eager=False) for i in range(clients)])
+                k3d_wall = time.perf_counter() - t0
+                with connect(endpoint, name="hf-demo-status") as c:
+                    status = c.status()
+                dmem = psutil.Process(daemon.pid).memory_full_info()
+                t0 = time.perf_counter()
+                eager_res = _collect([_spawn(path, endpoint, tokens, i, eager=True) for i in range(clients)])
+                eager_wall = time.perf_counter() - t0
+            finally:
+                daemon.terminate()
+                daemon.wait(30)
     report = _report(clients, tokens, ebytes, arena, k3d_res, eager_res, status, dmem, k3d_wall, eager_wall)
     if as_json:
         print(json.dumps(report))
@@ -220,9 +220,12 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--family", default="qwen3_moe", choices=sorted(hf_models.FAMILIES))
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--inter", type=int, default=1024)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    return run_hf_demo(clients=a.clients, tokens=a.tokens, family=a.family, as_json=a.json)
+    return run_hf_demo(clients=a.clients, tokens=a.tokens, family=a.family, hidden=a.hidden, inter=a.inter,
+                       as_json=a.json)
 
 
 if __name__ == "__main__":

@@ -24,27 +24,27 @@ import os
 
 # model_type -> config fields beyond COMMON (kept tiny; `sizes` scale hidden/inter)
 FAMILIES = {
-    "mixtral": dict(intermediate_size="inter", num_local_experts=8, num_experts_per_tok=2),
-    "qwen2_moe": dict(intermediate_size="inter2", moe_intermediate_size="inter", shared_expert_intermediate_size="inter",
-                      num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1),
-    "qwen3_moe": dict(intermediate_size="inter2", moe_intermediate_size="inter", num_experts=8,
-                      num_experts_per_tok=2, head_dim=16),
-    "deepseek_v3": dict(intermediate_size="inter2", moe_intermediate_size="inter", n_routed_experts=8,
-                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
-                        topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-                        qk_nope_head_dim=8, v_head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    "gpt_oss": dict(intermediate_size="inter", num_local_experts=8, num_experts_per_tok=2, head_dim=16,
-                    sliding_window=16),
-    "granitemoe": dict(intermediate_size="inter", num_local_experts=8, num_experts_per_tok=2),
+    "mixtral": {"intermediate_size": "inter", "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"intermediate_size": "inter2", "moe_intermediate_size": "inter", "shared_expert_intermediate_size": "inter",
+                      "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1},
+    "qwen3_moe": {"intermediate_size": "inter2", "moe_intermediate_size": "inter", "num_experts": 8,
+                      "num_experts_per_tok": 2, "head_dim": 16},
+    "deepseek_v3": {"intermediate_size": "inter2", "moe_intermediate_size": "inter", "n_routed_experts": 8,
+                        "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+                        "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                        "qk_nope_head_dim": 8, "v_head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "gpt_oss": {"intermediate_size": "inter", "num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16,
+                    "sliding_window": 16},
+    "granitemoe": {"intermediate_size": "inter", "num_local_experts": 8, "num_experts_per_tok": 2},
 }
-COMMON = dict(vocab_size=128, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              tie_word_embeddings=False)
+COMMON = {"vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+              "tie_word_embeddings": False}
 # the --pattern a daemon needs for families it cannot recognise by itself (before issue 11's rules)
 PATTERNS = {"mixtral": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}"}
 
 
 def config(family: str, hidden: int = 64, inter: int = 32, layers: int = 3, experts: int | None = None):
-    from transformers import AutoConfig   # optional extra (hf)
+    from transformers import AutoConfig  # optional extra (hf)
 
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny family {family!r}; have {sorted(FAMILIES)}")
@@ -61,7 +61,7 @@ def config(family: str, hidden: int = 64, inter: int = 32, layers: int = 3, expe
 
 def write(family: str, out_dir: str, seed: int = 0, **sizes) -> str:
     """Save a random tiny ``family`` model (bf16) with ``save_pretrained``; returns ``out_dir``."""
-    import torch   # optional extra (hf)
+    import torch  # optional extra (hf)
     from transformers import AutoModelForCausalLM
 
     cfg = config(family, **sizes)
@@ -77,7 +77,7 @@ def write(family: str, out_dir: str, seed: int = 0, **sizes) -> str:
 
 def write_gpt_oss_mxfp4(out_dir: str, seed: int = 0, **sizes) -> str:
     """A gpt-oss checkpoint as openai ships it: experts in MXFP4 ``_blocks``/``_scales``."""
-    import torch   # optional extra (hf)
+    import torch  # optional extra (hf)
     from safetensors.torch import load_file, save_file
 
     write("gpt_oss", out_dir, seed=seed, **sizes)
@@ -109,7 +109,7 @@ def expert_bytes(path: str) -> int:
     for name in os.listdir(path):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(path, name), "np") as f:
-                for k in f.keys():
+                for k in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                     if ".experts." in k or "input_linear" in k or "output_linear" in k:
                         sl = f.get_slice(k)
                         n = 1

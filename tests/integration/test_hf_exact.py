@@ -6,7 +6,6 @@ the reference is the same checkpoint loaded by transformers with
 """
 
 import pytest
-
 from hf_common import checkpoint, daemon_args, eager, prompt, torch
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]

@@ -9,7 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from hf_common import checkpoint, daemon_args, hf_models, torch
 
 import k3client
@@ -142,7 +141,7 @@ def test_transformers_older_than_5_is_one_line(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('__version__ = "4.57.1"\n')
     env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-c", "import k3client.hf"], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", "import k3client.hf"], env=env, capture_output=True, text=True, check=False)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert "ImportError: k3client.hf needs transformers >= 5 (found 4.57.1" in last
@@ -151,7 +150,7 @@ def test_transformers_older_than_5_is_one_line(tmp_path):
 def test_k3client_imports_without_torch_or_transformers():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
             "import k3client; print(k3client.connect.__name__)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "connect", r.stderr
 
 
@@ -160,5 +159,5 @@ def test_expert_bytes_helper_counts_only_routed_experts():
 
     path = checkpoint("qwen2_moe")
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        want = sum(f.get_tensor(k).nbytes for k in f.keys() if ".experts." in k)
+        want = sum(f.get_tensor(k).nbytes for k in f.keys() if ".experts." in k)  # noqa: SIM118
     assert hf_models.expert_bytes(path) == want > 0
