@@ -13,10 +13,6 @@ handlers are installed first of all: a stop during start-up (a long pre-fault)
 ends it at the next progress tick, releasing what was built, with exit 0.
 One daemon per endpoint: ``claim_endpoint`` flocks ``ARENA_SOCK.lock`` for the
 daemon's life, so a second start is refused even before the first answers.
-
-Thread: everything here runs in the process's main thread, and ``Server.serve_forever``
-runs in it too (so that thread is the server thread); the handlers run there
-between bytecodes and only set flags.
 """
 
 from __future__ import annotations
@@ -41,9 +37,10 @@ from ..metrics import Exporter, SnapshotBoard
 from ..reads.plan import readers_for
 from ..server import Server
 from ..sources import SourceError, open_source
+from ..wire import open_endpoint
 from .notify import Notifier
 from .sizing import arena_warnings
-from .starting import Progress, ProgressPrinter, StartupResponder, describe, open_endpoint
+from .starting import Progress, ProgressPrinter, StartupResponder, describe
 
 log = logging.getLogger("k3d")
 
@@ -288,7 +285,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             exporter.stop()
         if arena is not None:
             arena.close()
-        if source is not None and (server is None or not server.readers.alive()):
+        if source is not None and (server is None or not server.reads.readers_alive()):
             source.close()               # (a stuck reader may still use the fds)
         notifier.close()
         if lock is not None:
