@@ -232,6 +232,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         except zmq.ZMQError as e:
             raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
         board = SnapshotBoard()
+        board.publish(responder.status())
         if cfg.metrics:                  # before the arena: a port in use must not cost a pre-fault
             try:
                 exporter = Exporter(cfg.metrics, board)
@@ -251,7 +252,8 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             log.warning("%s", warning)
         log.info("source %s: %d experts, %d bytes each; arena %d slots x %d bytes; %d readers%s",
                  source.path, len(source.keys), source.expert_bytes, slots, slot_bytes, cfg.readers, chosen)
-        arena = build_arena(cfg, slots, slot_bytes, progress, notifier, check_stop)
+        arena = build_arena(cfg, slots, slot_bytes, progress, notifier, check_stop,
+                            lambda: board.publish(responder.status()))
         try:
             server = Server(cfg, source, arena, arena_sock, notifier, board, sock=responder.hand_over())
         except zmq.ZMQError as e:
@@ -296,7 +298,7 @@ def with_readers(cfg, source):
     return cfg if cfg.readers else dataclasses.replace(cfg, readers=readers_for(source.kind, os.cpu_count()))
 
 
-def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop) -> Arena:
+def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop, publish) -> Arena:
     """The arena, with its progress shown (stderr, status, systemd STATUS=) as it is prepared."""
     printer = ProgressPrinter()
     t0 = time.monotonic()
@@ -305,6 +307,7 @@ def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop
         check_stop()
         p = progress.update(PHASES.get(what, what), done, total)
         printer.show(p)
+        publish()                        # /metrics shows the start-up too
         notifier.status(f"starting: {describe(p)}")
         if notifier.watchdog_interval:   # a long pre-fault is not a hang
             notifier.watchdog()
