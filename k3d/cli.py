@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         return units.main(args)
     if args.cmd == "pack":
         from .config import DEFAULT_PATTERN
-        from .sources.packed import pack_main
+        from .pack import pack_main
         return pack_main(args.src, args.out, args.pattern or DEFAULT_PATTERN, args.force, args.progress)
     cli = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
     try:
