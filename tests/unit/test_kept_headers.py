@@ -20,7 +20,18 @@ def origin():
 def test_recorded_answers_replay_exactly(tmp_path):
     files, stat, small, ranges = origin()
     rec = Recorder("http://o/")
-    st, sm, rg = rec.stat(stat), rec.small(small), rec.ranges(ranges, files)
+
+    def st(url):
+        rec.keep_stat(url, *stat(url))
+        return stat(url)
+
+    def sm(url):
+        rec.keep_small(url, small(url))
+        return small(url)
+
+    def rg(fi, start, length):
+        rec.keep_range(files[fi], start, ranges(fi, start, length))
+        return ranges(fi, start, length)
     answers = [st(files[0]), st(files[1]), sm("http://o/model.safetensors.index.json"), sm("http://o/x"),
                rg(0, 0, 100), rg(0, 100, 50), rg(1, 3, 9)]
     path = rec.save(str(tmp_path))
@@ -36,7 +47,7 @@ def test_recorded_answers_replay_exactly(tmp_path):
 def test_what_was_never_asked_is_origin_down(tmp_path):
     files, stat, small, ranges = origin()
     rec = Recorder("http://o/")
-    rec.ranges(ranges, files)(0, 0, 10)
+    rec.keep_range(files[0], 0, ranges(0, 0, 10))
     rec.save(str(tmp_path))
     rp = Replay.load(str(tmp_path), "http://o/")
     with pytest.raises(OriginDown, match="not among the headers kept"):

@@ -32,13 +32,9 @@ import hashlib
 import json
 import os
 
-from ..base import SourceError
+from .retry import OriginDown
 
 VERSION = 1
-
-
-class OriginDown(SourceError):
-    """The origin did not answer (connection refused, timeouts, 5xx) after the retries."""
 
 
 def kept_path(cache_dir: str, url: str) -> str:
@@ -50,7 +46,7 @@ def _b64(data: bytes | None):
 
 
 class Recorder:
-    """Wraps a source's three origin primitives and keeps their answers."""
+    """The origin's answers while a source opens (``keep_*``), saved to the disk tier."""
 
     def __init__(self, url: str):
         self.url = url
@@ -58,27 +54,14 @@ class Recorder:
         self.small_answers: dict[str, str | None] = {}
         self.range_answers: dict[str, list] = {}
 
-    def stat(self, fn):
-        def wrapped(url):
-            size, validator = fn(url)
-            self.stat_answers[url] = [size, validator]
-            return size, validator
-        return wrapped
+    def keep_stat(self, url: str, size: int, validator: dict) -> None:
+        self.stat_answers[url] = [size, validator]
 
-    def small(self, fn):
-        def wrapped(url):
-            data = fn(url)
-            self.small_answers[url] = _b64(data)
-            return data
-        return wrapped
+    def keep_small(self, url: str, data: bytes | None) -> None:
+        self.small_answers[url] = _b64(data)
 
-    def ranges(self, fn, files: list[str]):
-        """``fn(fi, start, length) -> bytes``; ``files[fi]`` is the file's URL."""
-        def wrapped(fi, start, length):
-            data = fn(fi, start, length)
-            self.range_answers.setdefault(files[fi], []).append([start, _b64(data)])
-            return data
-        return wrapped
+    def keep_range(self, url: str, start: int, data: bytes) -> None:
+        self.range_answers.setdefault(url, []).append([start, _b64(data)])
 
     def save(self, cache_dir: str) -> str:
         path = kept_path(cache_dir, self.url)
@@ -121,7 +104,7 @@ class Replay:
             return None
         return cls(doc, path)
 
-    def _missing(self, what: str) -> SourceError:
+    def _missing(self, what: str) -> OriginDown:
         return OriginDown(f"{what} is not among the headers kept in {self.path} (the origin is down)")
 
     def stat(self, url):
