@@ -214,9 +214,14 @@ class StoreWithQuota(StoreMachine):
     quota = 3
 
 
-_settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+# Budget (the unit layer runs in under 15 s): about 4,000 steps for the plain machine and
+# 2,000 for the quota one (was 2 x ~7,000).  Measured against bugs injected into the store
+# (bench/README.md, "stateful test budget"): every one is still caught within the budget
+# but the rarest (the capacity check counting the fetch's own hits as evictable), which the
+# plain machine catches in most runs; a failure found once is replayed from the example
+# database (.hypothesis/) on every later run.
+_common = dict(stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestStore = StoreMachine.TestCase
-TestStore.settings = _settings
+TestStore.settings = settings(max_examples=100, **_common)
 TestStoreWithQuota = StoreWithQuota.TestCase
-TestStoreWithQuota.settings = _settings
+TestStoreWithQuota.settings = settings(max_examples=50, **_common)
