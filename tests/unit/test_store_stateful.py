@@ -214,12 +214,12 @@ class StoreWithQuota(StoreMachine):
     quota = 3
 
 
-# Budget (the unit layer runs in under 15 s): about 4,000 steps for the plain machine and
-# 2,000 for the quota one (was 2 x ~7,000).  Measured against bugs injected into the store
-# (bench/README.md, "stateful test budget"): every one is still caught within the budget
-# but the rarest (the capacity check counting the fetch's own hits as evictable), which the
-# plain machine catches in most runs; a failure found once is replayed from the example
-# database (.hypothesis/) on every later run.
+# Budget (the unit layer runs in under 15 s): at most 100 x 50 steps for the plain machine
+# and 50 x 50 for the quota one (was 2 x 150 x 60).  Measured against ten bugs injected into
+# the store (bench/README.md, "the stateful test's budget"): the unit layer still catches
+# every one in every run; the rarest for this machine (the capacity check counting the
+# fetch's own hits as evictable) is also pinned down by test_store.py.  A failure found
+# once is replayed from the example database (.hypothesis/) on later runs.
 _common = dict(stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestStore = StoreMachine.TestCase
 TestStore.settings = settings(max_examples=100, **_common)
