@@ -7,6 +7,10 @@ environment; it is handed ``os.environ`` by the CLI (tests pass a dict).
 
 Every value is checked here: a bad one is a ``ConfigError`` with a single line
 naming the key, where it came from and what is accepted.
+
+Threads: ``resolve`` runs in the CLI's main thread at start and, for SIGHUP, in
+the server thread (the daemon's main thread); a ``Config`` is frozen, so any
+thread may read one.
 """
 
 from __future__ import annotations
@@ -61,6 +65,15 @@ def parse_size(text) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{text!r} is not a size (use e.g. 512MiB, 8GiB or plain bytes)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    """Bytes as the largest binary unit that divides them (``16GiB``, ``512MiB``, ``4097``):
+    ``parse_size`` reads it back exactly (CLI help shows defaults this way)."""
+    for unit, mult in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
 
 
 def _size(value) -> int:
