@@ -31,10 +31,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-import harness  # noqa: E402
 from k3client.hf import load_model  # noqa: E402
 from k3d.demo import hf_models  # noqa: E402
 

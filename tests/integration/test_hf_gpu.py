@@ -5,7 +5,6 @@ Written to run as one short script on a lent GPU machine:
 """
 
 import pytest
-
 from hf_common import checkpoint, daemon_args, eager, prompt, torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (none on this host)")
