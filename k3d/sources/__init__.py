@@ -27,13 +27,15 @@ import os
 
 from ..config import Config
 from .base import Extent, Source, SourceError
-from .gguf import MAGIC as GGUF_MAGIC, GGUFSource
-from .packed import MAGIC as PACK_MAGIC, PARTIAL, PackedSource
+from .gguf import MAGIC as GGUF_MAGIC
+from .gguf import GGUFSource
+from .packed import MAGIC as PACK_MAGIC
+from .packed import PARTIAL, PackedSource
 from .remote.http import HttpSource
 from .remote.s3 import S3Source
 from .safetensors import SafetensorsSource
 
-__all__ = ["Extent", "Source", "SourceError", "open_source", "open_remote"]
+__all__ = ["Extent", "Source", "SourceError", "open_remote", "open_source"]
 
 
 def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg: Config | None = None) -> Source:
@@ -71,7 +73,7 @@ def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg: Confi
                           f"convert {spec} with `k3d pack {spec} OUT.k3pack`")
     if head[:4] == GGUF_MAGIC or spec.endswith(".gguf"):
         return GGUFSource(spec)
-    if os.path.isdir(spec) or spec.endswith(".safetensors") or spec.endswith(".json"):
+    if os.path.isdir(spec) or spec.endswith((".safetensors", ".json")):
         return SafetensorsSource(spec, pattern)
     raise SourceError(f"unsupported source {spec}: expected a safetensors directory or file, "
                       "a .gguf file or a .k3pack file")
