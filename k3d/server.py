@@ -69,8 +69,7 @@ from k3client.errors import (
     UnknownExpert,
 )
 
-from . import reload, wire
-from . import status as status_view
+from . import reload, status as status_view, wire
 from .access import peer_allowed, peer_cred, private_umask, refusal
 from .cache import Cache
 from .handout import ArenaHandout
