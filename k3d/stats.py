@@ -23,7 +23,9 @@ class Counters:
     prefetched: int = 0         # background reads issued for predictions
     prefetch_hits: int = 0      # predictions fetched before the predictor's next token
     prefetch_unused: int = 0    # predictions never fetched (demoted or evicted)
+    prefetch_refused: int = 0   # predictions not read: the only victim was expected to be reused sooner
     evictions: int = 0
+    loading_skips: int = 0      # the policy's victim was still loading (a run with 0 replays exactly)
     bytes_read: int = 0
     read_seconds: float = 0.0   # summed over reader threads
     errors: int = 0             # failed expert reads

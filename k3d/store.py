@@ -10,6 +10,17 @@ Slot states and transitions (the server thread is the only caller)::
         │                 evict (LRU, unpinned only)             │
         └────────────────────────────────────────────────────────┘
 
+Determinism: the policy hears of a key when it is *requested* (``insert`` for a
+miss or a prediction, ``touch`` for a hit or a key still loading), once per key, in
+request order, never when a read completes; a prediction is pinned under
+``("predict", client)`` until that client's next ``end_epoch``.  So victims and
+counters (hits, misses, evictions, prefetched, prefetch_hits, prefetch_unused) are
+a function of the request sequence alone, which ``k3d replay`` reproduces.  The one
+exception is physical: a LOADING slot is never a victim; when the policy's choice is
+still loading (a background read slower than a whole token) the next choice is
+taken and ``loading_skips`` counts it (a run with ``loading_skips == 0`` replays
+exactly).  Only ``waited`` depends on timing.
+
 Invariants:
 - ``key_slot`` and ``slot_key`` are inverse maps over non-FREE slots: a key maps
   to at most one slot.
@@ -32,6 +43,8 @@ from k3client.errors import CacheFull, QuotaExceeded
 from .policy import LruPolicy
 from .stats import Counters
 
+PREDICT = "predict"      # holder tag of a client's outstanding predictions
+
 FREE, LOADING, READY = "free", "loading", "ready"
 
 
@@ -51,7 +64,6 @@ class FetchPlan:
 class Load:
     key: tuple[int, int]
     urgent: bool
-    demote_on_ready: bool = False
     fail: str | None = None
     parts_left: int = 0
 
@@ -60,7 +72,7 @@ class Load:
 class Store:
     slots: int
     pin_quota: int = 0               # max slots one holder may pin; 0 = no limit
-    policy: LruPolicy = field(default_factory=LruPolicy)
+    policy: object = field(default_factory=LruPolicy)    # any k3d.policy class
     stats: Counters = field(default_factory=Counters)
 
     def __post_init__(self):
@@ -81,17 +93,20 @@ class Store:
     def fetch(self, holder, keys: list[tuple[int, int]]) -> FetchPlan:
         """Plan a fetch of distinct, known keys for ``holder`` (client, epoch)."""
         have = [self.key_slot.get(k) for k in keys]
+        policy = self.policy
         if self._all_plain_hits(have):
-            for s in have:
-                self.policy.pin(s, holder)
-                self.policy.touch(s)
+            for layer in dict.fromkeys(k[0] for k in keys):
+                policy.visit(layer)
+            for k, s in zip(keys, have):
+                policy.pin(s, holder)
+                policy.touch(s, k)
             self.stats.fetches += 1
             self.stats.hits += len(keys)
             return FetchPlan(slots=have, new_loads=[], waiting=set(), promote=[])
         resident = {s for s in have if s is not None}
         need = sum(1 for s in have if s is None)
         if need:
-            available = len(self.free) + self.policy.evictable(exclude=resident)
+            available = len(self.free) + policy.evictable(exclude=resident.union(self.loads))
             if need > available:
                 self.stats.cache_full += 1
                 raise CacheFull(
@@ -105,8 +120,10 @@ class Store:
                     f"pin quota exceeded: this fetch would pin {after} slots, the quota is {self.pin_quota} per client "
                     "per token; call begin_token() more often or fetch fewer experts")
         plan = FetchPlan(slots=[], new_loads=[], waiting=set(), promote=[])
+        for layer in dict.fromkeys(k[0] for k in keys):
+            policy.visit(layer)
         for s in resident:                     # pin hits first so no miss evicts them
-            self.policy.pin(s, holder)
+            policy.pin(s, holder)
         for key, s in zip(keys, have):
             if s is None:
                 s, evicted = self._assign(key, urgent=True)
@@ -118,13 +135,13 @@ class Store:
             elif self.state[s] == LOADING:
                 plan.waited += 1
                 plan.waiting.add(s)
+                policy.touch(s, key)
                 load = self.loads[s]
-                load.demote_on_ready = False     # wanted after all: keep it MRU once ready
                 if not load.urgent:
                     load.urgent = True
                     plan.promote.append(s)
             else:
-                self.policy.touch(s)
+                policy.touch(s, key)
             if s in self.predicted_by:
                 self.predictions[self.predicted_by.pop(s)].discard(s)
                 plan.prefetched_hits += 1
@@ -145,13 +162,22 @@ class Store:
         state, predicted = self.state, self.predicted_by
         return all(state[s] == READY and s not in predicted for s in have)
 
-    def _assign(self, key, urgent: bool) -> tuple[int, int]:
-        """A slot for ``key`` (free, else the LRU victim), now LOADING."""
+    def _victim(self) -> int | None:
+        """The policy's victim among slots not LOADING (see Determinism)."""
+        s = self.policy.victim()
+        if s is not None and s in self.loads:
+            self.stats.loading_skips += 1
+            s = self.policy.victim(exclude=self.loads)
+        return s
+
+    def _assign(self, key, urgent: bool, victim: int | None = None) -> tuple[int, int]:
+        """A slot for ``key`` (free, else ``victim`` or the policy's), now LOADING and
+        inserted in the policy's order (request time)."""
         evicted = 0
         if self.free:
             s = self.free.pop()
         else:
-            s = self.policy.victim()
+            s = self._victim() if victim is None else victim
             assert s is not None, "caller checked capacity"
             self._evict(s)
             evicted = 1
@@ -159,6 +185,7 @@ class Store:
         self.slot_key[s] = key
         self.key_slot[key] = s
         self.loads[s] = Load(key, urgent)
+        self.policy.insert(s, key, predicted=not urgent)
         return s, evicted
 
     def _evict(self, s: int) -> None:
@@ -171,18 +198,31 @@ class Store:
             self.stats.prefetch_unused += 1
 
     # -- predict ------------------------------------------------------------
-    def predict(self, client: int, keys: list[tuple[int, int]]) -> list[int]:
-        """Assign slots to predicted keys not resident; stop at the first that has none."""
+    def predict(self, client: int, keys: list[tuple[int, int]], confidence: float = 1.0) -> list[int]:
+        """Assign slots to predicted keys not resident; stop at the first that has none.
+
+        A background read never evicts a pinned slot (every client's current token),
+        nor one the policy expects to be reused sooner than the prediction
+        (``policy.admits`` with ``confidence``, the client's measured precision):
+        ``prefetch_refused`` counts those.  Each prediction is pinned under
+        ``(PREDICT, client)`` until the client's next ``end_epoch``."""
         started = []
         for key in keys:
             if key in self.key_slot:
                 continue
-            if not self.free and self.policy.victim() is None:
-                break
-            s, evicted = self._assign(key, urgent=False)
+            victim = None
+            if not self.free:
+                victim = self._victim()
+                if victim is None:
+                    break
+                if not self.policy.admits(key, victim, confidence):
+                    self.stats.prefetch_refused += 1
+                    break
+            s, evicted = self._assign(key, urgent=False, victim=victim)
             self.stats.evictions += evicted
             self.predicted_by[s] = client
             self.predictions.setdefault(client, set()).add(s)
+            self.policy.pin(s, (PREDICT, client))
             started.append(s)
         self.stats.prefetched += len(started)
         return started
@@ -193,13 +233,11 @@ class Store:
 
         Returns (pins released, predictions found unused)."""
         released = len(self.policy.release(holder))
+        self.policy.release((PREDICT, client))
         unused = self.predictions.pop(client, set())
-        for s in unused:
+        for s in sorted(unused):
             del self.predicted_by[s]
-            if self.state[s] == READY:
-                self.policy.demote(s)
-            else:
-                self.loads[s].demote_on_ready = True
+            self.policy.demote(s)
         self.stats.prefetch_unused += len(unused)
         return released, len(unused)
 
@@ -211,9 +249,6 @@ class Store:
         load = self.loads.pop(s)
         if error is None:
             self.state[s] = READY
-            self.policy.insert(s)
-            if load.demote_on_ready:
-                self.policy.demote(s)
         else:
             self.stats.errors += counted
             del self.key_slot[load.key]
@@ -234,6 +269,6 @@ class Store:
             if self.state[s] == FREE:
                 assert self.slot_key[s] is None and s in self.free and not self.policy.pinned(s)
             assert (self.state[s] == LOADING) == (s in self.loads)
-            assert (self.state[s] == READY) == self.policy.is_ready(s)
+            assert (self.state[s] != FREE) == self.policy.has(s)
         assert len(self.free) == len(set(self.free))
         assert self.stats.hits + self.stats.misses >= self.stats.waited
