@@ -14,6 +14,7 @@ import sys
 
 from . import __version__
 from .config import Config, ConfigError, resolve
+from .policy import POLICIES
 
 
 def _start_parser(sub):
@@ -46,6 +47,9 @@ def _start_parser(sub):
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
                    help="leave the arena in 4 KiB pages (default: collapse it into transparent huge pages)")
+    p.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default {Config.policy})")
+    p.add_argument("--state-dir", dest="state_dir",
+                   help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")
     return p
 
 
@@ -65,6 +69,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _start_parser(sub)
     _pack_parser(sub)
+    from . import replay_cli     # the CLI dispatching a subcommand's module
+    replay_cli.add_parser(sub)
     from .service import units
     units.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
@@ -75,6 +81,8 @@ def main(argv=None) -> int:
     if args.cmd == "demo":
         from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+    if args.cmd == "replay":
+        return replay_cli.main(args)
     if args.cmd == "install-unit":
         return units.main(args)
     if args.cmd == "pack":

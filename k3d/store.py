@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from k3client.errors import CacheFull, QuotaExceeded
 
 from .policy import LruPolicy
-from .stats import Counters
+from .stats import Counters, PredictionStats
 
 PREDICT = "predict"      # holder tag of a client's outstanding predictions
 
@@ -74,6 +74,7 @@ class Store:
     pin_quota: int = 0               # max slots one holder may pin; 0 = no limit
     policy: object = field(default_factory=LruPolicy)    # any k3d.policy class
     stats: Counters = field(default_factory=Counters)
+    key_bytes: object = None         # key -> bytes one read of it costs (unused_bytes); None: 0
 
     def __post_init__(self):
         self.state = [FREE] * self.slots
@@ -83,6 +84,17 @@ class Store:
         self.loads: dict[int, Load] = {}
         self.predicted_by: dict[int, int] = {}            # slot -> predicting client
         self.predictions: dict[int, set[int]] = {}        # client -> slots it predicted
+        self.quality: dict[int, PredictionStats] = {}     # client -> its predictions and timeliness
+
+    def client_quality(self, client: int) -> PredictionStats:
+        q = self.quality.get(client)
+        if q is None:
+            q = self.quality[client] = PredictionStats()
+        return q
+
+    def forget_client(self, client: int) -> None:
+        """The client left (after its ``end_epoch``): drop its per-client figures."""
+        self.quality.pop(client, None)
 
     # -- queries ------------------------------------------------------------
     def gauges(self) -> dict:
@@ -95,6 +107,7 @@ class Store:
         have = [self.key_slot.get(k) for k in keys]
         policy = self.policy
         if self._all_plain_hits(have):
+            self.client_quality(holder[0]).ready += len(keys)
             for layer in dict.fromkeys(k[0] for k in keys):
                 policy.visit(layer)
             for k, s in zip(keys, have):
@@ -143,7 +156,9 @@ class Store:
             else:
                 policy.touch(s, key)
             if s in self.predicted_by:
-                self.predictions[self.predicted_by.pop(s)].discard(s)
+                by = self.predicted_by.pop(s)
+                self.predictions[by].discard(s)
+                self.client_quality(by).prefetch_hits += 1
                 plan.prefetched_hits += 1
             plan.slots.append(s)
         st = self.stats
@@ -153,6 +168,10 @@ class Store:
         st.waited += plan.waited
         st.evictions += plan.evictions
         st.prefetch_hits += plan.prefetched_hits
+        q = self.client_quality(holder[0])
+        q.missed += plan.misses
+        q.waited += plan.waited
+        q.ready += len(keys) - plan.misses - plan.waited
         return plan
 
     def _all_plain_hits(self, have: list) -> bool:
@@ -189,24 +208,26 @@ class Store:
         return s, evicted
 
     def _evict(self, s: int) -> None:
+        if s in self.predicted_by:             # (not reached while predictions are pinned)
+            by = self.predicted_by.pop(s)
+            self.predictions[by].discard(s)
+            self._unused(by, [s])
         del self.key_slot[self.slot_key[s]]
         self.slot_key[s] = None
         self.state[s] = FREE
         self.policy.remove(s)
-        if s in self.predicted_by:
-            self.predictions[self.predicted_by.pop(s)].discard(s)
-            self.stats.prefetch_unused += 1
 
     # -- predict ------------------------------------------------------------
-    def predict(self, client: int, keys: list[tuple[int, int]], confidence: float = 1.0) -> list[int]:
+    def predict(self, client: int, keys: list[tuple[int, int]]) -> list[int]:
         """Assign slots to predicted keys not resident; stop at the first that has none.
 
         A background read never evicts a pinned slot (every client's current token),
         nor one the policy expects to be reused sooner than the prediction
-        (``policy.admits`` with ``confidence``, the client's measured precision):
+        (``policy.admits`` with the client's measured precision as the confidence):
         ``prefetch_refused`` counts those.  Each prediction is pinned under
         ``(PREDICT, client)`` until the client's next ``end_epoch``."""
         started = []
+        q = self.client_quality(client)
         for key in keys:
             if key in self.key_slot:
                 continue
@@ -215,8 +236,9 @@ class Store:
                 victim = self._victim()
                 if victim is None:
                     break
-                if not self.policy.admits(key, victim, confidence):
+                if not self.policy.admits(key, victim, q.confidence()):
                     self.stats.prefetch_refused += 1
+                    q.refused += 1
                     break
             s, evicted = self._assign(key, urgent=False, victim=victim)
             self.stats.evictions += evicted
@@ -225,6 +247,7 @@ class Store:
             self.policy.pin(s, (PREDICT, client))
             started.append(s)
         self.stats.prefetched += len(started)
+        q.prefetched += len(started)
         return started
 
     # -- epochs and clients -------------------------------------------------
@@ -238,8 +261,17 @@ class Store:
         for s in sorted(unused):
             del self.predicted_by[s]
             self.policy.demote(s)
-        self.stats.prefetch_unused += len(unused)
+        self._unused(client, unused)
         return released, len(unused)
+
+    def _unused(self, client: int, slots) -> None:
+        self.stats.prefetch_unused += len(slots)
+        q = self.client_quality(client)
+        q.prefetch_unused += len(slots)
+        if self.key_bytes is not None:
+            n = sum(self.key_bytes(self.slot_key[s]) for s in slots)
+            q.unused_bytes += n
+            self.stats.prefetch_unused_bytes += n
 
     # -- completion ---------------------------------------------------------
     def complete(self, s: int, error: str | None, counted: bool = True) -> Load:

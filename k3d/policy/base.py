@@ -40,7 +40,12 @@ class PinTable:
         if slot in held:
             return False
         held.add(slot)
-        self._holders.setdefault(slot, set()).add(holder)
+        hs = self._holders.get(slot)
+        if hs is None:
+            self._holders[slot] = {holder}
+            self._pinned(slot)
+        else:
+            hs.add(holder)
         return True
 
     def release(self, holder) -> list[int]:
@@ -56,6 +61,9 @@ class PinTable:
 
     def _unpinned(self, slot: int) -> None:
         """Hook: ``slot`` lost its last pin (a policy with an index re-files it)."""
+
+    def _pinned(self, slot: int) -> None:
+        """Hook: ``slot`` got its first pin."""
 
     def _forget_pins(self, slot: int) -> None:
         for holder in self._holders.pop(slot, ()):

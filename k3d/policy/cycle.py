@@ -1,33 +1,42 @@
 """The MoE-aware policy (``--policy cycle``, the default).  Pure: see ``base``.
 
-MoE layers run in a fixed cycle 0..L-1 per token, so an expert's next use is
-bounded below by where its layer lies in the cycle: an expert of a layer this
-token has just passed is not needed for almost L layer steps, one of the next
-layer may be needed at the very next step.  Plain LRU gets this backwards: its
-least recently used experts are the next token's first layers.
+MoE layers run in a fixed cycle 0..L-1 per token, so where an expert's layer lies in
+the cycle bounds its next use: an expert of a layer the current token has passed
+is not needed before the next token, one of the next layer may be needed at the
+very next step.  Plain LRU gets this backwards: its least recently used experts
+are the next token's first layers.
 
-Each slot is scored by its expected time to next use, in layer steps::
+Victim order (largest first, ties: lower slot)::
 
-    eta(key) = d(layer) + L * (1 / p - 1)
+    score(key) = (passed(layer), d(layer) / p(key))
 
-``d`` is how many layer steps until the key's layer comes again (1 for the layer
-after the one being served, L for the one being served now).  ``p`` estimates the
-chance the key is picked when its layer comes: a decayed count of its uses
-(LRFU-style forgetting, half-life ``half_life`` visits of its layer), shrunk towards
-the layer's average rate so a key seen once is not trusted as a sure thing.  The
-victim is the unpinned slot with the largest ``eta`` (ties: lower slot).  Visits
-are counted per layer (``visit``), so several clients at different places in the
-cycle all count as chances for a key to be picked.
+- ``passed``: the key's layer is one the current token has already served (its
+  layer is at or before the one being served), so it cannot be used before the
+  token ends: such keys go before any key of a layer still ahead.
+- ``d``: layer steps until the key's layer is served again (1 = the next layer,
+  L = the one being served now).
+- ``p``: the chance the key is picked when its layer comes: a decayed count of its
+  uses (LRFU-style forgetting, ``half_life`` visits of its layer), shrunk towards
+  the layer's mean rate so one use is not trusted as a sure thing.  ``d / p`` is
+  the layer steps per expected hit the slot would buy.
 
-Statistics are kept for every key seen, resident or not (a returning expert keeps
-its history), so memory is one small record per expert of the model.
+Visits are counted per layer (``visit``, once per fetch per layer), and the layer
+being served is the last one visited, so several clients count as chances for a key
+and share one notion of "now".  Statistics are kept for every key seen, resident or
+not (a returning expert keeps its history): one small record per expert.
+
+Index (so a victim costs O(L), not O(slots)): residents are grouped by layer; within
+a layer ``d`` is shared, so the layer's candidate is its unpinned resident with the
+lowest decayed count, cached until something in that layer changes.
 
 Background reads (``admits``): a prediction may evict a slot only if the slot's
-expected time to next use is longer than the prediction's (the predicted key's
-layer distance with the predicting client's measured precision as ``p``).
+score is larger than the prediction's own (its layer's distance, the predicting
+client's measured precision as ``p``).
 """
 
 from __future__ import annotations
+
+import math
 
 from .base import PinTable
 
@@ -37,23 +46,30 @@ class CyclePolicy(PinTable):
 
     def __init__(self, layers: int = 0, half_life: float = 8.0, prior_weight: float = 1.0):
         super().__init__()
-        self.layers = layers              # L; learned from keys when 0
+        self.layers = layers                          # L; grows with the keys seen
         self._decay = 0.5 ** (1.0 / half_life)
+        self._log_decay = math.log(self._decay)
         self._prior_weight = prior_weight
         self._visits: dict[int, int] = {}             # layer -> visits so far
         self._picks: dict[int, int] = {}              # layer -> keys used in those visits
         self._experts: dict[int, int] = {}            # layer -> highest expert id + 1 seen
         self._stat: dict[tuple, list] = {}            # key -> [decayed count, visit of last update]
         self._key: dict[int, tuple] = {}              # resident slot -> key
+        self._by_layer: dict[int, set[int]] = {}      # layer -> resident slots
+        self._cand: dict[int, int | None] = {}        # layer -> cached candidate (absent: stale)
         self._current = -1                            # the layer being served (last visited)
+        self._first = -1                              # the first layer of the current pass
 
     # -- requests -------------------------------------------------------------
     def visit(self, layer: int) -> None:
         """A fetch for ``layer`` begins: one more chance for each of its experts."""
         self._visits[layer] = self._visits.get(layer, 0) + 1
+        if layer <= self._current or self._first < 0:
+            self._first = layer                       # the cycle wrapped: a new token
         self._current = layer
         if layer >= self.layers:
             self.layers = layer + 1
+        self._cand.pop(layer, None)
 
     def _used(self, key) -> None:
         layer, expert = key
@@ -67,15 +83,17 @@ class CyclePolicy(PinTable):
         self._picks[layer] = self._picks.get(layer, 0) + 1
         if expert >= self._experts.get(layer, 0):
             self._experts[layer] = expert + 1
+        self._cand.pop(layer, None)
 
     def insert(self, slot: int, key=None, predicted: bool = False) -> None:
+        layer = key[0]
         self._key[slot] = key
-        if predicted:                     # a guess is not a use
-            layer, expert = key
-            if expert >= self._experts.get(layer, 0):
-                self._experts[layer] = expert + 1
-            return
-        self._used(key)
+        self._by_layer.setdefault(layer, set()).add(slot)
+        self._cand.pop(layer, None)
+        if layer >= self.layers:
+            self.layers = layer + 1
+        if not predicted:                             # a guess is not a use
+            self._used(key)
 
     def touch(self, slot: int, key=None) -> None:
         self._used(self._key[slot] if key is None else key)
@@ -84,11 +102,21 @@ class CyclePolicy(PinTable):
         """An unused prediction: nothing to undo (a guess never counted as a use)."""
 
     def remove(self, slot: int) -> None:
-        self._key.pop(slot, None)
+        key = self._key.pop(slot, None)
+        if key is not None:
+            self._by_layer[key[0]].discard(slot)
+            self._cand.pop(key[0], None)
         self._forget_pins(slot)
 
     def has(self, slot: int) -> bool:
         return slot in self._key
+
+    def _pinned(self, slot: int) -> None:
+        key = self._key.get(slot)
+        if key is not None:
+            self._cand.pop(key[0], None)
+
+    _unpinned = _pinned
 
     # -- scoring --------------------------------------------------------------
     def rate(self, key) -> float:
@@ -96,7 +124,7 @@ class CyclePolicy(PinTable):
         layer = key[0]
         v = self._visits.get(layer, 0)
         experts = self._experts.get(layer, 1)
-        prior = self._picks.get(layer, 0) / v / experts if v else 1.0 / max(experts, 1)
+        prior = self._picks.get(layer, 0) / v / experts if v else 1.0 / experts
         d = self._decay
         seen = (1.0 - d ** v) / (1.0 - d)             # decayed number of visits observed
         st = self._stat.get(key)
@@ -106,36 +134,78 @@ class CyclePolicy(PinTable):
 
     def distance(self, layer: int) -> int:
         """Layer steps until ``layer`` is served again (1 = next, L = the current one)."""
-        L = max(self.layers, 1)
-        return (layer - self._current - 1) % L + 1
+        return (layer - self._current - 1) % max(self.layers, 1) + 1
 
-    def eta(self, key, p: float | None = None) -> float:
+    def passed(self, layer: int) -> bool:
+        """``layer`` was served in the current pass of the cycle (or is being served)."""
+        c, f = self._current, self._first
+        return f <= layer <= c if f <= c else (layer >= f or layer <= c)
+
+    def score(self, key, p: float | None = None) -> tuple[bool, float]:
+        """Victim order, largest first: (passed, layer steps per expected hit)."""
         p = self.rate(key) if p is None else p
-        return self.distance(key[0]) + max(self.layers, 1) * (1.0 / max(p, 1e-6) - 1.0)
+        return self.passed(key[0]), self.distance(key[0]) / max(p, 1e-9)
+
+    def _order_in_layer(self, slot: int) -> tuple[float, int]:
+        """Within one layer: lowest decayed count first (forward-scaled, so the order
+        holds between updates), then lower slot."""
+        st = self._stat.get(self._key[slot])
+        if st is None:
+            return -math.inf, slot
+        return math.log(st[0]) - st[1] * self._log_decay, slot
+
+    def _candidate(self, layer: int):
+        """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
+        try:
+            return self._cand[layer]
+        except KeyError:
+            pass
+        holders = self._holders
+        free = [s for s in self._by_layer.get(layer, ()) if s not in holders]
+        if free:
+            best = min(free, key=self._order_in_layer)
+            cand = (best, max(self.rate(self._key[best]), 1e-9))
+        else:
+            cand = None
+        self._cand[layer] = cand
+        return cand
 
     def victim(self, exclude=()) -> int | None:
-        best, best_eta = None, -1.0
-        holders = self._holders
-        for slot, key in self._key.items():
-            if slot in holders or slot in exclude:
+        if exclude:
+            return self._victim_scan(exclude)
+        c, f, L = self._current, self._first, max(self.layers, 1)
+        wrapped = f > c
+        best, best_score = None, (False, -1.0, 0)
+        for layer in self._by_layer:
+            cand = self._candidate(layer)
+            if cand is None:
                 continue
-            e = self.eta(key)
-            if e > best_eta or (e == best_eta and slot < best):
-                best, best_eta = slot, e
+            s, p = cand
+            passed = (layer >= f or layer <= c) if wrapped else (f <= layer <= c)
+            sc = (passed, ((layer - c - 1) % L + 1) / p, -s)
+            if sc > best_score:
+                best, best_score = s, sc
+        return best
+
+    def _victim_scan(self, exclude) -> int | None:
+        best, best_score = None, None
+        for s, key in self._key.items():
+            if s in self._holders or s in exclude:
+                continue
+            sc = (self.score(key), -s)
+            if best_score is None or sc > best_score:
+                best, best_score = s, sc
         return best
 
     def evictable(self, exclude=()) -> int:
-        return sum(1 for s in self._key if s not in self._holders and s not in exclude)
+        held = self._holders
+        return (len(self._key) - sum(1 for s in held if s in self._key)
+                - sum(1 for s in exclude if s in self._key and s not in held))
 
     def admits(self, key, slot: int, confidence: float) -> bool:
-        return self.eta(self._key[slot]) > self.eta(key, p=confidence)
+        return self.score(self._key[slot]) > self.score(key, p=confidence)
 
-    def snapshot(self):
-        """Comparable state (tests: a refused request changes nothing)."""
-        return (dict(self._key), {k: tuple(v) for k, v in self._stat.items()}, dict(self._visits),
-                self._current)
-
-    # -- warm restart ---------------------------------------------------------
+    # -- warm restart and tests ------------------------------------------------
     def hot(self, n: int) -> list[tuple]:
         """The ``n`` keys most likely to be picked: rows (layer, expert, rate)."""
         rows = sorted(((k[0], k[1], self.rate(k)) for k in self._stat), key=lambda r: (-r[2], r[0], r[1]))
@@ -144,6 +214,17 @@ class CyclePolicy(PinTable):
     def load_hot(self, rows) -> None:
         pass
 
+    def snapshot(self):
+        """Comparable state (tests: a refused request changes nothing)."""
+        return (dict(self._key), {k: tuple(v) for k, v in self._stat.items()}, dict(self._visits),
+                self._current)
+
     def check(self) -> None:
         self.check_pins()
-        assert set(self._holders) <= set(self._key) | set(self._holders)
+        assert set(self._holders) <= set(self._key), "a pin on a slot the policy does not hold"
+        for layer, slots in self._by_layer.items():
+            assert all(self._key[s][0] == layer for s in slots)
+        assert sum(len(v) for v in self._by_layer.values()) == len(self._key)
+        for layer, s in list(self._cand.items()):
+            del self._cand[layer]
+            assert self._candidate(layer) == s, f"stale candidate cached for layer {layer}"
