@@ -15,6 +15,7 @@ import sys
 from . import __version__
 from .config import Config, ConfigError, resolve
 from .policy import POLICIES
+from .ctl import parse_args
 
 
 def _start_parser(sub):
@@ -26,7 +27,8 @@ def _start_parser(sub):
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes (rounded down to whole slots)")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
-    p.add_argument("--readers", type=int, help=f"reader threads (default {Config.readers})")
+    p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, 2-8, for safetensors/GGUF "
+                   "page-cache reads; 8 for packed files and HTTP/S3 origins)")
     p.add_argument("--trace", help="append a route trace line per fetch to FILE")
     p.add_argument("--lease", dest="lease_s", type=float, help="seconds a silent client keeps its pins (default 10)")
     p.add_argument("--pin-quota", dest="pin_quota", type=int, help="slots one client may pin per token (0: no limit)")
@@ -36,7 +38,8 @@ def _start_parser(sub):
     p.add_argument("--http-conns", dest="http_conns", type=int,
                    help="remote sources: persistent connections per host (default 4)")
     p.add_argument("--http-timeout", dest="http_timeout", type=float,
-                   help="remote sources: seconds per connect or socket read (default 30)")
+                   help="remote sources: seconds one request may take in all, connect, headers and body "
+                   "(a body still arriving then is given up on and retried; default 30)")
     p.add_argument("--http-retries", dest="http_retries", type=int,
                    help="remote sources: retries of a failing request, full-jitter backoff (default 5)")
     p.add_argument("--disk-cache", dest="disk_cache",
@@ -50,6 +53,8 @@ def _start_parser(sub):
     p.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default {Config.policy})")
     p.add_argument("--state-dir", dest="state_dir",
                    help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")
+    p.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (needs pip install 'k3d[metrics]')")
     return p
 
 
@@ -74,11 +79,15 @@ def main(argv=None) -> int:
     from .service import units
     units.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
-    d.add_argument("--tokens", type=int, default=200)
-    d.add_argument("--clients", type=int, default=3)
+    d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default 200)")
+    d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default 3)")
     d.add_argument("--seed", type=int, default=1234)
-    args = ap.parse_args(argv)
+    args = parse_args(ap, sub, argv)
     if args.cmd == "demo":
+        for opt, value, top in (("--tokens", args.tokens, 100000), ("--clients", args.clients, 64)):
+            if not 1 <= value <= top:
+                print(f"k3d demo: error: {opt} {value}: use 1 to {top}", file=sys.stderr)
+                return 2
         from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
     if args.cmd == "replay":

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from k3client.endpoint import default_endpoint
 
 from .policy import POLICIES
+from .metrics import parse_hostport
 
 DEFAULT_PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -37,14 +38,14 @@ class Config:
     arena: int = 512 * 2**20          # bytes; rounded down to whole slots
     slots: int = 0                    # if > 0, overrides arena
     endpoint: str = ""                # resolved: never empty after resolve()
-    readers: int = 8                  # reader threads: enough requests in flight for a cold disk
+    readers: int | None = None        # reader threads; None: chosen per read path (reads/plan.readers_for)
     trace: str | None = None
     lease_s: float = 10.0             # a client silent this long loses its pins
     pin_quota: int = 0                # slots one client may pin per token; 0 = no limit
     log_level: str = "info"
     read_mode: str = "buffered"       # packed sources: buffered | direct (O_DIRECT)
     http_conns: int = 4               # remote sources: persistent connections per host
-    http_timeout: float = 30.0        # remote sources: seconds per connect / socket read
+    http_timeout: float = 30.0        # remote sources: seconds one whole request may take
     http_retries: int = 5             # remote sources: retries of a transient failure per request
     disk_cache: str | None = None     # remote sources: directory of the disk tier
     disk_cache_size: int = 16 * 2**30 # bytes the disk tier may hold (LRU beyond)
@@ -55,6 +56,7 @@ class Config:
                                       # else $XDG_STATE_HOME/k3d, else ~/.local/state/k3d; "none": off
     state_every_s: float = 60.0       # seconds between saves of the statistics (and one at shutdown)
     warm_slots: float = 1.0           # share of the arena pre-loaded from the saved hot set at start
+    metrics: str | None = None        # HOST:PORT for Prometheus /metrics; off by default
 
 
 def parse_size(text) -> int:
@@ -92,6 +94,13 @@ def _int_in(lo: int, hi: int | None = None):
             raise ValueError(f"must be >= {lo}" if hi is None else f"out of range ({lo}..{hi})")
         return v
     return conv
+
+
+def _readers(value):
+    """1..64, or ``auto`` (None: the daemon picks per read path)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    return _int_in(1, 64)(value)
 
 
 def _one_of(*choices: str):
@@ -137,6 +146,12 @@ def _string(value) -> str:
     return value
 
 
+def _hostport(value) -> str:
+    v = _string(value)
+    parse_hostport(v)
+    return v
+
+
 def _endpoint(value) -> str:
     """``ipc://PATH`` (short enough for sun_path, with the ``.arena`` socket beside it) or ``tcp://HOST:PORT``."""
     v = _string(value)
@@ -162,7 +177,7 @@ _CONVERTERS = {
     "disk_cache_size": _size,
     "slots": _int_in(0),
     "pin_quota": _int_in(0),
-    "readers": _int_in(1, 64),
+    "readers": _readers,
     "http_conns": _int_in(1, 256),
     "http_retries": _int_in(0, 20),
     "lease_s": _positive,
@@ -175,6 +190,7 @@ _CONVERTERS = {
     "state_every_s": _positive,
     "warm_slots": _share,
     "thp": _bool,
+    "metrics": _hostport,
 }
 
 
