@@ -14,8 +14,8 @@ import sys
 
 from . import __version__
 from .config import Config, ConfigError, resolve
-from .policy import POLICIES
 from .ctl import parse_args
+from .policy import POLICIES
 
 
 def _start_parser(sub):
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _start_parser(sub)
     _pack_parser(sub)
-    from . import replay_cli     # the CLI dispatching a subcommand's module
+    from . import replay_cli  # the CLI dispatching a subcommand's module
     replay_cli.add_parser(sub)
     from .service import units
     units.add_parser(sub)

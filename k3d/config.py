@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from k3client.endpoint import default_endpoint
 
-from .policy import POLICIES
 from .metrics import parse_hostport
+from .policy import POLICIES
 
 DEFAULT_PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -125,7 +125,7 @@ def _bool(value) -> bool:
 
 def _share(value) -> float:
     if isinstance(value, bool):
-        raise ValueError("not a number")
+        raise TypeError("not a number")
     v = float(value)
     if not 0.0 <= v <= 1.0:
         raise ValueError("must be between 0 and 1")

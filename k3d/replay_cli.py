@@ -71,7 +71,7 @@ def main(args) -> int:
                 make(n)                   # UnknownPolicy lists the known ones
         names = [n for n in names if n != "opt"] + ["opt"]
         if args.clients > 1:
-            from . import sharing        # only this mode needs it
+            from . import sharing  # only this mode needs it
             return sharing.main(args, events, names)
         floor = min_slots(events)
         sizes = _sizes(args.slots, args.sweep, floor)
@@ -116,7 +116,7 @@ def render(results: dict, default: str, curve: bool = False) -> str:
 
 
 def plot(results: dict, path: str, title: str) -> None:
-    import matplotlib                    # optional extra: only --plot needs it
+    import matplotlib  # optional extra: only --plot needs it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -26,6 +26,7 @@ class Counters:
     prefetch_unused_bytes: int = 0  # bytes read for predictions never used
     prefetch_refused: int = 0   # predictions not read: the only victim was expected to be reused sooner
     evictions: int = 0
+    warm_loaded: int = 0        # reads a warm restart queued for the saved hot set
     loading_skips: int = 0      # the policy's victim was still loading (a run with 0 replays exactly)
     bytes_read: int = 0
     read_seconds: float = 0.0   # summed over reader threads

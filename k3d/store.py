@@ -250,6 +250,22 @@ class Store:
         q.prefetched += len(started)
         return started
 
+    def preload(self, keys: list[tuple[int, int]]) -> list[int]:
+        """Warm restart: assign free slots to ``keys`` (hottest first) not resident, never
+        evicting and never pinning; returns the slots to read (BACKGROUND), hottest first.
+        The policy hears of them coldest first, so the hottest end up most recent."""
+        todo = [k for k in dict.fromkeys(keys) if k not in self.key_slot][:len(self.free)]
+        slots = []
+        for key in reversed(todo):
+            s, _ = self._assign(key, urgent=False)
+            slots.append(s)
+        self.stats.warm_loaded += len(slots)
+        return slots[::-1]
+
+    def ranking(self) -> list[tuple[int, int]]:
+        """Keys hottest first, as the policy sees them (what a warm restart pre-loads)."""
+        return self.policy.ranking(self.slot_key)
+
     # -- epochs and clients -------------------------------------------------
     def end_epoch(self, client: int, holder) -> tuple[int, int]:
         """Release ``holder``'s pins; demote ``client``'s unused predictions.

@@ -1,7 +1,8 @@
 """Cache policies: pure, deterministic choosers of eviction victims (see ``base``).
 
 ``POLICIES`` maps the names ``k3d start --policy`` and ``k3d replay --policy``
-accept to their classes; ``make`` builds one by name.
+accept to their classes; ``make`` builds one by name.  The default is
+``k3d.config.Config.policy``.
 """
 
 from .base import PinTable
@@ -9,7 +10,6 @@ from .cycle import CyclePolicy
 from .lru import LruPolicy
 
 POLICIES = {"cycle": CyclePolicy, "lru": LruPolicy}
-DEFAULT_POLICY = "cycle"
 
 
 class UnknownPolicy(ValueError):
@@ -24,4 +24,4 @@ def make(name: str, layers: int = 0):
     return cls(layers=layers)
 
 
-__all__ = ["CyclePolicy", "DEFAULT_POLICY", "LruPolicy", "PinTable", "POLICIES", "UnknownPolicy", "make"]
+__all__ = ["POLICIES", "CyclePolicy", "LruPolicy", "PinTable", "UnknownPolicy", "make"]

@@ -17,7 +17,8 @@ The protocol (the store is the only caller, always on the server thread)::
     victim(exclude=())                  the slot to evict, or None
     evictable(exclude=())               how many slots victim() could return
     admits(key, slot, confidence)       may a background read of ``key`` evict ``slot``?
-    hot(n) / load_hot(rows)             the statistics a warm restart keeps
+    ranking(slot_key)                   keys hottest first (a warm restart pre-loads them)
+    export() / restore(state)           the statistics a warm restart keeps (JSON-able)
 
 State here: ``_pins`` (holder -> set of slots) and ``_holders`` (slot -> set of
 holders), the same relation seen from both sides (``check_pins``).  A pinned slot is

@@ -206,13 +206,34 @@ class CyclePolicy(PinTable):
         return self.score(self._key[slot]) > self.score(key, p=confidence)
 
     # -- warm restart and tests ------------------------------------------------
-    def hot(self, n: int) -> list[tuple]:
-        """The ``n`` keys most likely to be picked: rows (layer, expert, rate)."""
-        rows = sorted(((k[0], k[1], self.rate(k)) for k in self._stat), key=lambda r: (-r[2], r[0], r[1]))
-        return rows[:n]
+    def ranking(self, slot_key=None) -> list[tuple]:
+        """Every key seen, most likely to be picked first (ties: layer, expert)."""
+        return sorted(self._stat, key=lambda k: (-self.rate(k), k))
 
-    def load_hot(self, rows) -> None:
-        pass
+    def export(self) -> dict:
+        """The statistics as JSON-able lists (warm restart)."""
+        return {"half_life": round(math.log(0.5) / self._log_decay, 6),
+                "layers": [[l, self._visits.get(l, 0), self._picks.get(l, 0), self._experts.get(l, 0)]
+                           for l in sorted(set(self._visits) | set(self._experts))],
+                "keys": [[k[0], k[1], st[0], st[1]] for k, st in sorted(self._stat.items())]}
+
+    def restore(self, state: dict) -> None:
+        """Take saved statistics; ValueError (nothing changed) if they are malformed."""
+        try:
+            layers = [(int(l), int(v), int(p), int(e)) for l, v, p, e in state.get("layers", [])]
+            keys = [((int(l), int(e)), [float(c), int(v)]) for l, e, c, v in state.get("keys", [])]
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"malformed cycle-policy statistics: {e}") from None
+        if any(v < 0 or p < 0 or e < 0 for _, v, p, e in layers) or any(
+                not (0 <= st[0] < 1e9) or st[1] < 0 for _, st in keys):
+            raise ValueError("cycle-policy statistics out of range")
+        for l, v, p, e in layers:
+            self._visits[l], self._picks[l], self._experts[l] = v, p, e
+            self.layers = max(self.layers, l + 1)
+        for key, st in keys:                  # an update can't be later than its layer's visits
+            st[1] = min(st[1], self._visits.get(key[0], 0))
+            self._stat[key] = st
+        self._cand.clear()
 
     def snapshot(self):
         """Comparable state (tests: a refused request changes nothing)."""

@@ -72,11 +72,15 @@ class LruPolicy(PinTable):
         return list(self._order)
 
     # -- warm restart ---------------------------------------------------------
-    def hot(self, n: int) -> list[tuple]:
-        return []
+    def ranking(self, slot_key) -> list[tuple]:
+        """Resident keys, most recently requested first (``slot_key``: the store's slot -> key)."""
+        return [slot_key[s] for s in reversed(self._order)]
 
-    def load_hot(self, rows) -> None:
-        pass
+    def export(self) -> dict:
+        return {}
+
+    def restore(self, state: dict) -> None:
+        """LRU keeps no statistics beyond the order, which the pre-load rebuilds."""
 
     def check(self) -> None:
         self.check_pins()
