@@ -85,6 +85,7 @@ class Store:
         self.predicted_by: dict[int, int] = {}            # slot -> predicting client
         self.predictions: dict[int, set[int]] = {}        # client -> slots it predicted
         self.quality: dict[int, PredictionStats] = {}     # client -> its predictions and timeliness
+        self.quality_gone = PredictionStats()             # summed over clients that left
 
     def client_quality(self, client: int) -> PredictionStats:
         q = self.quality.get(client)
@@ -93,8 +94,12 @@ class Store:
         return q
 
     def forget_client(self, client: int) -> None:
-        """The client left (after its ``end_epoch``): drop its per-client figures."""
-        self.quality.pop(client, None)
+        """The client left (after its ``end_epoch``): fold its figures into ``quality_gone``."""
+        q = self.quality.pop(client, None)
+        if q is not None:
+            g = self.quality_gone
+            for name in vars(q):
+                setattr(g, name, getattr(g, name) + getattr(q, name))
 
     # -- queries ------------------------------------------------------------
     def gauges(self) -> dict:

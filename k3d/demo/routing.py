@@ -26,14 +26,16 @@ import numpy as np
 
 class SyntheticRouter:
     def __init__(self, layers: int, experts: int, topk: int, seed: int = 0, rho: float = 0.75,
-                 drift: float = 0.35, skew: float = 0.5, dim: int = 64):
+                 drift: float = 0.35, skew: float = 0.5, dim: int = 64, stream: int = 0):
+        """``seed`` makes the model (routers, biases); ``stream`` the text (hidden states):
+        several model processes of one model share ``seed`` and differ in ``stream``."""
         rng = np.random.default_rng(seed)
         self.layers, self.experts, self.topk = layers, experts, topk
         self.rho, self.drift = rho, drift
         self.w = rng.standard_normal((layers, experts, dim)) / np.sqrt(dim)
         self.bias = rng.standard_normal((layers, experts)) * skew
         self.scale = 3.0          # router temperature: logits spread like a trained gate's
-        self.rng = np.random.default_rng(seed + 1)
+        self.rng = np.random.default_rng([seed, stream, 1])
         self.dim = dim
         self.h = self.rng.standard_normal(dim)
 
