@@ -53,6 +53,8 @@ from . import __version__
 from .access import peer_allowed, peer_cred, refusal, unix_peer_cred
 from .latency import FetchLatency, classify
 from .metrics import SnapshotBoard
+from .policy import make as make_policy
+from .quality import section as prediction_section
 from .reads.fair import FairReads
 from .service.starting import open_endpoint
 from .reads.pool import Job, ReaderPool
@@ -60,6 +62,7 @@ from .reads.plan import parts_per_key, split_extents
 from .stats import Throughput
 from .store import READY, Store
 from .trace import RouteTrace
+from .warm import WarmState
 
 log = logging.getLogger("k3d")
 
@@ -131,7 +134,9 @@ class Server:
         self.notifier = notifier
         self.t0 = time.monotonic()
         self.gen = random.getrandbits(62) | 1
-        self.store = Store(arena.slots, cfg.pin_quota)
+        self.store = Store(arena.slots, cfg.pin_quota, make_policy(cfg.policy, 1 + max(l for l, _ in source.keys)),
+                           key_bytes=lambda key: source.expert_bytes)
+        self.warm = WarmState(cfg, source, self.store, self.t0)     # restores the policy's statistics
         self.stats = self.store.stats
         self.recent = Throughput()
         self.latency = FetchLatency()
@@ -172,6 +177,7 @@ class Server:
         # Two parts per reader keep the pool busy for a lone client (no idle
         # reader between a part's end and the next submit).
         self.fair = FairReads(self.readers, fair_jobs=2 * self.readers.threads)
+        self._start_loads(self.warm.preload(self.store), urgent=False)   # behind every urgent read
 
     # -- loop -----------------------------------------------------------------
     def request_stop(self) -> None:
@@ -261,6 +267,7 @@ class Server:
                 if now >= next_reap:
                     self._reap(now)
                     next_reap = now + REAP_INTERVAL
+                    self.warm.tick(self.store, now)
                 if self.notifier is not None:
                     if now >= next_status:
                         self.notifier.status(self.status_line())
@@ -442,7 +449,7 @@ class Server:
         s.fetches += 1
         if self.trace:
             try:
-                self.trace.fetch(time.monotonic(), keys[0][0], [e for _, e in keys], plan.misses,
+                self.trace.fetch(time.monotonic(), s.client_id, s.epoch, keys, plan.misses,
                                  plan.evictions, plan.waited, plan.prefetched_hits, s.pfu)
             except OSError as e:   # a full disk must not fail a fetch that is already planned
                 log.error("route trace %s: %s; tracing stops", self.trace.path, e)
@@ -481,6 +488,8 @@ class Server:
             if s.pf_waste > WASTE_LIMIT:
                 room = min(room, 1 - s.pf_started)
             keys = [k for k in keys if k not in self.store.key_slot][:max(0, room)]
+        if self.trace:      # as the store gets them: replay reproduces the prefetch counters
+            self.trace.predict(time.monotonic(), s.client_id, s.epoch, keys)
         started = self.store.predict(s.client_id, keys)
         s.pf_started += len(started)
         self._start_loads(started, urgent=False)
@@ -489,6 +498,8 @@ class Server:
     def op_begin_token(self, routing, msg, frame):
         """begin_token {} -> {epoch, released}: next epoch; the previous epoch's pins go."""
         s = self._session(routing)
+        if self.trace:
+            self.trace.begin(time.monotonic(), s.client_id, s.epoch)
         released, unused = self.store.end_epoch(s.client_id, s.holder)
         s.pfu += unused
         if s.pf_started:
@@ -658,7 +669,10 @@ class Server:
                 self._drop(s, reason, dead=True)
 
     def _drop(self, s: Session, reason: str, dead: bool) -> None:
+        if self.trace:
+            self.trace.bye(time.monotonic(), s.client_id)
         released, _ = self.store.end_epoch(s.client_id, s.holder)
+        self.store.forget_client(s.client_id)
         # Its held-back reads go on as background reads (another client may fetch
         # those keys: that promotes them), never ahead of the urgent reads of others.
         for job in self.fair.release(s.client_id, urgent=False):
@@ -699,6 +713,9 @@ class Server:
                       "page_bytes": self.arena.page_bytes,
                       "thp_bytes": self.arena.thp_bytes, **self.store.gauges()},
             "stats": st.as_dict(),
+            "policy": self.cfg.policy,
+            "prediction": prediction_section(self.store, [s.client_id for s in self.sessions.values()]),
+            "warm": self.warm.status(self.store),
             "fetch_seconds": self.latency.as_dict(),
             "readers": {"threads": self.readers.threads, "queued_urgent": urgent,
                         "queued_background": background,
@@ -720,6 +737,7 @@ class Server:
 
     # -- shutdown -----------------------------------------------------------------
     def _shutdown(self) -> None:
+        self.warm.save(self.store)
         self.board.close()            # a scrape waiting on the loop gets the last snapshot now
         if self.notifier is not None:
             self.notifier.stopping()

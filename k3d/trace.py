@@ -28,7 +28,10 @@ Fields are separated by single spaces::
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+log = logging.getLogger("k3d")
 
 FETCH, PREDICT, BEGIN, BYE = "fetch", "predict", "begin", "bye"
 COUNTERS = ("miss", "evict", "wait", "pf", "pfu")
@@ -39,10 +42,22 @@ class TraceError(ValueError):
 
 
 class RouteTrace:
+    """The writer.  A failed write (full disk) logs once and stops tracing: a trace must
+    never fail a request."""
+
     def __init__(self, path: str, t0: float):
         self.path = path
         self.t0 = t0
-        self._f = open(path, "a", buffering=1, encoding="ascii")
+        self._f = open(path, "a", buffering=1, encoding="ascii")   # noqa: SIM115 (open while tracing)
+
+    def _write(self, text: str) -> None:
+        if self._f is None:
+            return
+        try:
+            self._f.write(text)
+        except OSError as e:
+            log.error("route trace %s: %s; tracing stops", self.path, e)
+            self._f = None
 
     def _head(self, now: float, client: int, epoch: int | None) -> str:
         us = int((now - self.t0) * 1e6)
@@ -52,22 +67,23 @@ class RouteTrace:
               wait: int, pf: int, pfu: int) -> None:
         layer = keys[0][0]
         ids = " ".join(str(e) if l == layer else f"{l}:{e}" for l, e in keys)
-        self._f.write(f"{self._head(now, client, epoch)} L{layer} n={len(keys)} miss={miss} evict={evict} "
+        self._write(f"{self._head(now, client, epoch)} L{layer} n={len(keys)} miss={miss} evict={evict} "
                       f"wait={wait} pf={pf} pfu={pfu} {ids}\n")
 
     def predict(self, now: float, client: int, epoch: int, keys: list[tuple[int, int]]) -> None:
         if keys:
             ids = " ".join(f"{l}:{e}" for l, e in keys)
-            self._f.write(f"{self._head(now, client, epoch)} predict {ids}\n")
+            self._write(f"{self._head(now, client, epoch)} predict {ids}\n")
 
     def begin(self, now: float, client: int, epoch: int) -> None:
-        self._f.write(f"{self._head(now, client, epoch)} begin\n")
+        self._write(f"{self._head(now, client, epoch)} begin\n")
 
     def bye(self, now: float, client: int) -> None:
-        self._f.write(f"{self._head(now, client, None)} bye\n")
+        self._write(f"{self._head(now, client, None)} bye\n")
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
 
 @dataclass(slots=True)

@@ -125,3 +125,57 @@ class Warmup:
         done = len(self.planned) - loading
         return {"saved": self.saved, "planned": len(self.planned), "ready": ready, "loading": loading,
                 "done": loading == 0, "percent": round(100 * done / len(self.planned), 1) if self.planned else 100.0}
+
+
+class WarmState:
+    """The server's handle: restore at start, pre-load plan, periodic and final saves.
+
+    ``state_dir == ""`` turns it all off.  Every failure is a log line, never an
+    exception out of here (a full disk must not stop a serving daemon)."""
+
+    def __init__(self, cfg, source, store, now: float):
+        self.enabled = bool(cfg.state_dir)
+        self.path = state_path(cfg.state_dir, cfg.endpoint) if self.enabled else ""
+        self.every = cfg.state_every_s
+        self.next_save = now + self.every
+        self.policy_name = cfg.policy
+        self.share = cfg.warm_slots
+        self.print = fingerprint(source) if self.enabled else ""
+        self.warmup: Warmup | None = None
+        self._doc = load(self.path, self.print, source.keys) if self.enabled else None
+        if self._doc is not None and self._doc.get("policy") == cfg.policy:
+            try:
+                store.policy.restore(self._doc["policy_state"])
+            except ValueError as e:
+                log.warning("warm restart: ignoring the saved %s statistics in %s: %s", cfg.policy, self.path, e)
+
+    def preload(self, store) -> list[int]:
+        """Slots to read BACKGROUND now: the saved hot set, into free slots only."""
+        if self._doc is None:
+            return []
+        hot = self._doc["hot"][:int(self.share * store.slots)]
+        slots = store.preload(hot)
+        self.warmup = Warmup([(s, store.slot_key[s]) for s in slots], len(self._doc["hot"]))
+        log.info("warm restart: pre-loading %d of %d saved hot experts from %s in the background",
+                 len(slots), len(self._doc["hot"]), self.path)
+        self._doc = None
+        return slots
+
+    def tick(self, store, now: float) -> None:
+        if self.enabled and now >= self.next_save:
+            self.next_save = now + self.every
+            self.save(store)
+
+    def save(self, store) -> None:
+        if not self.enabled:
+            return
+        try:
+            save(self.path, self.print, self.policy_name, store.ranking()[:store.slots], store.policy.export())
+        except OSError as e:
+            log.error("warm restart: cannot write %s: %s", self.path, e)
+
+    def status(self, store) -> dict:
+        d = {"state_file": self.path or None}
+        if self.warmup is not None:
+            d.update(self.warmup.progress(store))
+        return d
