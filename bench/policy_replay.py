@@ -26,7 +26,7 @@ from k3d.trace import read  # noqa: E402
 SHARED = "/work/shared/traces/mixtral8x7b-gsm8k.trace"
 TRACES = {   # name: (tokens, router arguments)
     "mixtral-like L32 E8 k2": (400, dict(layers=32, experts=8, topk=2, seed=3)),
-    "olmoe-like L16 E64 k8, low reuse": (300, dict(layers=16, experts=64, topk=8, seed=4, rho=0.3)),
+    "olmoe-like L16 E64 k8, rho 0.3": (300, dict(layers=16, experts=64, topk=8, seed=4, rho=0.3)),
     "L24 E64 k8": (200, dict(layers=24, experts=64, topk=8, seed=4)),
     "dsv2lite-like L26 E64 k6, flat": (200, dict(layers=26, experts=64, topk=6, seed=6, skew=0.2, rho=0.5)),
     "qwen3-like L48 E128 k8, skewed, high reuse": (150, dict(layers=48, experts=128, topk=8, seed=5, skew=1.0,
