@@ -80,7 +80,8 @@ import k3client  # noqa: E402
 from k3d.arena import Arena, hugepages  # noqa: E402
 from k3d.sources.checksum import CrcPipeline, crc32_of_parts  # noqa: E402
 from k3d.config import DEFAULT_PATTERN  # noqa: E402
-from k3d.sources.packed import CHUNK, PackedSource, read_header, write_pack  # noqa: E402
+from k3d.sources.packed import CHUNK, PackedSource, read_header  # noqa: E402
+from k3d.sources.packwrite import write_pack  # noqa: E402
 from k3d.sources import Extent, open_source  # noqa: E402
 from k3d.reads.plan import parts_per_key, readers_for, split_extents  # noqa: E402
 
@@ -269,7 +270,7 @@ def main() -> int:
     ap.add_argument("--no-thp", dest="thp", action="store_false",
                     help="floor buffers and both daemons' arenas in plain 4 KiB pages (k3d start --no-thp)")
     ap.add_argument("--request", type=int, default=CHUNK,
-                    help="floor: bytes per preadv (default: k3d's request size, k3d.packed.CHUNK)")
+                    help="floor: bytes per preadv (default: k3d's request size, k3d.sources.packed.CHUNK)")
     args = ap.parse_args()
     args.given_readers = args.readers
     args.readers = args.readers or readers_for("packed", os.cpu_count())

@@ -82,12 +82,17 @@ def main(argv=None) -> int:
     d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default 200)")
     d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default 3)")
     d.add_argument("--seed", type=int, default=1234)
+    d.add_argument("--hf", action="store_true",
+                   help="transformers processes (k3client.hf) generating with one daemon, vs plain ones")
     args = parse_args(ap, sub, argv)
     if args.cmd == "demo":
         for opt, value, top in (("--tokens", args.tokens, 100000), ("--clients", args.clients, 64)):
             if not 1 <= value <= top:
                 print(f"k3d demo: error: {opt} {value}: use 1 to {top}", file=sys.stderr)
                 return 2
+        if args.hf:
+            from .demo.hf import run_hf_demo
+            return run_hf_demo(clients=args.clients, tokens=min(args.tokens, 32))
         from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
     if args.cmd == "replay":
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
         return units.main(args)
     if args.cmd == "pack":
         from .config import DEFAULT_PATTERN
-        from .sources.packed import pack_main
+        from .pack import pack_main
         return pack_main(args.src, args.out, args.pattern or DEFAULT_PATTERN, args.force, args.progress)
     cli = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
     try:

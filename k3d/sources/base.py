@@ -1,4 +1,4 @@
-"""Origins of expert bytes: the common interface, local pread, and dispatch.
+"""Origins of expert bytes: the common interface and local pread.
 
 A source knows, for every expert key ``(layer, expert)``, the list of
 ``Extent``s that fill its slot: ``(file, file_offset, slot_offset, length)``.
@@ -10,8 +10,15 @@ slot's tensor buffers: adjacent tensors cost one syscall, no bounce buffer).
 Remote origins (``http(s)://``, ``s3://``) live in ``remote/``, with their disk
 tier; ``k3d.sources.open_source`` dispatches on the scheme and the magic.
 
-Thread-safety: after construction a source is read-only; ``read`` is called from
-many reader threads at once (pread on a shared fd is position-free).
+Invariants a subclass keeps: an expert's extents fill its slot's layout
+ranges (one extent per non-empty tensor; a packed expert is one extent of its
+whole stride, zero padding included) and never reach past ``expert_bytes``
+rounded up to 4096; no extent is empty.
+
+Thread: a source is built on the main thread; after construction it is
+read-only; ``read`` is called from many reader threads at once (pread on a
+shared fd is position-free).  Caller's obligation: ``close()`` on the main
+thread once no read is running.
 """
 
 from __future__ import annotations

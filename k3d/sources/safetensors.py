@@ -20,6 +20,9 @@ one expert tensor (``layers.1`` and ``layers.01``).  The layout is the
 ``{name}`` set of the lowest key (normally (0, 0)) in sorted order; every other
 expert must have the same names, dtypes and shapes, or start-up fails naming
 the first that differs.
+
+Thread: built on the main thread (headers parsed there); read-only after;
+``read`` (the base class's preadv) runs on many reader threads at once.
 """
 
 from __future__ import annotations

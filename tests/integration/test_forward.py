@@ -20,7 +20,7 @@ from safetensors import safe_open
 import k3client
 from k3client.mxfp4 import dequantize
 from k3d.config import DEFAULT_PATTERN
-from k3d.sources.gguf import write_synthetic_gguf
+from k3d.demo.synthetic import write_synthetic_gguf
 
 # torch is optional (not in the test extra: PyPI's Linux wheels are CUDA builds)
 torch = pytest.importorskip("torch", reason="needs torch; CPU build: "
