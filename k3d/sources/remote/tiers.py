@@ -41,6 +41,7 @@ drains the writer.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -82,7 +83,7 @@ class Counters:
 
 class Load:
     """One expert load in progress: its parts' (slot_offset, length, crc) and where they came from."""
-    __slots__ = ("token", "parts", "got", "entry", "fallback")
+    __slots__ = ("entry", "fallback", "got", "parts", "token")
 
     def __init__(self, token: memoryview, entry: Entry | None):
         self.token, self.parts, self.got, self.entry = token, [], 0, entry
@@ -101,7 +102,7 @@ class Tiers:
         self._expert_bytes = layout_bytes(catalog.layout)
         specs = sorted(catalog.layout, key=lambda s: s.offset)
         # {end of a layout tensor: start of the next one} (the gap between is padding only)
-        self._pad = {a.offset + a.nbytes: b.offset for a, b in zip(specs, specs[1:])}
+        self._pad = {a.offset + a.nbytes: b.offset for a, b in itertools.pairwise(specs)}
         self._fp: dict = {}
         self._mu = threading.Lock()
         self._pending: dict[tuple[int, int], Load] = {}
