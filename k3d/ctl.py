@@ -127,8 +127,9 @@ def render(st: dict) -> str:
     tiers = m.get("tiers")
     if tiers:
         o = tiers["origin"]
-        lines.append(f"origin  {o['url']}: {o['fetches']} fetches, {_mib(o['bytes'])}, {o['bps'] / 1e6:.0f} MB/s, "
-                     f"{o['retries']} retries, {o['errors']} errors")
+        state = "" if o.get("up", True) else f"DOWN for {o['down_s']:.0f}s ({o['error']}), serving from disk; "
+        lines.append(f"origin  {o['url']}: {state}{o['fetches']} fetches, {_mib(o['bytes'])}, "
+                     f"{o['bps'] / 1e6:.0f} MB/s, {o['retries']} retries, {o['errors']} errors")
         d = tiers.get("disk")
         if d:
             lines.append(f"disk    {d['dir']}: {d['hits']} hits, {d['entries']} entries, "

@@ -119,3 +119,19 @@ def test_scrapes_during_shutdown_never_hang(checkpoint, start_daemon):
         t.join(30)
         assert not t.is_alive()
     assert outcomes.count("ok") >= 8
+
+
+def test_metrics_while_starting(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--arena", "2GiB", "--metrics", "127.0.0.1:0", wait_ready=False)
+    deadline = time.monotonic() + 60
+    while "metrics at" not in d.log():
+        assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
+        time.sleep(0.02)
+    m = scrape(metrics_url(d))
+    if m[("k3d_ready", ())] == 0:
+        assert 0 <= m[("k3d_startup_progress_ratio", ())] <= 1
+    while "k3d: ready" not in d.log():
+        assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
+        time.sleep(0.05)
+    m = scrape(metrics_url(d))
+    assert m[("k3d_ready", ())] == 1 and ("k3d_hits_total", ()) in m

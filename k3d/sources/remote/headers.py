@@ -97,7 +97,7 @@ def open_catalog(origin, url: str, pattern: str) -> Catalog:
         msg = str(e)
         for image, remote in images.names.items():
             msg = msg.replace(image, remote)
-        raise SourceError(msg.replace(tmp + "/", "")) from None
+        raise type(e)(msg.replace(tmp + "/", "")) from None     # OriginDown stays OriginDown
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
