@@ -7,6 +7,9 @@ does not answer (with ``--json`` the failure is JSON on stdout too).
 terminal, adding hit rate and throughput over the last interval and since
 start; elsewhere (a pipe, a log) it prints one frame per interval, and with
 ``--json`` one JSON object per line.  Ctrl-C ends it with exit 0.
+
+A short-lived process of its own (the ``k3ctl`` console script), one thread;
+``status`` needs no hello.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def query_status(endpoint: str, timeout: float) -> dict:
         try:
             s.connect(endpoint)
         except zmq.ZMQError as e:
-            raise RuntimeError(f"cannot connect to {endpoint}: {e.strerror} (use ipc:///path/k3d.sock or tcp://host:port)") from None
+            raise RuntimeError(f"cannot connect to {endpoint}: {e.strerror} "
+                               "(use ipc:///path/k3d.sock or tcp://host:port)") from None
         s.send(pack({"v": PROTOCOL_VERSION, "op": "status", "id": 1}))
         if not s.poll(int(timeout * 1000)):
             raise RuntimeError(f"k3d is not running at {endpoint} (no answer in {timeout:g}s)")

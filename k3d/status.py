@@ -2,7 +2,8 @@
 
 Sections (memcached/Redis style: clients skip fields they do not know; new
 sections may be added, existing fields keep their meaning):
-- top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``, ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
+- top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``,
+  ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
 - ``arena``: sizes, plus the store's gauges (``used``, ``pinned``, ``loading``, ``free``);
 - ``stats``: the monotonic counters (``stats.Counters``);
 - ``fetch_seconds``: the fetch latency histogram by result (``latency.py``);
@@ -51,7 +52,7 @@ def build(srv, now: float) -> dict:
                     "queued_background": background,
                     "held_back": srv.reads.held_back(),
                     "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
-                    "recent_bps": round(srv.recent.rate(now))},
+                    "recent_bps": round(srv.cache.recent.rate(now))},
         "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
                      "pins": len(srv.store.policy.held(s.holder)), "fetches": s.fetches,
                      "idle_s": round(now - s.last_seen, 3)}

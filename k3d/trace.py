@@ -24,6 +24,9 @@ Fields are separated by single spaces::
   layer does not increase.
 
 ``parse`` raises ``TraceError`` naming the line number of the first malformed line.
+
+``RouteTrace`` is owned by the server thread (it writes a line as it plans each
+request; a SIGHUP reload swaps the file there too); no lock.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Mixtral trace's statistics (reuse ~1.4x chance, nearly flat popularity), and
 gate-ahead predictions of the next layer's experts from the current hidden state,
 right only as often as a real gate-ahead predictor is.  Verifies every fetched
 expert against the digest the parent computed from the checkpoint with the
-safetensors library.  Prints one JSON line of results.
+safetensors library.  Prints one JSON line of results.  A process of its own,
+one thread (plus the client's lease thread).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ Why the settings are what they are (each pitfall was checked):
 - Clients find the daemon through ``K3D_ENDPOINT`` (set in the unit for the
   daemon; model processes need the same value) and must be in group ``k3d``.
 
-Pure text rendering; ``install`` is the only function that writes files.
+Pure text rendering; ``install`` is the only function that writes files.  Run by
+``k3d install-unit`` in the CLI's one thread.
 """
 
 from __future__ import annotations
