@@ -35,7 +35,8 @@ def add_parser(sub):
     p.add_argument("--slots", required=True,
                    help="arena sizes in slots, comma-separated (with --sweep: LO-HI or a single maximum)")
     p.add_argument("--policy", default=None,
-                   help=f"policies, comma-separated (default: all of {', '.join(sorted(POLICIES))}); OPT is always added")
+                   help=f"policies, comma-separated (default: all of {', '.join(sorted(POLICIES))}); "
+                   "OPT is always added")
     p.add_argument("--json", action="store_true", help="machine-readable results")
     p.add_argument("--sweep", action="store_true", help="every size in the range: the hit-rate-vs-slots curve")
     p.add_argument("--plot", metavar="FILE.png", help="draw the curve to FILE.png (needs matplotlib)")
@@ -108,7 +109,9 @@ def render(results: dict, default: str, curve: bool = False) -> str:
         for s in sizes:
             for n in names:
                 r = results[n][s]
-                vs = f"{100 * (r.hit_rate - results['lru'][s].hit_rate):+6.1f}" if "lru" in results and n != "lru" else ""
+                vs = ""
+                if "lru" in results and n != "lru":
+                    vs = f"{100 * (r.hit_rate - results['lru'][s].hit_rate):+6.1f}"
                 lines.append(f"{s:>5}  {mark[n]:<9} {100 * r.hit_rate:7.1f}% {r.hits:>9} {r.misses:>9} "
                              f"{r.evictions:>9}  {vs}")
     lines.append("(* the default policy; opt: Belady's OPT under the same pins, the bound)")

@@ -20,8 +20,8 @@ import pytest
 
 import k3client
 from conftest import SCRATCH
-from k3d.demo.routing import SyntheticRouter
 from k3d.ctl import query_status
+from k3d.demo.routing import SyntheticRouter
 from k3d.demo.synthetic import write_checkpoint
 
 LAYERS, EXPERTS, TOPK = 8, 16, 2
