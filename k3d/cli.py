@@ -21,7 +21,8 @@ def _start_parser(sub):
     p.add_argument("--config", help="TOML config file (keys as the long options, e.g. arena = \"8GiB\")")
     p.add_argument("--source", help="checkpoint: safetensors directory/file, .gguf or .k3pack file, "
                    "or an http(s):// or s3:// URL of one")
-    p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name}")
+    p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name} (default: the model "
+                   "family, from config.json or the tensor names)")
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes (rounded down to whole slots)")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
@@ -53,7 +54,8 @@ def _pack_parser(sub):
     p = sub.add_parser("pack", help="convert a safetensors directory or GGUF file to the packed format")
     p.add_argument("src", help="safetensors directory/file or .gguf file")
     p.add_argument("out", help="output file (conventionally NAME.k3pack); written atomically")
-    p.add_argument("--pattern", help="safetensors tensor name pattern with {layer}, {expert}, {name}")
+    p.add_argument("--pattern", help="safetensors tensor name pattern with {layer}, {expert}, {name} "
+                   "(default: the model family)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
@@ -78,9 +80,8 @@ def main(argv=None) -> int:
     if args.cmd == "install-unit":
         return units.main(args)
     if args.cmd == "pack":
-        from .config import DEFAULT_PATTERN
         from .sources.packed import pack_main
-        return pack_main(args.src, args.out, args.pattern or DEFAULT_PATTERN, args.force, args.progress)
+        return pack_main(args.src, args.out, args.pattern, args.force, args.progress)
     cli = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
     try:
         cfg = resolve(cli, os.environ, args.config)
