@@ -79,10 +79,11 @@ import harness  # noqa: E402
 import k3client  # noqa: E402
 from k3d.arena import Arena, hugepages  # noqa: E402
 from k3d.sources.checksum import CrcPipeline, crc32_of_parts  # noqa: E402
-from k3d.config import DEFAULT_PATTERN, Config  # noqa: E402
-from k3d.sources.packed import CHUNK, PackedSource, read_header, write_pack  # noqa: E402
+from k3d.config import DEFAULT_PATTERN  # noqa: E402
+from k3d.sources.packed import CHUNK, PackedSource, read_header  # noqa: E402
+from k3d.sources.packwrite import write_pack  # noqa: E402
 from k3d.sources import Extent, open_source  # noqa: E402
-from k3d.reads.plan import parts_per_key, split_extents  # noqa: E402
+from k3d.reads.plan import parts_per_key, readers_for, split_extents  # noqa: E402
 
 CACHE = "/tmp/k3d-bench-cold"
 HIDDEN = INTER = 2880           # gpt-oss: 13.2 MB MXFP4 experts
@@ -259,7 +260,9 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=24, help="experts per layer")
     ap.add_argument("--batch", type=int, default=4, help="experts per fetch (one layer's top-k)")
     ap.add_argument("--reps", type=int, default=9, help="passes per pattern")
-    ap.add_argument("--readers", type=int, default=Config.readers, help="k3d readers = floor and mmap threads")
+    ap.add_argument("--readers", type=int, default=None,
+                    help="k3d readers = floor and mmap threads (default: the daemon's own choice for packed "
+                         "files, k3d.reads.plan.readers_for)")
     ap.add_argument("--seed", type=int, default=1, help="routed order")
     ap.add_argument("--patterns", default="routed,scan")
     ap.add_argument("--hugepages", action="store_true",
@@ -267,8 +270,10 @@ def main() -> int:
     ap.add_argument("--no-thp", dest="thp", action="store_false",
                     help="floor buffers and both daemons' arenas in plain 4 KiB pages (k3d start --no-thp)")
     ap.add_argument("--request", type=int, default=CHUNK,
-                    help="floor: bytes per preadv (default: k3d's request size, k3d.packed.CHUNK)")
+                    help="floor: bytes per preadv (default: k3d's request size, k3d.sources.packed.CHUNK)")
     args = ap.parse_args()
+    args.given_readers = args.readers
+    args.readers = args.readers or readers_for("packed", os.cpu_count())
 
     path = build(args.layers, args.experts)
     h, _ = read_header(path)
@@ -301,7 +306,8 @@ def measure(args, path, stride, keys, offset, crcs, total) -> int:
     daemons = {}
     try:
         for m in ("direct", "buffered"):
-            daemons[m] = harness.Daemon(path, "--read-mode", m, "--slots", args.batch, *extra, readers=args.readers)
+            daemons[m] = harness.Daemon(path, "--read-mode", m, "--slots", args.batch, *extra,
+                                        readers=args.given_readers)
     except BaseException:
         for d in daemons.values():       # a daemon left running would keep its huge pages
             d.stop()

@@ -147,8 +147,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: OpenMP spinning on a shared VM hurts)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from k3d.sources.packed import write_pack
-    from k3d.sources.gguf import write_synthetic_gguf
+    from k3d.demo.synthetic import write_synthetic_gguf
+    from k3d.sources.packwrite import write_pack
     from k3d.sources import open_source
     from k3d.demo.synthetic import write_checkpoint
 

@@ -34,12 +34,13 @@ def server_affinity() -> None:
 class Daemon:
     """``k3d start`` as a subprocess; ``stop()`` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, source: str, *args, readers: int = 4, timeout: float = 60.0):
+    def __init__(self, source: str, *args, readers: int | None = None, timeout: float = 60.0):
+        """``readers`` None: the daemon's default (what users get)."""
         self.dir = tempfile.mkdtemp(prefix="k3d-b-", dir="/tmp")   # ipc paths must stay short
         self.endpoint = f"ipc://{self.dir}/k.sock"
         self.log_path = os.path.join(self.dir, "daemon.log")
         cmd = [sys.executable, "-m", "k3d.cli", "start", "--source", source,
-               "--endpoint", self.endpoint, "--readers", str(readers), *map(str, args)]
+               "--endpoint", self.endpoint, *(["--readers", str(readers)] if readers else []), *map(str, args)]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      preexec_fn=server_affinity if SERVER_CPUS else None)

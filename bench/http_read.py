@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 import harness  # noqa: E402
 import k3client  # noqa: E402
 from faulty_http import Nginx  # noqa: E402
-from k3d.config import DEFAULT_PATTERN  # noqa: E402
-from k3d.sources.packed import write_pack  # noqa: E402
+from k3d.config import DEFAULT_PATTERN, Config  # noqa: E402
+from k3d.sources.packwrite import write_pack  # noqa: E402
 from k3d.sources import open_source  # noqa: E402
 
 CACHE = "/tmp/k3d-bench-http"
@@ -152,9 +152,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=320)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--readers", type=int, default=4)
+    ap.add_argument("--readers", type=int, default=None,
+                    help="k3d --readers and --http-conns (default: the daemon's defaults; the floor then "
+                         "uses --http-conns' default connections, the parallelism the origin sees)")
     ap.add_argument("--batch", type=int, default=16)
     args = ap.parse_args()
+    given = args.readers
+    args.readers = args.readers or Config.http_conns
 
     ck, pack = build(args.mb)
     items = spans(ck)
@@ -177,7 +181,7 @@ def main() -> int:
         arena = max(args.batch * 2, len(keys) // 4) * stride
         harness.banner("http_read", f"{ck}: {len(keys)} experts, {total / 1e6:.0f} MB over nginx {base}; "
                                     f"{args.readers} readers/conns, batch {args.batch}, {args.reps} reps")
-        common = ("--arena", arena, "--http-conns", args.readers)
+        common = ("--arena", arena, *(("--http-conns", given) if given else ()))
         specs = {
             "k3d": (base, *common),
             "disk": (base, *common, "--disk-cache", dc, "--disk-cache-size", "4GiB"),
@@ -186,7 +190,7 @@ def main() -> int:
         daemons, clients = {}, {}
         try:
             for m, spec in specs.items():
-                daemons[m] = harness.Daemon(*spec, readers=args.readers)
+                daemons[m] = harness.Daemon(*spec, readers=given)
                 clients[m] = k3client.connect(daemons[m].endpoint, name=f"http-{m}")
             # fill the disk tier (origin fetches), then let the writer finish
             k3d_pass(clients["disk"], keys, args.batch)

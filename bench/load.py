@@ -138,7 +138,7 @@ def main():
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--slots", type=int, default=384)
     ap.add_argument("--pin-quota", type=int, default=32)
-    ap.add_argument("--readers", type=int, default=4)
+    ap.add_argument("--readers", type=int, default=None, help="default: the daemon's own choice")
     ap.add_argument("--think-ms", type=float, default=5.0, help="simulated compute per layer")
     ap.add_argument("--death-every", type=float, default=3.0, help="seconds between client kills")
     ap.add_argument("--segments", type=int, default=6, help="alternating without/with abuser")
@@ -163,7 +163,7 @@ def main():
     log = open(os.path.join(run, "daemon.log"), "w")
     daemon = subprocess.Popen([sys.executable, "-m", "k3d.cli", "start", "--source", ckpt, "--endpoint", endpoint,
                                "--slots", str(args.slots), "--pin-quota", str(args.pin_quota),
-                               "--readers", str(args.readers), "--lease", "5"],
+                               *(["--readers", str(args.readers)] if args.readers else []), "--lease", "5"],
                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     while "k3d: ready" not in open(os.path.join(run, "daemon.log")).read():
         if daemon.poll() is not None:

@@ -1,6 +1,8 @@
 """Miss path: a batch of misses from a page-cache-resident checkpoint into the arena.
 
-    python bench/miss_path.py [--batch 8] [--readers 4] [--reps 5] [--rounds 8]
+    python bench/miss_path.py [--batch 8] [--readers N] [--reps 5] [--rounds 8]
+
+Runs the daemon's default reader count unless ``--readers`` is given.
 
 Checkpoint: gpt-oss-shaped MXFP4 experts (hidden 2880, inter 2880: w1/w3/w2
 packed nibbles + E8M0 scales, 13.2 MB per expert), 3 layers x ``batch``
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 from k3d.sources import Extent, Source  # noqa: E402
-from k3d.reads.plan import parts_per_key, split_extents  # noqa: E402
+from k3d.reads.plan import parts_per_key, readers_for, split_extents  # noqa: E402
 
 HIDDEN = INTER = 2880
 LAYERS = 3
@@ -107,10 +109,14 @@ class PreadvPool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8, help="misses per fetch (experts per layer)")
-    ap.add_argument("--readers", type=int, default=4, help="daemon reader threads = floor threads")
+    ap.add_argument("--readers", type=int, default=None,
+                    help="daemon reader threads = floor threads (default: the daemon's own choice for "
+                         "safetensors, k3d.reads.plan.readers_for)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=8, help="fetches (and floor batches) per rep")
     a = ap.parse_args()
+    given = a.readers
+    a.readers = a.readers or readers_for("safetensors", os.cpu_count())
 
     import k3client
 
@@ -129,7 +135,7 @@ def main() -> int:
     floor = PreadvPool(path, a.readers, a.batch, slot_bytes)
     fetch_gbs, floor_gbs, ratios = [], [], []
     try:
-        with harness.Daemon(ckpt, "--slots", a.batch, readers=a.readers) as d, \
+        with harness.Daemon(ckpt, "--slots", a.batch, readers=given) as d, \
                 k3client.connect(d.endpoint, name="bench-miss") as c:
             experts = list(range(a.batch))
             n = 0

@@ -3,7 +3,7 @@
 from .client import Client, Expert, connect
 from .errors import (BadRequest, CacheFull, DaemonNotRunning, DaemonRestarted, K3Error,
                      NotAttached, PermissionDenied, ProtocolMismatch, QuotaExceeded,
-                     ReadFailed, ShuttingDown, Timeout, UnknownExpert)
+                     ReadFailed, ShuttingDown, Starting, Timeout, UnknownExpert)
 from .layout import TensorSpec
 from .protocol import PROTOCOL_VERSION
 
@@ -11,5 +11,5 @@ __all__ = [
     "Client", "Expert", "connect", "TensorSpec", "PROTOCOL_VERSION",
     "K3Error", "BadRequest", "CacheFull", "DaemonNotRunning", "DaemonRestarted",
     "NotAttached", "PermissionDenied", "ProtocolMismatch", "QuotaExceeded",
-    "ReadFailed", "ShuttingDown", "Timeout", "UnknownExpert",
+    "ReadFailed", "ShuttingDown", "Starting", "Timeout", "UnknownExpert",
 ]

@@ -90,7 +90,11 @@ class Expert:
         return memoryview(mm)[base:base + c.expert_bytes]
 
     def array(self, name: str) -> np.ndarray:
-        """Read-only numpy view of one tensor (bf16/fp8 as same-width uints)."""
+        """Read-only numpy view of one tensor, no copy.
+
+        numpy has no bfloat16 or fp8: those types come back as the unsigned
+        integer of the same width (BF16 -> ``uint16``, F8_* -> ``uint8``) holding the raw
+        bits; ``tensor()`` gives the real dtype, or ``arr.view(ml_dtypes.bfloat16)``."""
         mm = self._mapping()
         spec = self._spec(name)
         dt = numpy_dtype(spec.dtype)
@@ -99,8 +103,13 @@ class Expert:
                              offset=off).reshape(spec.shape)
 
     def tensor(self, name: str):
-        """torch view of one tensor, no copy (needs torch). Do not write to it."""
-        import torch
+        """torch view of one tensor, no copy, in its real dtype (needs torch). Do not write to it."""
+        try:
+            import torch   # optional: k3client itself needs only numpy, pyzmq and msgpack
+        except ImportError:
+            raise ImportError("Expert.tensor() needs torch: pip install torch --index-url "
+                              "https://download.pytorch.org/whl/cpu (CPU build; or your CUDA build); "
+                              "Expert.array() works without it") from None
 
         mm = self._mapping()
         spec = self._spec(name)
@@ -119,7 +128,7 @@ class Client:
 
     def __init__(self, endpoint: str | None = None, name: str | None = None,
                  timeout: float = 120.0, connect_timeout: float = 5.0,
-                 reconnect_timeout: float = 30.0):
+                 reconnect_timeout: float = 30.0, wait: float = 0.0):
         self.endpoint = resolve_endpoint(endpoint, os.environ)
         self.name = name or f"pid-{os.getpid()}"
         self.timeout = timeout
@@ -139,7 +148,7 @@ class Client:
         self._closed = False
         self._hb_thread = None
         try:
-            self._connect(connect_timeout)
+            self._connect_waiting(connect_timeout, wait)
             # The lease thread holds only a weak reference: a Client dropped without
             # close() (and with no Expert left) stops heartbeating, so its pins expire.
             self._hb_thread = threading.Thread(
@@ -153,6 +162,21 @@ class Client:
             raise
 
     # -- connection ---------------------------------------------------------
+    def _connect_waiting(self, connect_timeout: float, wait: float) -> None:
+        """``_connect``; with ``wait`` > 0, retried while the daemon is starting or not there yet."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                self._connect(connect_timeout)
+                return
+            except (errors.Starting, errors.DaemonNotRunning) as e:
+                self._disconnect()
+                if time.monotonic() >= deadline:
+                    if wait and isinstance(e, errors.Starting):
+                        raise errors.Starting(f"{e} (waited {wait:g}s)") from None
+                    raise
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
     def _connect(self, connect_timeout: float):
         """One attempt: new DEALER socket, hello, the arena's memfd."""
         path = ipc_path(self.endpoint)
@@ -252,7 +276,8 @@ class Client:
                 self._disconnect()
                 self.gen = None
                 raise
-            except (errors.DaemonNotRunning, errors.DaemonRestarted, errors.ShuttingDown, errors.Timeout):
+            except (errors.DaemonNotRunning, errors.DaemonRestarted, errors.ShuttingDown, errors.Timeout,
+                    errors.Starting):
                 self._disconnect()
                 self.gen = old
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -424,5 +449,19 @@ def _heartbeat(client_ref, ctx, endpoint: str, period: float, stop: threading.Ev
 
 
 def connect(endpoint: str | None = None, name: str | None = None, **kw) -> Client:
-    """Connect to the daemon at ``endpoint`` (default: ``K3D_ENDPOINT`` or the per-user socket)."""
+    """Attach to the daemon and map its arena; returns a ``Client`` (a context manager).
+
+    - ``endpoint``: ``ipc:///path/k3d.sock`` or ``tcp://host:port``; default ``K3D_ENDPOINT``,
+      else ``ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock`` (``ipc:///tmp/k3d-$UID/k3d.sock``).
+    - ``name``: shown in ``k3ctl status`` and the daemon's log (default ``pid-<pid>``).
+    - ``timeout`` (120 s): longest wait for one reply (a fetch of cold experts included).
+    - ``connect_timeout`` (5 s): longest wait for the daemon's answer to hello.
+    - ``reconnect_timeout`` (30 s): after a daemon restart, how long a request keeps
+      re-attaching before ``DaemonNotRunning``; 0 raises ``DaemonRestarted`` at once.
+    - ``wait`` (0 s): how long to wait for a daemon that is still starting (pre-faulting
+      its arena: ``Starting`` says how far) or whose socket is not there yet; 0 raises at once.
+
+    Raises ``DaemonNotRunning`` (nothing listens), ``Starting`` (still starting, after ``wait``),
+    ``PermissionDenied`` (not the daemon's
+    user or group), ``ProtocolMismatch`` (k3client and k3d versions differ)."""
     return Client(endpoint=endpoint, name=name, **kw)

@@ -63,12 +63,18 @@ class Timeout(K3Error):
     code = "timeout"
 
 
+class Starting(K3Error):
+    """The daemon is still building its arena; the message says how far (``connect(wait=...)`` waits)."""
+
+    code = "starting"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
         K3Error, DaemonNotRunning, ProtocolMismatch, BadRequest, UnknownExpert,
         CacheFull, QuotaExceeded, ReadFailed, NotAttached, ShuttingDown,
-        DaemonRestarted, PermissionDenied, Timeout,
+        DaemonRestarted, PermissionDenied, Timeout, Starting,
     )
 }
 

@@ -13,7 +13,8 @@ import os
 import sys
 
 from . import __version__
-from .config import Config, ConfigError, resolve
+from .config import ConfigError, resolve
+from .ctl import parse_args
 
 
 def _start_parser(sub):
@@ -26,7 +27,8 @@ def _start_parser(sub):
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes (rounded down to whole slots)")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
-    p.add_argument("--readers", type=int, help=f"reader threads (default {Config.readers})")
+    p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, 2-8, for safetensors/GGUF "
+                   "page-cache reads; 8 for packed files and HTTP/S3 origins)")
     p.add_argument("--trace", help="append a route trace line per fetch to FILE")
     p.add_argument("--lease", dest="lease_s", type=float, help="seconds a silent client keeps its pins (default 10)")
     p.add_argument("--pin-quota", dest="pin_quota", type=int, help="slots one client may pin per token (0: no limit)")
@@ -36,7 +38,8 @@ def _start_parser(sub):
     p.add_argument("--http-conns", dest="http_conns", type=int,
                    help="remote sources: persistent connections per host (default 4)")
     p.add_argument("--http-timeout", dest="http_timeout", type=float,
-                   help="remote sources: seconds per connect or socket read (default 30)")
+                   help="remote sources: seconds one request may take in all, connect, headers and body "
+                   "(a body still arriving then is given up on and retried; default 30)")
     p.add_argument("--http-retries", dest="http_retries", type=int,
                    help="remote sources: retries of a failing request, full-jitter backoff (default 5)")
     p.add_argument("--disk-cache", dest="disk_cache",
@@ -47,6 +50,8 @@ def _start_parser(sub):
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
                    help="leave the arena in 4 KiB pages (default: collapse it into transparent huge pages)")
+    p.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (needs pip install 'k3d[metrics]')")
     return p
 
 
@@ -70,17 +75,26 @@ def main(argv=None) -> int:
     from .service import units
     units.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
-    d.add_argument("--tokens", type=int, default=200)
-    d.add_argument("--clients", type=int, default=3)
+    d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default 200)")
+    d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default 3)")
     d.add_argument("--seed", type=int, default=1234)
-    args = ap.parse_args(argv)
+    d.add_argument("--hf", action="store_true",
+                   help="transformers processes (k3client.hf) generating with one daemon, vs plain ones")
+    args = parse_args(ap, sub, argv)
     if args.cmd == "demo":
+        for opt, value, top in (("--tokens", args.tokens, 100000), ("--clients", args.clients, 64)):
+            if not 1 <= value <= top:
+                print(f"k3d demo: error: {opt} {value}: use 1 to {top}", file=sys.stderr)
+                return 2
+        if args.hf:
+            from .demo.hf import run_hf_demo
+            return run_hf_demo(clients=args.clients, tokens=min(args.tokens, 32))
         from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
     if args.cmd == "install-unit":
         return units.main(args)
     if args.cmd == "pack":
-        from .sources.packed import pack_main
+        from .pack import pack_main
         return pack_main(args.src, args.out, args.pattern, args.force, args.progress)
     cli = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
     try:

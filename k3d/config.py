@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from k3client.endpoint import default_endpoint
 
+from .metrics import parse_hostport
+
 DEFAULT_PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -35,19 +37,20 @@ class Config:
     arena: int = 512 * 2**20          # bytes; rounded down to whole slots
     slots: int = 0                    # if > 0, overrides arena
     endpoint: str = ""                # resolved: never empty after resolve()
-    readers: int = 8                  # reader threads: enough requests in flight for a cold disk
+    readers: int | None = None        # reader threads; None: chosen per read path (reads/plan.readers_for)
     trace: str | None = None
     lease_s: float = 10.0             # a client silent this long loses its pins
     pin_quota: int = 0                # slots one client may pin per token; 0 = no limit
     log_level: str = "info"
     read_mode: str = "buffered"       # packed sources: buffered | direct (O_DIRECT)
     http_conns: int = 4               # remote sources: persistent connections per host
-    http_timeout: float = 30.0        # remote sources: seconds per connect / socket read
+    http_timeout: float = 30.0        # remote sources: seconds one whole request may take
     http_retries: int = 5             # remote sources: retries of a transient failure per request
     disk_cache: str | None = None     # remote sources: directory of the disk tier
     disk_cache_size: int = 16 * 2**30 # bytes the disk tier may hold (LRU beyond)
     hugepages: bool = False           # arena in hugetlb pages (vm.nr_hugepages must hold it)
     thp: bool = True                  # without hugepages: collapse the arena into transparent huge pages
+    metrics: str | None = None        # HOST:PORT for Prometheus /metrics; off by default
 
 
 def parse_size(text) -> int:
@@ -87,6 +90,13 @@ def _int_in(lo: int, hi: int | None = None):
     return conv
 
 
+def _readers(value):
+    """1..64, or ``auto`` (None: the daemon picks per read path)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    return _int_in(1, 64)(value)
+
+
 def _one_of(*choices: str):
     def conv(value) -> str:
         v = str(value).lower()
@@ -111,6 +121,12 @@ def _string(value) -> str:
     if not isinstance(value, str):
         raise ValueError("must be a string")
     return value
+
+
+def _hostport(value) -> str:
+    v = _string(value)
+    parse_hostport(v)
+    return v
 
 
 def _endpoint(value) -> str:
@@ -138,7 +154,7 @@ _CONVERTERS = {
     "disk_cache_size": _size,
     "slots": _int_in(0),
     "pin_quota": _int_in(0),
-    "readers": _int_in(1, 64),
+    "readers": _readers,
     "http_conns": _int_in(1, 256),
     "http_retries": _int_in(0, 20),
     "lease_s": _positive,
@@ -148,6 +164,7 @@ _CONVERTERS = {
     "endpoint": _endpoint,
     "hugepages": _bool,
     "thp": _bool,
+    "metrics": _hostport,
 }
 
 

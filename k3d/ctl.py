@@ -1,4 +1,13 @@
-"""``k3ctl status``: what the daemon is doing.  Exit 0 when it answers, 1 when not."""
+"""``k3ctl status``: what the daemon is doing.
+
+Exit status: 0 when it serves, 3 while it is starting (it answers status from
+the moment it holds its endpoint, with the phase, progress and ETA), 1 when it
+does not answer (with ``--json`` the failure is JSON on stdout too).
+``--watch [SECONDS]`` redraws the view every SECONDS (default 2) in place on a
+terminal, adding hit rate and throughput over the last interval and since
+start; elsewhere (a pipe, a log) it prints one frame per interval, and with
+``--json`` one JSON object per line.  Ctrl-C ends it with exit 0.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +15,19 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import zmq
 
-from k3client.endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
+from k3client.endpoint import (
+    ipc_path,
+    no_access_message,
+    resolve_endpoint,
+    unreachable_dir,
+)
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
+
+from .service.starting import describe
 
 
 def query_status(endpoint: str, timeout: float) -> dict:
@@ -53,7 +70,33 @@ def _pages(a: dict) -> str:
     return ""
 
 
+EXIT_OK, EXIT_DOWN, EXIT_STARTING = 0, 1, 3
+
+
+def render_starting(st: dict) -> str:
+    """``starting: pre-faulting the arena 1.2/4.0 GiB (30 %), ~8 s left``."""
+    return f"starting: {describe(st)}"
+
+
+def render_rates(prev: dict | None, st: dict, dt: float) -> str:
+    """Hit rate and read throughput over the last interval and since start."""
+    s = st["stats"]
+    total = s["hits"] + s["misses"]
+    since = f"{100 * s['hits'] / total:.1f}%" if total else "-"
+    up = max(st["uptime_s"], 1e-9)
+    line = f"since start: hit rate {since}, {s['bytes_read'] / up / 1e6:.1f} MB/s read"
+    if prev is not None and prev.get("state") != "starting" and dt > 0:
+        p = prev["stats"]
+        dh, dm = s["hits"] - p["hits"], s["misses"] - p["misses"]
+        rate = f"{100 * dh / (dh + dm):.1f}%" if dh + dm else "-"
+        line = (f"last {dt:.1f}s: hit rate {rate}, {(dh + dm) / dt:.0f} keys/s, "
+                f"{(s['bytes_read'] - p['bytes_read']) / dt / 1e6:.1f} MB/s read   " + line)
+    return line
+
+
 def render(st: dict) -> str:
+    if st.get("state") == "starting":
+        return render_starting(st)
     a, s, r = st["arena"], st["stats"], st["readers"]
     total = s["hits"] + s["misses"]
     hit = f"{100 * s['hits'] / total:.1f}%" if total else "-"
@@ -88,24 +131,82 @@ def render(st: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="k3ctl", description="control and inspect the k3d daemon")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("status", help="show the daemon's state")
-    p.add_argument("--endpoint")
-    p.add_argument("--json", action="store_true", help="machine-readable status")
-    p.add_argument("--timeout", type=float, default=2.0)
-    args = ap.parse_args(argv)
-    if not 0 < args.timeout < 10**6:          # poll(-1) would wait for ever
-        ap.error(f"--timeout {args.timeout:g}: use a positive number of seconds")
-    endpoint = resolve_endpoint(args.endpoint, os.environ)
+def _failure(args, endpoint: str, message: str) -> None:
+    if args.json:
+        print(json.dumps({"ok": False, "endpoint": endpoint, "error": message}), flush=True)
+    else:
+        print(f"k3ctl: {message}", file=sys.stderr, flush=True)
+
+
+def _once(args, endpoint: str) -> int:
     try:
         st = query_status(endpoint, args.timeout)
     except RuntimeError as e:
-        print(f"k3ctl: {e}", file=sys.stderr)
-        return 1
+        _failure(args, endpoint, str(e))
+        return EXIT_DOWN
     print(json.dumps(st, indent=2) if args.json else render(st))
-    return 0
+    return EXIT_STARTING if st.get("state") == "starting" else EXIT_OK
+
+
+def _watch(args, endpoint: str) -> int:
+    tty = sys.stdout.isatty() and not args.json
+    prev, t_prev = None, 0.0
+    try:
+        while True:
+            t = time.monotonic()
+            try:
+                st = query_status(endpoint, args.timeout)
+            except RuntimeError as e:
+                st, frame = None, f"k3ctl: {e}"
+                if args.json:
+                    frame = json.dumps({"ok": False, "endpoint": endpoint, "error": str(e)})
+            else:
+                if args.json:
+                    frame = json.dumps(st)
+                else:
+                    frame = render(st)
+                    if st.get("state") != "starting":
+                        frame += "\n" + render_rates(prev, st, t - t_prev)
+            if tty:   # home, clear to the end: the view redraws in place
+                sys.stdout.write("\x1b[H\x1b[J" + time.strftime("%H:%M:%S") +
+                                 f"  every {args.watch:g}s (Ctrl-C to stop)\n" + frame + "\n")
+            else:
+                sys.stdout.write(frame + ("\n" if args.json else "\n\n"))
+            sys.stdout.flush()
+            prev, t_prev = st, t
+            time.sleep(max(0.0, args.watch - (time.monotonic() - t)))
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="k3ctl", description="control and inspect the k3d daemon")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("status", help="show the daemon's state",
+                       description="exit 0: serving; 3: starting (phase, progress, ETA); 1: not answering")
+    p.add_argument("--endpoint", help="default: K3D_ENDPOINT, else the per-user default socket")
+    p.add_argument("--json", action="store_true", help="machine-readable status (a failure is JSON too)")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) with rates over the last interval")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer (default 2)")
+    args = parse_args(ap, sub, argv)
+    if not 0 < args.timeout < 10**6:          # poll(-1) would wait for ever
+        p.error(f"--timeout {args.timeout:g}: use a positive number of seconds")
+    if args.watch is not None and not 0.1 <= args.watch < 10**6:
+        p.error(f"--watch {args.watch:g}: use at least 0.1 seconds")
+    endpoint = resolve_endpoint(args.endpoint, os.environ)
+    if args.watch is not None:
+        return _watch(args, endpoint)
+    return _once(args, endpoint)
+
+
+def parse_args(ap, sub, argv):
+    """``ap.parse_args``, but a misspelled option shows the subcommand's usage, not the top
+    level's (``k3d`` uses it too)."""
+    args, extra = ap.parse_known_args(argv)
+    if extra:
+        sub.choices[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 if __name__ == "__main__":

@@ -51,7 +51,10 @@ from k3client.protocol import MAX_KEYS, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pac
 
 from . import __version__
 from .access import peer_allowed, peer_cred, refusal, unix_peer_cred
+from .latency import FetchLatency, classify
+from .metrics import SnapshotBoard
 from .reads.fair import FairReads
+from .service.starting import open_endpoint
 from .reads.pool import Job, ReaderPool
 from .reads.plan import parts_per_key, split_extents
 from .stats import Throughput
@@ -111,16 +114,19 @@ class Session:
 class Pending:
     """A parked fetch; ``holder`` is the (client, epoch) its slots were pinned under."""
 
-    __slots__ = ("session", "holder", "rid", "keys", "slots", "left", "done")
+    __slots__ = ("session", "holder", "rid", "keys", "slots", "left", "done", "t0", "result")
 
-    def __init__(self, session, rid, keys, slots, left):
+    def __init__(self, session, rid, keys, slots, left, t0=0.0, result="miss"):
         self.session, self.rid, self.keys, self.slots, self.left = session, rid, keys, slots, left
         self.holder = session.holder
         self.done = False
+        self.t0, self.result = t0, result     # arrival time and latency class (k3d/latency.py)
 
 
 class Server:
-    def __init__(self, cfg, source, arena, arena_socket: str, notifier=None):
+    def __init__(self, cfg, source, arena, arena_socket: str, notifier=None, board=None, sock=None):
+        """``sock``: the endpoint's ROUTER socket, already bound (the daemon binds it before
+        the arena is built, so that it answers status while starting); None: bind it here."""
         self.cfg, self.source, self.arena = cfg, source, arena
         self.notifier = notifier
         self.t0 = time.monotonic()
@@ -128,6 +134,11 @@ class Server:
         self.store = Store(arena.slots, cfg.pin_quota)
         self.stats = self.store.stats
         self.recent = Throughput()
+        self.latency = FetchLatency()
+        self._t_msg = 0.0        # arrival of the request being handled (fetch latency)
+        # /metrics reads status through this board, never the store (k3d/metrics.py)
+        self.board = board or SnapshotBoard()
+        self.board.wake = self._wake
         self.trace = RouteTrace(cfg.trace, self.t0) if cfg.trace else None
         self.sessions: dict[bytes, Session] = {}
         self.by_id: dict[int, Session] = {}
@@ -138,26 +149,21 @@ class Server:
         self._reload = False
         self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # Hard cap in libzmq (drops the peer); below it, _handle answers oversized messages.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_MESSAGE_BYTES)
-        self.sock.setsockopt(zmq.LINGER, 500)
-        self.sock.setsockopt(zmq.SNDHWM, 100000)
+        if sock is None:
+            self.ctx = zmq.Context()
+            self.sock = open_endpoint(self.ctx, cfg.endpoint)
+        else:
+            self.ctx, self.sock = sock.context, sock
         self.arena_socket = arena_socket
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         # Sockets are born 0660 (umask during bind; chmod again in case the
         # umask was ignored): only the daemon's user and group may connect.
         old_umask = os.umask(0o117)
         try:
-            self.sock.bind(cfg.endpoint)
             self.listener.bind(arena_socket)
         finally:
             os.umask(old_umask)
-        for path in (ipc_path(cfg.endpoint), arena_socket):
-            if path:
-                os.chmod(path, 0o660)
+        os.chmod(arena_socket, 0o660)
         if not ipc_path(cfg.endpoint):
             log.warning("endpoint %s is not ipc: peers have no credentials, so no uid check", cfg.endpoint)
         self.listener.listen(64)
@@ -182,7 +188,7 @@ class Server:
         """Make the loop's poll return now (it polls the reader pool's eventfd)."""
         try:
             os.eventfd_write(self.readers.wake_fd, 1)
-        except (OSError, TypeError):   # the pool already stopped
+        except (OSError, TypeError, AttributeError):   # the pool already stopped (or not yet made)
             pass
 
     def _do_reload(self) -> None:
@@ -244,6 +250,8 @@ class Server:
                     self.readers.drain_wake()
                 if self._reload:
                     self._do_reload()
+                if self.board.wanted:
+                    self.board.publish(self.status())
                 self._apply_done()
                 if self.sock in events:
                     self._recv_one()
@@ -271,6 +279,7 @@ class Server:
             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
+        self._t_msg = time.monotonic()
         self._handle(frames[0].bytes, frames[1:])
 
     # -- dispatch: the one place that turns exceptions into error replies ---
@@ -441,9 +450,12 @@ class Server:
         s.pfu = 0
         if predicted:
             self._predict(s, predicted)
+        result = classify(plan.misses, plan.waited)
         if not plan.waiting:
-            return {"slots": self._checked_slots(keys, plan.slots)}
-        p = Pending(s, msg["id"], keys, plan.slots, set(plan.waiting))
+            slots = self._checked_slots(keys, plan.slots)
+            self.latency.record(result, time.monotonic() - self._t_msg)
+            return {"slots": slots}
+        p = Pending(s, msg["id"], keys, plan.slots, set(plan.waiting), self._t_msg, result)
         for slot in plan.waiting:
             self.waiters.setdefault(slot, []).append(p)
         return DEFERRED
@@ -571,6 +583,7 @@ class Server:
                                 # within that token's quota like any fetch in it.
                                 self._repin(p.session, slots)
                             self._send(p.session.routing, p.rid, {"slots": slots})
+                            self.latency.record(p.result, time.monotonic() - p.t0)
                         except K3Error as e:
                             self._send_error(p.session.routing, p.rid, e)
 
@@ -673,6 +686,7 @@ class Server:
         st = self.stats
         urgent, background = self.readers.queued()
         return {
+            "state": "serving",
             "version": __version__,
             "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
@@ -685,6 +699,7 @@ class Server:
                       "page_bytes": self.arena.page_bytes,
                       "thp_bytes": self.arena.thp_bytes, **self.store.gauges()},
             "stats": st.as_dict(),
+            "fetch_seconds": self.latency.as_dict(),
             "readers": {"threads": self.readers.threads, "queued_urgent": urgent,
                         "queued_background": background,
                         "held_back": self.fair.held_back(),
@@ -705,6 +720,7 @@ class Server:
 
     # -- shutdown -----------------------------------------------------------------
     def _shutdown(self) -> None:
+        self.board.close()            # a scrape waiting on the loop gets the last snapshot now
         if self.notifier is not None:
             self.notifier.stopping()
         log.info("draining: stop accepting, cancel queued reads")

@@ -101,7 +101,7 @@ def collapse(fd: int, length: int, progress=None) -> tuple[int, str]:
     """Put the whole regions of the shmem file ``fd`` (``length`` bytes, already
     ftruncated) in huge pages.  Returns (bytes collapsed, why not all: "" when all were).
 
-    ``progress(done, total, seconds)`` is called every 256 MiB of regions tried."""
+    ``progress(done, total, seconds)`` is called every 64 MiB of regions tried."""
     pmd = region_bytes()
     if not pmd:
         return 0, ("this kernel has no transparent huge pages for shmem"
@@ -141,7 +141,7 @@ def collapse(fd: int, length: int, progress=None) -> tuple[int, str]:
                 failed_in_row += 1
                 if failed_in_row >= GIVE_UP_AFTER:
                     break
-            if progress and ((off + pmd) % (256 << 20) == 0 or off + pmd == whole):
+            if progress and ((off + pmd) % (64 << 20) == 0 or off + pmd == whole):
                 progress(off + pmd, whole, time.monotonic() - t0)
         if done < whole and not why:
             why = "some regions could not be collapsed"

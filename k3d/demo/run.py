@@ -69,7 +69,8 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
             json.dump(digests, f)
         endpoint = f"ipc://{tmp}/k3d.sock"
         slots = int(LAYERS * EXPERTS * 0.4)
-        print(f"demo: checkpoint {ckpt}: {LAYERS} layers x {EXPERTS} experts; arena {slots} slots; "
+        print(f"demo: checkpoint {ckpt}: {LAYERS} layers x {EXPERTS} experts; arena {slots} slots "
+              f"(~40 % of the experts: smaller than the model, as in real use, so the cache must choose); "
               f"{clients} model processes x {tokens} tokens; seed {seed}", flush=True)
         log_path = os.path.join(tmp, "daemon.log")
         # the demo is the embedded default: the caller's K3D_* settings (a pin quota, hugepages,
@@ -77,7 +78,7 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
         env = {k: v for k, v in os.environ.items() if not k.startswith("K3D_")}
         with open(log_path, "w") as log:
             daemon = subprocess.Popen([sys.executable, "-m", "k3d.cli", "start", "--source", ckpt,
-                                       "--endpoint", endpoint, "--slots", str(slots), "--readers", "4"],
+                                       "--endpoint", endpoint, "--slots", str(slots)],
                                       stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             deadline = time.monotonic() + 60
@@ -118,8 +119,12 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
               f"{st['waited']} waited on a read in flight, {st['evictions']} evictions")
         print(f"predictions: {st['prefetched']} prefetched, {st['prefetch_hits']} used, "
               f"{st['prefetch_unused']} unused")
-        print(f"reads: {st['bytes_read'] / 2**20:.1f} MiB read from the checkpoint "
-              f"(it is {len(digests) * arena['expert_bytes'] / 2**20:.1f} MiB of experts), {st['errors']} errors")
+        model_bytes = len(digests) * arena["expert_bytes"]
+        print(f"reads: {st['bytes_read'] / 2**20:.1f} MiB read from the checkpoint, "
+              f"{st['bytes_read'] / model_bytes:.1f}x its {model_bytes / 2**20:.1f} MiB of experts; {st['errors']} errors")
+        print(f"why: the arena holds {arena['slots']} of the {len(digests)} experts "
+              f"({100 * arena['slots'] / len(digests):.0f} %, on purpose: real arenas are smaller than the model), so "
+              "experts are evicted and read again when routing returns to them; every process shares each read")
         print(f"arena: {arena['bytes'] / 2**20:.1f} MiB shared by {len(results)} processes "
               f"(sum of their PSS {sum(r['pss'] for r in results if r) / 2**20:.1f} MiB; "
               f"a private cache of the same size in each would take {len(results)} x "

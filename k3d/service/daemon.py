@@ -17,12 +17,14 @@ daemon's life, so a second start is refused even before the first answers.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
 import signal
 import socket
 import sys
+import time
 
 import psutil
 import zmq
@@ -31,9 +33,13 @@ from k3client.endpoint import arena_socket_for, ipc_path
 from k3client.layout import align
 
 from ..arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
+from ..metrics import Exporter, SnapshotBoard
+from ..reads.plan import readers_for
 from ..server import Server
 from ..sources import SourceError, open_source
 from .notify import Notifier
+from .starting import Progress, ProgressPrinter, StartupResponder, describe, open_endpoint
+from .sizing import arena_warnings
 
 log = logging.getLogger("k3d")
 
@@ -174,10 +180,8 @@ def _check_socket_dir(d: str) -> None:
                            "anyone could replace the sockets; chmod 750 it")
 
 
-def _progress(done: int, total: int, seconds: float, what: str) -> None:
-    rate = done / seconds / 1e9 if seconds > 0 else 0.0
-    print(f"k3d: {what} arena {done / 2**20:.0f}/{total / 2**20:.0f} MiB ({rate:.2f} GB/s)",
-          file=sys.stderr, flush=True)
+# What the arena's progress steps are called where a person reads them.
+PHASES = {"collapsing": "collapsing the arena into huge pages", "pre-faulting": "pre-faulting the arena"}
 
 
 class _StopDuringStartup(Exception):
@@ -211,59 +215,107 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
     notifier = Notifier(env)
     if not cfg.source:
         raise StartupError("no checkpoint: pass --source PATH (or set source in the config file / K3D_SOURCE)")
+    if cfg.trace:                        # before anything is built: a typo must not cost a pre-fault
+        try:
+            open(cfg.trace, "a").close()
+        except OSError as e:
+            raise StartupError(f"cannot open the route trace {cfg.trace}: {e.strerror}") from None
+    source = arena = server = lock = exporter = responder = None
     try:
-        source = open_source(cfg.source, cfg.pattern, cfg.read_mode, cfg=cfg)
-    except SourceError as e:
-        raise StartupError(str(e)) from None
-    arena = server = lock = None
-    try:
-        check_stop()
-        if cfg.trace:                    # before the arena is built: a typo must not cost a pre-fault
-            try:
-                open(cfg.trace, "a").close()
-            except OSError as e:
-                raise StartupError(f"cannot open the route trace {cfg.trace}: {e.strerror}") from None
-        slots, slot_bytes = size_arena(cfg, source.expert_bytes)
         arena_sock = arena_socket_for(cfg.endpoint, env)
         lock = claim_endpoint(cfg.endpoint, arena_sock)
-        log.info("source %s: %d experts, %d bytes each; arena %d slots x %d bytes",
-                 source.path, len(source.keys), source.expert_bytes, slots, slot_bytes)
+        # From here the endpoint answers status (phase, progress, ETA) and refuses the rest
+        # with `starting` until the server loop takes the socket over.
+        progress = Progress()
         try:
-            def progress(done, total, seconds, what):
-                check_stop()
-                _progress(done, total, seconds, what)
-                notifier.status(f"{what} arena {done >> 20}/{total >> 20} MiB")
-                if notifier.watchdog_interval:   # a long pre-fault is not a hang
-                    notifier.watchdog()
-            arena = Arena(slots, slot_bytes, progress=progress, huge=cfg.hugepages, thp=cfg.thp)
-        except ArenaError as e:
+            responder = StartupResponder(open_endpoint(zmq.Context(), cfg.endpoint), cfg.endpoint, progress)
+        except zmq.ZMQError as e:
+            raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
+        board = SnapshotBoard()
+        if cfg.metrics:                  # before the arena: a port in use must not cost a pre-fault
+            try:
+                exporter = Exporter(cfg.metrics, board)
+            except RuntimeError as e:
+                raise StartupError(str(e)) from None
+            log.info("metrics at http://%s/metrics", exporter.address)
+        try:
+            source = open_source(cfg.source, cfg.pattern, cfg.read_mode, cfg=cfg)
+        except SourceError as e:
             raise StartupError(str(e)) from None
         check_stop()
-        if cfg.thp and not cfg.hugepages:
-            log.info("arena: %d of %d MiB in transparent huge pages%s", arena.thp_bytes >> 20, arena.mapped >> 20,
-                     f" ({arena.thp_why})" if arena.thp_why else "")
+        progress.update("sizing the arena", 0, 0)
+        chosen = "" if cfg.readers else f" (chosen for {source.kind} reads on {os.cpu_count()} CPUs)"
+        cfg = with_readers(cfg, source)
+        slots, slot_bytes = size_arena(cfg, source.expert_bytes)
+        for warning in arena_warnings(slots, slot_bytes, source.describe()):
+            log.warning("%s", warning)
+        log.info("source %s: %d experts, %d bytes each; arena %d slots x %d bytes; %d readers%s",
+                 source.path, len(source.keys), source.expert_bytes, slots, slot_bytes, cfg.readers, chosen)
+        arena = build_arena(cfg, slots, slot_bytes, progress, notifier, check_stop)
         try:
-            server = Server(cfg, source, arena, arena_sock, notifier)
+            server = Server(cfg, source, arena, arena_sock, notifier, board, sock=responder.hand_over())
         except zmq.ZMQError as e:
             raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
         except OSError as e:
             raise StartupError(f"cannot start serving at {cfg.endpoint}: {e}") from None
+        responder = None
         stop["server"] = server
         if stop["requested"]:            # came while binding: the loop shuts down at once, cleanly
             server.request_stop()
-        server.reloader = reload
+        server.reloader = (lambda: with_readers(reload(), source)) if reload else None
         signal.signal(signal.SIGHUP, lambda *_: server.request_reload())
         print(f"k3d: ready endpoint={cfg.endpoint} slots={slots} slot_bytes={slot_bytes} "
-              f"experts={len(source.keys)} pid={os.getpid()}", file=sys.stderr, flush=True)
+              f"experts={len(source.keys)} pid={os.getpid()} in {progress.snapshot()['uptime_s']:.1f}s",
+              file=sys.stderr, flush=True)
         notifier.ready(server.status_line())
         server.serve_forever()
         log.info("stopped")
         return 0
     finally:
+        if responder is not None:        # start-up failed or was stopped: the endpoint goes too
+            sock = responder.hand_over()
+            ctx = sock.context
+            sock.close(0)
+            ctx.term()
+            path = ipc_path(cfg.endpoint)
+            if path and os.path.exists(path):
+                os.unlink(path)
+        if exporter is not None:
+            exporter.stop()
         if arena is not None:
             arena.close()
-        if server is None or not server.readers.alive():   # a stuck reader may still use the fds
-            source.close()
+        if source is not None and (server is None or not server.readers.alive()):
+            source.close()               # (a stuck reader may still use the fds)
         notifier.close()
         if lock is not None:
             os.close(lock)
+
+
+def with_readers(cfg, source):
+    """``readers`` left to the daemon: chosen for this source's read path."""
+    return cfg if cfg.readers else dataclasses.replace(cfg, readers=readers_for(source.kind, os.cpu_count()))
+
+
+def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop) -> Arena:
+    """The arena, with its progress shown (stderr, status, systemd STATUS=) as it is prepared."""
+    printer = ProgressPrinter()
+    t0 = time.monotonic()
+
+    def tick(done, total, seconds, what):
+        check_stop()
+        p = progress.update(PHASES.get(what, what), done, total)
+        printer.show(p)
+        notifier.status(f"starting: {describe(p)}")
+        if notifier.watchdog_interval:   # a long pre-fault is not a hang
+            notifier.watchdog()
+    try:
+        arena = Arena(slots, slot_bytes, progress=tick, huge=cfg.hugepages, thp=cfg.thp)
+    except ArenaError as e:
+        raise StartupError(str(e)) from None
+    check_stop()
+    if cfg.thp and not cfg.hugepages:
+        log.info("arena: %d of %d MiB in 2 MiB huge pages%s, ready in %.1fs (huge pages cost start-up time and "
+                 "make O_DIRECT/disk reads into the arena faster; --no-thp skips them)",
+                 arena.thp_bytes >> 20, arena.mapped >> 20, f" ({arena.thp_why})" if arena.thp_why else "",
+                 time.monotonic() - t0)
+    return arena

@@ -168,6 +168,9 @@ def default_exec() -> str:
     return found or f"{sys.executable} -m k3d.cli"
 
 
+DEFAULT_CONFIG = "/etc/k3d/k3d.toml"
+
+
 def arena_from(config_file: str | None, given: str | None) -> int:
     """Arena bytes: ``--arena``, else the config file's ``arena``, else the default."""
     if given:
@@ -219,11 +222,18 @@ def add_parser(sub) -> None:
     p.add_argument("--sysusers-dir", help="where k3d.conf for systemd-sysusers goes "
                    "(default /etc/sysusers.d, or DEST when --dest is given)")
     p.add_argument("--arena", help="arena size the units are sized for (default: arena in --config, else 512MiB)")
-    p.add_argument("--config", default="/etc/k3d/k3d.toml", help="config file to read the arena size from")
+    p.add_argument("--config", help="config file to read the arena size from (must exist; default "
+                   "/etc/k3d/k3d.toml where it exists)")
     p.add_argument("--exec", dest="exec_path", help=f"what ExecStart runs (default: {default_exec()})")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.config is not None and not os.path.isfile(args.config):
+        print(f"k3d: error: --config {args.config}: no such file (write it first, or leave --config out)",
+              file=sys.stderr)
+        return 1
+    if args.config is None and os.path.isfile(DEFAULT_CONFIG):
+        args.config = DEFAULT_CONFIG
     try:
         arena = arena_from(args.config, args.arena)
     except (ConfigError, ValueError) as e:

@@ -2,12 +2,23 @@
 
 - ``base``: the ``Source`` interface (layout, keys -> extents, ``read``), ``Extent``,
   ``SourceError``, pread helpers;
-- ``safetensors``, ``gguf``, ``packed``: local formats (``packed`` also writes packs);
-- ``checksum``: crc32 pipelines for packed files and the disk tier;
-- ``remote/``: HTTP(S) and S3 origins with their disk tier.
+- ``safetensors``, ``gguf``, ``packed``: local formats, one reader each;
+  ``packwrite`` writes packed files (``k3d pack`` itself is ``k3d.pack``);
+- ``checksum``: crc32 (zlib-ng), part combination, the per-reader crc pipeline;
+- ``remote/``: HTTP(S) and S3 origins: header images, the tiers (disk cache,
+  crc, write-behind), one retry loop and response check, the transports.
+
+Imports run one way: this module imports every kind, and no module below it
+imports this one back (code that needs ``open_source`` lives outside the
+package: ``k3d.pack``, the daemon).
+
+Dispatch: ``http://``, ``https://``, ``s3://`` -> ``open_remote``; a local
+file by its magic (``K3DPACK``, ``GGUF``), else by its extension; a directory
+is a safetensors checkpoint.
 
 Thread: sources are built on the main thread before the server starts; after
-that they are read-only and ``read`` runs on reader threads.
+that they are read-only and ``read`` runs on reader threads.  Caller's
+obligation: ``close()`` once the reader pool has stopped.
 """
 
 from __future__ import annotations

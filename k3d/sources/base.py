@@ -1,4 +1,4 @@
-"""Origins of expert bytes: the common interface, local pread, and dispatch.
+"""Origins of expert bytes: the common interface and local pread.
 
 A source knows, for every expert key ``(layer, expert)``, the list of
 ``Extent``s that fill its slot: ``(file, file_offset, slot_offset, length)``.
@@ -19,8 +19,15 @@ size.  Sources that know a single layout set only ``layout`` (``layouts`` empty)
 Family: ``family`` (name, rule, how it was matched, top-k) from
 ``k3d.sources.families``, or None for formats that carry no family (GGUF, packs).
 
-Thread-safety: after construction a source is read-only; ``read`` is called from
-many reader threads at once (pread on a shared fd is position-free).
+Invariants a subclass keeps: an expert's extents fill its slot's layout
+ranges (one extent per non-empty tensor; a packed expert is one extent of its
+whole stride, zero padding included) and never reach past ``expert_bytes``
+rounded up to 4096; no extent is empty.
+
+Thread: a source is built on the main thread; after construction it is
+read-only; ``read`` is called from many reader threads at once (pread on a
+shared fd is position-free).  Caller's obligation: ``close()`` on the main
+thread once no read is running.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ class Source:
     def uniform(self) -> bool:
         return all(l == self.layout for l in self.layouts.values())
 
-    def adopt(self, other: "Source") -> None:
+    def adopt(self, other: Source) -> None:
         """Take another source's experts as this one's (remote sources parse a header image)."""
         self.layout, self.layouts, self.keys = other.layout, other.layouts, other.keys
         self.tensor_format, self.family = other.tensor_format, other.family

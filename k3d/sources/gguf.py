@@ -33,7 +33,7 @@ no expert tensors, stacked tensors with different expert counts, an
 The GGML type table is ours (the daemon does not import ``gguf``); a test
 checks it against ``gguf.constants.GGML_QUANT_SIZES``.
 
-Thread-safety: read-only after construction; ``read`` (the base class's
+Thread: built on the main thread; read-only after construction; ``read`` (the base class's
 preadv) is called by many reader threads at once.
 """
 
@@ -291,42 +291,3 @@ class GGUFSource(Source):
             return f"{GGML_TYPES[v[0]][0]}{list(v[1])}"
         return (f"{self.path}: tensor blk.{layer}.{name} is {fmt(got[name])}, "
                 f"but blk.{ref_layer}.{name} is {fmt(ref[name])} (shapes in GGML order)")
-
-
-def write_synthetic_gguf(path: str, layers: int = 2, experts: int = 8, hidden: int = 256, inter: int = 128,
-                         types=("MXFP4", "MXFP4", "MXFP4"), bias: bool = False, seed: int = 0) -> str:
-    """Write a small MoE GGUF with the reference writer (``gguf.GGUFWriter``); for tests and benchmarks.
-
-    Per layer: ``ffn_gate_inp.weight`` F32 [experts, hidden] (the router), stacked
-    ``ffn_{gate,up,down}_exps.weight`` quantized with ``gguf.quants`` to ``types``
-    (gate, up, down; e.g. MXFP4, Q8_0, F16), optionally ``ffn_gate_exps.bias`` F32,
-    and a non-expert ``attn_q.weight`` the source must ignore.  Needs the gguf library.
-    """
-    import numpy as np
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
-
-    rng = np.random.default_rng(seed)
-    w = GGUFWriter(path, "qwen3moe")
-    w.add_block_count(layers)
-    w.add_expert_count(experts)
-    w.add_embedding_length(hidden)
-    w.add_expert_feed_forward_length(inter)
-    for layer in range(layers):
-        w.add_tensor(f"blk.{layer}.attn_q.weight", rng.standard_normal((hidden, hidden)).astype(np.float16))
-        w.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", rng.standard_normal((experts, hidden)).astype(np.float32))
-        for part, tname, (rows, cols) in (("gate", types[0], (inter, hidden)), ("up", types[1], (inter, hidden)),
-                                          ("down", types[2], (hidden, inter))):
-            x = (rng.standard_normal((experts, rows, cols)) / np.sqrt(cols)).astype(np.float32)
-            qt = GGMLQuantizationType[tname]
-            if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", x.astype(np.float16 if tname == "F16" else np.float32))
-            else:
-                w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", quantize(x, qt), raw_dtype=qt)
-        if bias:
-            w.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", rng.standard_normal((experts, inter)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path

@@ -1,4 +1,7 @@
-"""The packed format (``.k3pack``): every expert at a fixed stride, one read per expert.
+"""The packed format (``.k3pack``) and its reader: every expert at a fixed stride, one read per expert.
+
+This module is the format (layout, ``read_header``'s validation) and the
+reader (``PackedSource``); packwrite.py writes packs; ``k3d pack`` is k3d/pack.py.
 
 File layout (format version 1)::
 
@@ -26,7 +29,7 @@ layout), so one read of ``stride`` bytes fills a slot with no scatter.
 Invariants:
 - Offsets and lengths of every expert are 4096-aligned, and so are arena slots,
   so ``--read-mode direct`` reads with O_DIRECT straight into slot memory.
-- Atomic writes: ``write_pack`` writes an unnamed ``O_TMPFILE`` in OUT's
+- Atomic writes (packwrite.py): ``write_pack`` writes an unnamed ``O_TMPFILE`` in OUT's
   directory (data first, fsync, then the header, fsync) and links it in as
   ``OUT`` only when complete, so an interrupted pack leaves no file at all.
   Where the file system has no O_TMPFILE (and, over an existing OUT, for the
@@ -57,30 +60,29 @@ descriptor, so misses bypass the page cache entirely.  A piece that is not 4096-
 length or slot address) is read through the buffered descriptor instead, so
 direct mode never fails on alignment.
 
-Thread-safety: ``PackedSource.read`` is called by many reader threads at once;
+Thread: a ``PackedSource`` is built on the main thread (``read_header`` runs
+there) and its header, layout and keys are read-only after.
+``PackedSource.read`` is called by many reader threads at once;
 the pending-part table and the list of checksum companions (one per reader
 thread, made on its first read, ended by ``close()``) are the only shared
 mutable state and share one lock.  A companion reads only the pieces its
 reader fed it, and has let go of them before ``read`` returns or raises.
+Caller's obligation: ``close()`` runs once no read is running (the reader pool
+has stopped); a read after it raises ``SourceError``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import errno
 import json
 import math
-import mmap
 import os
-import sys
 import threading
-import time
 
 from k3client.layout import DTYPES, TensorSpec, align, build_layout, layout_bytes
 
-from .checksum import CrcPipeline, crc32, crc32_of_parts
 from .base import PAGE, Extent, Source, SourceError, read_fully
+from .checksum import CrcPipeline, crc32_of_parts
 
 MAGIC = b"K3DPACK\n"
 FORMAT = "k3d-pack"
@@ -95,8 +97,7 @@ READ_MODES = ("buffered", "direct")
 CHUNK = 1 << 20
 
 
-PARTIAL = ".partial"            # the name of a pack being written, where it has one
-_TMPFILE = True                 # write packs as O_TMPFILE where the file system can (tests turn it off)
+PARTIAL = ".partial"            # the name of a pack being written, where it has one (packwrite.py)
 
 
 class ChecksumError(SourceError):
@@ -365,182 +366,3 @@ class PackedSource(Source):
             self._dfd = None
         self._pending = {}
         super().close()
-
-
-# -- writing ------------------------------------------------------------------------------
-class _Progress:
-    """A progress bar on stderr: redrawn in place on a terminal, a line per 10% otherwise."""
-
-    def __init__(self, total: int, nbytes: int, out=None):
-        self.total, self.nbytes, self.out = total, nbytes, out or sys.stderr
-        self.tty = self.out.isatty()
-        self.t0 = self.last = time.monotonic()
-        self.decile = -1
-
-    def update(self, done: int, final: bool = False) -> None:
-        now = time.monotonic()
-        frac = done / self.total if self.total else 1.0
-        if not final:
-            if self.tty and now - self.last < 0.1:
-                return
-            if not self.tty and int(frac * 10) == self.decile:
-                return
-        self.last, self.decile = now, int(frac * 10)
-        rate = done * self.nbytes / max(now - self.t0, 1e-9) / 1e6
-        bar = "#" * int(frac * 30)
-        line = f"k3d pack: [{bar:<30}] {frac * 100:5.1f}% {done}/{self.total} experts {rate:7.0f} MB/s"
-        if self.tty:
-            self.out.write("\r" + line + ("\n" if final else ""))
-        else:
-            self.out.write(line + "\n")
-        self.out.flush()
-
-
-def _header_bytes(src: Source, keys, span, stride, data_offset, sums) -> bytes:
-    h = {"format": FORMAT, "version": VERSION, "tensor_format": src.tensor_format,
-         "source": {"kind": src.kind, "path": os.path.abspath(src.path)},
-         "layout": [s.to_wire() for s in src.layout], "span": span, "stride": stride,
-         "data_offset": data_offset,
-         "layers": sorted({l for l, _ in keys}), "experts": sorted({e for _, e in keys}),
-         "keys": [list(k) for k in keys], "checksum": "crc32", "checksums": sums}
-    types = getattr(src, "tensor_types", None)
-    if types:
-        h["tensor_types"] = types
-    return json.dumps(h, separators=(",", ":")).encode()
-
-
-def _pwrite_fully(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        with data[done:] as rest:
-            done += os.pwrite(fd, rest, offset + done)
-
-
-def _create(out: str) -> tuple[int, str | None]:
-    """The fd a pack is written to, and its name (None: it has none yet).
-
-    O_TMPFILE makes a file with no name until ``_publish`` links it in, so a killed
-    pack leaves nothing behind and two packs to one OUT never share a file.  Where
-    the file system lacks it: ``OUT.partial``, refused by ``read_header``."""
-    if _TMPFILE and os.path.isdir("/proc/self/fd"):      # linkat needs /proc to name the fd
-        try:
-            return os.open(os.path.dirname(os.path.abspath(out)),
-                           os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644), None
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                raise
-    partial = out + PARTIAL
-    return os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644), partial
-
-
-def _publish(fd: int, name: str | None, out: str) -> str:
-    """Give the finished pack the name ``out`` (atomically: complete or not there at all)
-    and make the name durable (fsync of the directory)."""
-    dfd = os.open(os.path.dirname(os.path.abspath(out)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        if name is None:
-            # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N: Python calls linkat (not link,
-            # which would not follow the magic link) only when given a dir fd
-            base, proc = os.path.basename(out), f"/proc/self/fd/{fd}"
-            try:
-                os.link(proc, base, dst_dir_fd=dfd, follow_symlinks=True)
-                name = out
-            except FileExistsError:                     # --force over an existing OUT:
-                name = out + PARTIAL                    # link beside it, then rename over it
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name)
-                os.link(proc, base + PARTIAL, dst_dir_fd=dfd, follow_symlinks=True)
-        if name != out:
-            try:
-                os.rename(name, out)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(name)
-                raise
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return out
-
-
-def write_pack(src: Source, out: str, progress: bool = True) -> dict:
-    """Write ``src`` as a packed file at ``out`` (atomically); returns a summary."""
-    keys = sorted(src.keys)
-    if not keys:
-        raise SourceError(f"{src.path}: no experts to pack")
-    span = src.expert_bytes
-    if not span:
-        raise SourceError(f"{src.path}: the experts' tensors hold no bytes; nothing to pack")
-    stride = align(span, PAGE)
-    # checksums are fixed-width hex, so the placeholder header has the final length
-    placeholder = _header_bytes(src, keys, span, stride, 0, ["0" * 8] * len(keys))
-    data_offset = align(16 + len(placeholder) + 32, PAGE)  # +32: room for data_offset's digits
-    fd, name = _create(out)             # name: None while the file has none (O_TMPFILE)
-    bar = _Progress(len(keys), stride) if progress else None
-    t0 = time.monotonic()
-    try:
-        os.ftruncate(fd, data_offset + len(keys) * stride)
-        # one zeroed, page-aligned buffer: every expert writes the same tensor ranges, so
-        # the alignment gaps and the tail padding stay zero (checksums are deterministic)
-        buf = mmap.mmap(-1, stride)
-        view = memoryview(buf)
-        sums = []
-        try:
-            for i, key in enumerate(keys):
-                src.read(src.keys[key], view)
-                sums.append(f"{crc32(view):08x}")
-                _pwrite_fully(fd, view, data_offset + i * stride)
-                if bar:
-                    bar.update(i + 1, final=i + 1 == len(keys))
-        finally:
-            view.release()
-            buf.close()
-        header = _header_bytes(src, keys, span, stride, data_offset, sums)
-        if 16 + len(header) > data_offset:
-            raise SourceError(f"{out}: header grew past its reserved space (internal error)")
-        # The data is on disk before the header is written: a header, once on disk, never
-        # describes experts that are not.
-        os.fsync(fd)
-        blob = MAGIC + len(header).to_bytes(8, "little") + header
-        _pwrite_fully(fd, memoryview(blob + bytes(data_offset - len(blob))), 0)
-        os.fsync(fd)
-        name = _publish(fd, name, out)
-    except BaseException:
-        if name is not None and name != out:
-            with contextlib.suppress(OSError):
-                os.unlink(name)
-        raise
-    finally:
-        os.close(fd)
-    return {"path": out, "experts": len(keys), "span": span, "stride": stride,
-            "bytes": data_offset + len(keys) * stride, "seconds": time.monotonic() - t0}
-
-
-def pack_main(src_spec: str, out: str, pattern: str, force: bool = False, progress: bool = True) -> int:
-    """``k3d pack SRC OUT``: returns the exit code; every failure is one line on stderr."""
-    from . import open_source
-
-    if os.path.exists(out) and not force:
-        print(f"k3d: error: {out} exists; pass --force to replace it", file=sys.stderr)
-        return 1
-    try:
-        src = open_source(src_spec, pattern)
-    except SourceError as e:
-        print(f"k3d: error: {e}", file=sys.stderr)
-        return 1
-    try:
-        if isinstance(src, PackedSource):
-            print(f"k3d: error: {src_spec} is already a packed file", file=sys.stderr)
-            return 1
-        s = write_pack(src, out, progress=progress)
-    except (SourceError, OSError) as e:
-        print(f"k3d: error: pack failed: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"\nk3d: pack interrupted; {out} not written", file=sys.stderr)
-        return 130
-    finally:
-        src.close()
-    print(f"k3d: packed {s['experts']} experts ({s['span']} bytes each, stride {s['stride']}) "
-          f"into {out}: {s['bytes'] / 1e6:.1f} MB in {s['seconds']:.1f}s", file=sys.stderr)
-    return 0

@@ -22,6 +22,9 @@ one expert tensor (``layers.1`` and ``layers.01``).  Each layer's layout is the
 tensor set of its lowest expert in sorted name order; every other expert of the
 layer must have the same names, dtypes and shapes, or start-up fails naming the
 first that differs (``Source.set_experts``).
+
+Thread: built on the main thread (headers parsed there); read-only after;
+``read`` (the base class's preadv) runs on many reader threads at once.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 
 from k3client.layout import DTYPES, itemsize
 

@@ -280,7 +280,7 @@ def test_daemon_kill9_during_write_behind_then_restart(origin, start_daemon, tmp
 
 
 def test_full_write_backlog_skips_instead_of_slowing_fetches(origin, tmp_path, monkeypatch):
-    import k3d.sources.remote.http as sh
+    import k3d.sources.remote.tiers as sh
     srv, ref = origin
     monkeypatch.setattr(sh, "WRITE_BACKLOG", 1)
     src = open_src(srv, tmp_path)

@@ -15,7 +15,8 @@ from gguf.quants import dequantize as gguf_dequantize, quantize
 
 import k3client
 from k3client.mxfp4 import dequantize
-from k3d.sources.gguf import GGML_TYPES, GGUFSource, write_synthetic_gguf
+from k3d.demo.synthetic import write_synthetic_gguf
+from k3d.sources.gguf import GGML_TYPES, GGUFSource
 from k3d.sources import SourceError, open_source
 
 from k3d.reads.plan import split_extents

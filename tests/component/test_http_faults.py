@@ -256,7 +256,7 @@ def test_trickling_body_times_out_as_a_whole(server, ref):
 def test_origin_without_validators_is_refused_unless_packed(server, ref):
     """No ETag and no Last-Modified: k3d could not tell a re-upload from the file it started
     with, so it refuses the checkpoint; a .k3pack (a crc32 per expert) is served anyway."""
-    from k3d.sources.packed import write_pack
+    from k3d.sources.packwrite import write_pack
     from k3d.sources import open_source
 
     srv, root = server
@@ -360,8 +360,9 @@ def test_bad_remote_header_names_the_url(server):
 
 def test_gguf_header_longer_than_the_first_fetch(server, monkeypatch):
     """The GGUF header is fetched progressively until the parser sees all of it."""
-    import k3d.sources.remote.http as sh
-    from k3d.sources.gguf import GGUFSource, write_synthetic_gguf
+    import k3d.sources.remote.headers as sh
+    from k3d.demo.synthetic import write_synthetic_gguf
+    from k3d.sources.gguf import GGUFSource
     srv, root = server
     write_synthetic_gguf(str(root / "m.gguf"), layers=2, experts=4, seed=5)
     monkeypatch.setattr(sh, "GGUF_HEAD_START", 64)

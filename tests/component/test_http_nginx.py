@@ -24,8 +24,10 @@ from safetensors import safe_open
 import k3client
 from faulty_http import Nginx, nginx_binary
 from k3d.config import DEFAULT_PATTERN
-from k3d.sources.packed import PackedSource, write_pack
-from k3d.sources.gguf import GGUFSource, write_synthetic_gguf
+from k3d.demo.synthetic import write_synthetic_gguf
+from k3d.sources.gguf import GGUFSource
+from k3d.sources.packed import PackedSource
+from k3d.sources.packwrite import write_pack
 from k3d.sources.remote.http import HttpSource
 from k3d.sources import SourceError, open_source
 from k3d.reads.plan import split_extents

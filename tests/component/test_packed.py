@@ -16,10 +16,11 @@ from safetensors import safe_open
 
 import k3client
 import k3d.sources.packed as k3d_packed
+from k3d.demo.synthetic import write_synthetic_gguf
 from k3d.sources.checksum import CrcPipeline, crc32, crc32_combine, crc32_of_parts
 from k3d.config import DEFAULT_PATTERN, ConfigError, resolve
-from k3d.sources.packed import MAGIC, ChecksumError, PackedSource, read_header, write_pack
-from k3d.sources.gguf import write_synthetic_gguf
+from k3d.sources.packed import MAGIC, ChecksumError, PackedSource, read_header
+from k3d.sources.packwrite import write_pack
 from k3d.sources import SourceError, open_source
 
 from k3d.reads.plan import split_extents
@@ -314,7 +315,7 @@ def _killed_pack(checkpoint, out, tmpfile: bool, at: str):
     "rename" (the finished file linked beside an existing OUT, not yet renamed over it)."""
     code = textwrap.dedent(f"""
         import os, signal
-        import k3d.sources.packed as packed
+        import k3d.sources.packwrite as packed
         from k3d.sources import open_source
         packed._TMPFILE = {tmpfile!r}
         src = open_source({checkpoint!r}, {DEFAULT_PATTERN!r})

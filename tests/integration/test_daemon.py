@@ -28,7 +28,7 @@ def k3d(*args):
 def test_ready_status_sigterm_leaves_nothing(checkpoint, start_daemon):
     before = shm()
     d = start_daemon(checkpoint, "--arena", "4MiB")
-    assert "pre-faulting arena" in d.log()
+    assert "pre-faulting the arena" in d.log()
     r = k3ctl("status", "--endpoint", d.endpoint, "--json")
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
@@ -72,7 +72,7 @@ def test_second_daemon_on_same_endpoint_is_refused(checkpoint, start_daemon):
 
 def _first_progress(d, timeout=30):
     deadline = time.monotonic() + timeout
-    while "pre-faulting arena" not in d.log() and "collapsing arena" not in d.log():
+    while "pre-faulting the arena" not in d.log() and "collapsing the arena" not in d.log():
         assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
         time.sleep(0.01)
 

@@ -13,8 +13,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
 from gguf import GGUFReader, GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors import safe_open
@@ -22,7 +20,12 @@ from safetensors import safe_open
 import k3client
 from k3client.mxfp4 import dequantize
 from k3d.config import DEFAULT_PATTERN
-from k3d.sources.gguf import write_synthetic_gguf
+from k3d.demo.synthetic import write_synthetic_gguf
+
+# torch is optional (not in the test extra: PyPI's Linux wheels are CUDA builds)
+torch = pytest.importorskip("torch", reason="needs torch; CPU build: "
+                            "pip install torch --index-url https://download.pytorch.org/whl/cpu")
+F = torch.nn.functional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOP_K = 4

@@ -70,6 +70,8 @@ def test_install_unit_print_and_dest(tmp_path):
     assert not list(tmp_path.glob("*.service"))
     dest = tmp_path / "units"
     r = k3d_cli("install-unit", "--dest", str(dest), "--arena", "1GiB", "--config", "/nonexistent")
+    assert r.returncode == 1 and "--config /nonexistent: no such file" in r.stderr   # a typo is not ignored
+    r = k3d_cli("install-unit", "--dest", str(dest), "--arena", "1GiB")
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(dest)) == sorted(units.FILES)
     text = (dest / "k3d.service").read_text()
@@ -163,7 +165,7 @@ def test_notify_ready_status_watchdog_stopping(checkpoint, start_daemon):
         t_ready, _ = n.wait_for("READY=1")
         assert state_at_ready == {"ipc": True, "arena": True}
         status = [l for _, l in n.lines("STATUS=")]
-        assert any("pre-faulting arena" in l for l in status), status       # before READY
+        assert any("starting: pre-faulting the arena" in l for l in status), status       # before READY
         assert any("hit rate" in l for l in status), status
         with k3client.connect(endpoint, name="n") as c:
             c.fetch(0, [1, 2])

@@ -25,7 +25,8 @@ def test_precedence_cli_env_file_default(tmp_path):
     assert cfg.source == "/cli" and cfg.readers == 3 and cfg.arena == 2**30
     assert cfg.endpoint == "ipc:///tmp/file.sock"
     assert resolve({}, {"K3D_ENDPOINT": "ipc:///tmp/e.sock"}, str(f)).endpoint == "ipc:///tmp/e.sock"
-    assert resolve({}, {}).readers == 8
+    assert resolve({}, {}).readers is None          # the daemon picks per read path
+    assert resolve({"readers": "auto"}, {"K3D_READERS": "3"}).readers is None
 
 
 def test_default_endpoint_uses_runtime_dir():

@@ -38,7 +38,9 @@ Invariants:
 Thread-safety: ``lookup``/``insert``/``discard`` are called from reader threads;
 the index is guarded by one lock, held for dictionary work and the unlinks of
 evicted entries only (an insert writes and fsyncs its file outside it, then
-adds the entry).  One writer thread inserts (RemoteSource's write-behind).
+adds the entry).  One writer thread inserts (the write-behind in tiers.py).
+Built on the main thread with the remote source; ``close`` (main thread, after
+the writer drained) releases the directory lock.
 """
 
 from __future__ import annotations

@@ -1,35 +1,39 @@
 """S3-compatible object stores: ``s3://bucket/prefix/`` through boto3 (the optional ``s3`` extra).
 
-The checkpoint forms, header images, checks, retries, disk tier and counters
-are ``RemoteSource``'s (source_http.py); this module is the transport:
+The checkpoint forms, header images (headers.py), response checks and the
+retry loop (retry.py), disk tier (tiers.py) and counters are shared with HTTP
+through ``RemoteSource`` (source.py); this module is the transport:
 
 - ``_stat``: HeadObject -> ContentLength and the ETag, which is pinned.
 - ``_get_small``: GetObject of the whole index.json (NoSuchKey -> None).
 - ``_get_into``: GetObject with ``Range=bytes=a-b`` and ``IfMatch=<pinned ETag>``;
-  the answer must be 206 with ``ContentRange`` exactly as asked, ``ContentLength``
-  = b - a + 1 and the same ETag; the body (urllib3's stream) is read with
+  the answer must be 206 and pass ``retry.check_206`` (``ContentRange`` exactly as
+  asked, ``ContentLength`` = b - a + 1, the same ETag); the body (urllib3's stream) is read with
   ``readinto`` straight into slot memory.  PreconditionFailed (412) means the
   object was replaced: an error naming it.  5xx, SlowDown/throttling, timeouts
-  and dropped connections are ``Retryable`` (RemoteSource's full-jitter loop is
-  the only retry loop: botocore's own retries are off, so the counters see each
-  one).
+  and dropped connections are ``Retryable``.  ``retry.retrying`` is the only
+  retry loop (HeadObject and the index GET here, ranged reads in
+  ``RemoteSource.fetch_into``): botocore's own retries are off, so the counters
+  see each one.  A ranged read that fails mid-body is refetched whole (its
+  progress is not tracked through botocore's stream).
 
 Endpoint, region and credentials come from boto3's usual chain (AWS_ENDPOINT_URL,
 AWS_REGION / AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY,
 AWS_PROFILE, ~/.aws/config, instance roles); k3d reads none of them itself.
 
-Thread-safety: one boto3 client (clients are thread-safe) whose urllib3 pool
+boto3 is the optional ``s3`` extra: imported when an S3Source is built, so
+k3d without it serves every other source.
+
+Thread: built on the main thread; one boto3 client (clients are thread-safe) whose urllib3 pool
 holds ``conns`` persistent connections; ``read`` runs in many reader threads.
 """
 
 from __future__ import annotations
 
-import re
-
-from .http import RETRY_STATUS, RemoteSource, Retryable, fill_from
 from ..base import SourceError
+from .retry import RETRY_STATUS, Retryable, check_206, fill_from, retrying
+from .source import RemoteSource
 
-_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\Z")
 _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
                 "InternalError", "ServiceUnavailable", "503", "500"}
 
@@ -47,7 +51,7 @@ class S3Source(RemoteSource):
     kind = "s3"
 
     def __init__(self, url: str, pattern: str, *, conns: int = 4, timeout: float = 30.0, **kw):
-        try:
+        try:      # lazily: boto3 is the optional s3 extra (see the module docstring)
             import boto3
             import botocore.config
             import botocore.exceptions
@@ -63,7 +67,7 @@ class S3Source(RemoteSource):
             raise SourceError(f"{url}: cannot make an S3 client: {e}") from None
         super().__init__(url, pattern, **kw)
 
-    def _join(self, base: str, name: str) -> str:
+    def join(self, base: str, name: str) -> str:
         return (base if base.endswith("/") else base.rsplit("/", 1)[0] + "/") + name
 
     def _classify(self, url: str, op: str, e: Exception):
@@ -88,21 +92,13 @@ class S3Source(RemoteSource):
         return SourceError(f"{op} {url}: {type(e).__name__}: {e}")
 
     def _retrying(self, url: str, op: str, fn):
-        import random
-        import time
-        from .http import BACKOFF_BASE, BACKOFF_CAP
-        attempt = 0
-        while True:
+        """``fn()`` through ``retry.retrying``, botocore failures classified."""
+        def attempt(_n: int):
             try:
                 return fn()
             except Exception as e:
-                err = self._classify(url, op, e)
-                if isinstance(err, SourceError):
-                    raise err from None
-                attempt += 1
-                if attempt > self.retries:
-                    raise SourceError(f"{op} {url} failed after {attempt} attempts: {err.reason}") from None
-                time.sleep(random.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2 ** attempt)))
+                raise self._classify(url, op, e) from None
+        return retrying(attempt, self.retries, f"{op} {url}")
 
     def _stat(self, url: str) -> tuple[int, dict]:
         bucket, key = split_url(url)
@@ -153,15 +149,9 @@ class S3Source(RemoteSource):
                                   "refusing a whole-object download")
             if status != 206:
                 raise SourceError(f"{where}: HTTP {status}, expected 206 Partial Content")
-            m = _CONTENT_RANGE.match((r.get("ContentRange") or "").strip())
-            if not m or int(m[1]) != start or int(m[2]) != end:
-                raise SourceError(f"{where}: ContentRange is {r.get('ContentRange')!r}, not bytes {start}-{end}")
-            if m[3] != "*" and int(m[3]) != self.sizes[fi]:
-                raise SourceError(f"origin changed: {url} is now {m[3]} bytes, was {self.sizes[fi]} at start")
-            if r.get("ContentLength") != want:
-                raise SourceError(f"{where}: ContentLength {r.get('ContentLength')!r} is not the {want} bytes asked for")
-            if r.get("ETag") and r["ETag"] != etag:
-                raise SourceError(f"origin changed: {url} has ETag {r['ETag']}, not {etag} seen at start")
+            check_206(where, url, start, end, self.sizes[fi], {"etag": etag}, content_range=r.get("ContentRange"),
+                      content_length=r.get("ContentLength"), etag=r.get("ETag"),
+                      names=("ContentRange", "ContentLength"))
             raw = getattr(body, "_raw_stream", None)
             if raw is not None and hasattr(raw, "readinto"):
                 fill_from(raw.readinto, bufs, where)

@@ -1,0 +1,203 @@
+"""One loaded model's link to the daemon: epochs, grouped fetches, gate-ahead predictions.
+
+Owner: the thread that runs the model's forward (a ``k3client.Client`` is
+single-threaded).  One ``Runtime`` per ``load_model``.
+
+The pin rule this keeps (the daemon's: everything a client touches in an epoch
+stays pinned until its next ``begin_token``):
+
+- every forward is one epoch: a pre-hook on the decoder calls ``begin_token``;
+- a layer fetches the experts its tokens were routed to, in ascending order (the
+  eager loop's order), as few groups as the arena allows; the views of a group
+  are read only between its fetch and the next ``begin_token``;
+- when the next group would not fit beside what this epoch already pinned
+  (``held``), the compute of every earlier group is complete (CPU: it ran; GPU:
+  the stream is synchronised first), so a new epoch starts and the group goes on.
+  A ``CacheFull``/``QuotaExceeded`` reply (other clients' pins, a quota) does
+  the same, then halves the group, then waits for others' epochs to end.  So
+  any arena works, down to one slot; none raises ``CacheFull`` to the caller.
+
+The cost: a mid-forward epoch is one more round trip (plus a stream sync on a
+GPU), the earlier layers' experts become evictable within the forward, and the
+predictions sent before it are judged (unused ones demoted) at that epoch's end.
+
+Gate-ahead: in layer L, the next MoE layer's own router is applied to layer L's
+hidden states; the experts it picks are sent as ``predicted=`` with layer L's
+first fetch (one message).  Local counters (``stats``) say how many of those the
+next layer then fetched (precision as this process sees it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import errors
+
+WAIT_STEP_S = 0.002
+
+
+@dataclass
+class Stats:
+    forwards: int = 0
+    epochs: int = 0                 # begin_token calls (forwards + mid-forward ones)
+    fetches: int = 0                # fetch messages
+    experts_fetched: int = 0
+    cache_full_retries: int = 0
+    predicted: int = 0              # keys sent as predicted=
+    predicted_used: int = 0         # ... that the next MoE layer then fetched
+    fetch_seconds: dict = field(default_factory=dict)   # layer -> total seconds in fetch
+    fetch_calls: dict = field(default_factory=dict)     # layer -> fetch messages
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["precision"] = (self.predicted_used / self.predicted) if self.predicted else None
+        return d
+
+
+@dataclass
+class MoeLayer:
+    layer: int
+    module: object                  # the experts module
+    router: object | None           # its block's router (for gate-ahead of the layer before)
+    family: object                  # families.Standard / GptOss
+    names: tuple                    # layout names, for the views
+    dtype: torch.dtype              # the dtype eager would hold the weights in
+    next: int | None = None         # next MoE layer
+
+
+class Runtime:
+    """Fetches experts for the forward in progress; see the module docstring."""
+
+    def __init__(self, client, layers: dict[int, MoeLayer], predict: bool = True, host_register=None):
+        self.client = client
+        self.layers = layers
+        self.predict = predict
+        self.host_register = host_register     # callable(mmap) on a CUDA host, else None
+        self.stats = Stats()
+        self.held = 0                          # slots this epoch pinned (client side count)
+        self._restarts = client.restarts
+        self._gen = None
+        self._pending_prediction: tuple[int, set[int]] | None = None
+        self._device_work = False              # GPU copies/compute queued since the last sync
+        order = sorted(layers)
+        for a, b in itertools.pairwise(order):
+            layers[a].next = b
+
+    # -- epochs ----------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self.stats.forwards += 1
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
+        self._sync_device()
+        self.client.begin_token()
+        self.stats.epochs += 1
+        self.held = 0
+        self._restarts = self.client.restarts
+
+    def _sync_device(self) -> None:
+        """The pin rule on a GPU: no queued copy may outlive the epoch that pinned its slot."""
+        if self._device_work:
+            torch.cuda.synchronize()
+            self._device_work = False
+
+    def _check_restart(self) -> None:
+        if self.client.restarts != self._restarts:   # a new daemon: no pins held there
+            self._restarts = self.client.restarts
+            self.held = 0
+        if self.host_register is not None and self._gen != self.client.gen:
+            self.host_register(self.client._mm)
+            self._gen = self.client.gen
+
+    # -- the experts call --------------------------------------------------------
+    def run_layer(self, ml: MoeLayer, hidden_states, top_k_index, top_k_weights):
+        """The eager loop of ``ml``'s family over arena views, in groups that fit."""
+        module = ml.module
+        num_experts = module.num_experts
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=num_experts + 1)
+            expert_mask = expert_mask.permute(2, 1, 0)
+            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        experts = [e for e in hit[:, 0].tolist() if e < num_experts]
+        self._score_prediction(ml.layer, experts)
+        predicted = self._predict_next(ml, hidden_states) if self.predict else None
+        device = hidden_states.device
+        for group in self._groups(ml, experts, predicted):
+            for e, views in group:
+                w = ml.family.weights(module, views, device, ml.dtype)
+                top_k_pos, token_idx = torch.where(expert_mask[e])
+                ml.family.compute(module, w, hidden_states[token_idx], token_idx, top_k_pos, top_k_weights, out)
+            if device.type == "cuda":
+                self._device_work = True
+        return out
+
+    def _groups(self, ml: MoeLayer, experts: list[int], predicted):
+        """Yield ``[(expert, {name: view})]`` groups; the caller computes each before the next."""
+        i, cap, waited = 0, max(1, self.client.slots), 0.0
+        while i < len(experts):
+            self._check_restart()
+            cap = min(cap, max(1, self.client.slots))
+            left = len(experts) - i
+            if self.held and self.held + min(left, cap) > cap:
+                self._new_epoch()
+            n = min(left, max(1, cap - self.held))
+            group = experts[i:i + n]
+            try:
+                got = self._fetch(ml, group, predicted)
+            except (errors.CacheFull, errors.QuotaExceeded) as e:
+                self.stats.cache_full_retries += 1
+                if self.held:
+                    self._new_epoch()
+                elif n > 1:
+                    cap = max(1, n // 2)
+                else:
+                    if waited > self.client.timeout:
+                        raise type(e)(f"{e} (waited {waited:.0f}s for other clients' pins)") from None
+                    time.sleep(WAIT_STEP_S)
+                    waited += WAIT_STEP_S
+                continue
+            except errors.DaemonRestarted:
+                continue                      # slots named by a daemon that is gone: fetch again
+            predicted = None                  # sent once, with the layer's first fetch
+            self.held += n
+            i += n
+            yield got
+
+    def _fetch(self, ml: MoeLayer, group: list[int], predicted):
+        t0 = time.perf_counter()
+        fetched = self.client.fetch(ml.layer, group, predicted=predicted)
+        # views now: a restart after this leaves them on the old mapping, still correct
+        got = [(ex.expert, {n: ex.tensor(n) for n in ml.names}) for ex in fetched]
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.fetches += 1
+        st.experts_fetched += len(group)
+        st.fetch_seconds[ml.layer] = st.fetch_seconds.get(ml.layer, 0.0) + dt
+        st.fetch_calls[ml.layer] = st.fetch_calls.get(ml.layer, 0) + 1
+        if predicted:
+            st.predicted += len(predicted)
+        return got
+
+    # -- gate-ahead ---------------------------------------------------------------
+    def _predict_next(self, ml: MoeLayer, hidden_states):
+        nxt = self.layers.get(ml.next) if ml.next is not None else None
+        if nxt is None or nxt.router is None:
+            self._pending_prediction = None
+            return None
+        with torch.no_grad():
+            routed = nxt.router(hidden_states)
+        idx = routed[2] if isinstance(routed, tuple) else routed
+        experts = sorted(set(idx.reshape(-1).tolist()))
+        self._pending_prediction = (nxt.layer, set(experts))
+        return [(nxt.layer, e) for e in experts]
+
+    def _score_prediction(self, layer: int, experts: list[int]) -> None:
+        p = self._pending_prediction
+        if p is not None and p[0] == layer:
+            self.stats.predicted_used += len(p[1] & set(experts))
+            self._pending_prediction = None

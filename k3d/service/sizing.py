@@ -1,0 +1,60 @@
+"""Arena size sanity checks at start: warnings, not errors (the daemon still starts).
+
+- Fewer slots than one token pins: every MoE layer of a token pins its top-k
+  experts until the client's next ``begin_token``, so an arena below
+  ``layers x top_k`` slots answers ``cache full`` to a single client mid-token.
+  ``top_k`` comes from the checkpoint's ``config.json`` when the source is a
+  local directory that has one (``num_experts_per_tok`` and its spellings),
+  else 1 (the least any token pins).
+- Far more slots than the model has experts: the surplus is memory taken and
+  pre-faulted at every start for nothing.
+
+Pure functions of the source's description and the slot count; called once by
+``k3d.service.daemon`` before the arena is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_top_k", "top_k")
+SURPLUS = 1.25          # slots above this many times the model's experts are called waste
+
+
+def human(n: float) -> str:
+    return f"{n / 2**30:.2f}GiB" if n >= 2**30 else f"{n / 2**20:.0f}MiB"
+
+
+def top_k(path: str) -> int | None:
+    """The router's top-k from ``config.json`` beside a local checkpoint, if it says."""
+    d = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        with open(os.path.join(d, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for section in (cfg, cfg.get("text_config") or {}):
+        for key in TOPK_KEYS:
+            v = section.get(key) if isinstance(section, dict) else None
+            if type(v) is int and v > 0:
+                return v
+    return None
+
+
+def arena_warnings(slots: int, slot_bytes: int, model: dict) -> list[str]:
+    """Warnings for an arena of ``slots`` serving ``model`` (a source's ``describe()``)."""
+    out = []
+    layers = model["layers"][-1] - model["layers"][0] + 1 if model.get("layers") else 0
+    k = top_k(model["path"]) if not str(model["path"]).startswith(("http://", "https://", "s3://")) else None
+    need = layers * (k or 1)
+    if slots < need:
+        out.append(f"the arena holds {slots} slots but one token pins {need} ({layers} layers x top-{k or 1}"
+                   f"{'' if k else ' at least'}): a client will get 'cache full' mid-token; raise --arena to at "
+                   f"least {human(need * slot_bytes)} (--slots {need})")
+    count = model.get("count", 0)
+    if count and slots > SURPLUS * count:
+        out.append(f"the arena holds {slots} slots but the model has only {count} experts: "
+                   f"{human((slots - count) * slot_bytes)} will never be used; --slots {count} "
+                   f"(--arena {human(count * slot_bytes)}) holds all of it")
+    return out

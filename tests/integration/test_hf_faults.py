@@ -1,0 +1,83 @@
+"""Faults: the daemon restarts mid-generate (same output), a client is killed (others unaffected)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from hf_common import checkpoint, daemon_args, eager, torch
+
+
+def test_daemon_restart_mid_forward_is_transparent(start_daemon):
+    from k3client.hf import load_model
+
+    path = checkpoint("qwen2_moe")
+    d = start_daemon(path, *daemon_args("qwen2_moe"))
+    ref = eager(path)
+    model = load_model(path, endpoint=d.endpoint, dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    want = ref.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    calls, restarted = [0], []
+
+    def restart_between_layers(mod, args):
+        calls[0] += 1
+        if calls[0] == 4 and not restarted:   # the 4th forward, after layer 0 fetched (pins held)
+            assert d.stop() == 0
+            restarted.append(start_daemon(path, *daemon_args("qwen2_moe"), endpoint=d.endpoint))
+
+    hook = model.model.layers[1].register_forward_pre_hook(restart_between_layers)
+    try:
+        got = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert restarted and model.k3d.client.restarts == 1
+        assert torch.equal(want, got)
+        assert restarted[0].proc.poll() is None
+    finally:
+        hook.remove()
+        model.k3d.client.close()
+
+
+def _worker(path, endpoint, seed, tokens):
+    cmd = [sys.executable, "-m", "k3d.demo.hf", "worker", path, "--endpoint", endpoint,
+           "--tokens", str(tokens), "--seed", str(seed)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_killed_client_leaves_others_unaffected(start_daemon):
+    """A worker process and this process generate on one small arena; the worker is SIGKILLed
+    mid-generate; this process finishes with eager's tokens and the daemon drops the dead pins."""
+    import k3client
+    from k3client.hf import load_model
+
+    path = checkpoint("qwen3_moe")
+    d = start_daemon(path, *daemon_args("qwen3_moe", arena="256KiB"))   # small: pins matter
+    victim = _worker(path, d.endpoint, 0, 400)
+    ref = eager(path)
+    model = load_model(path, endpoint=d.endpoint, dtype=torch.bfloat16)
+    for line in victim.stdout:                 # it is generating (holding pins) from here on
+        if json.loads(line).get("step", 0) >= 2:
+            break
+    steps = [0]
+
+    def kill_at_third_forward(mod, args):
+        steps[0] += 1
+        if steps[0] == 3:
+            victim.send_signal(signal.SIGKILL)
+
+    hook = model.model.register_forward_pre_hook(kill_at_third_forward)
+    try:
+        ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+        want = ref.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        got = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert victim.wait(60) == -signal.SIGKILL
+        assert torch.equal(want, got)
+    finally:
+        hook.remove()
+        model.k3d.client.close()
+    deadline = time.monotonic() + 30
+    with k3client.connect(d.endpoint) as c:
+        while any(cl["pid"] == victim.pid for cl in c.status()["clients"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(cl["pid"] == victim.pid for cl in c.status()["clients"])
+    assert d.proc.poll() is None and os.path.exists(d.endpoint[len("ipc://"):])

@@ -1,0 +1,121 @@
+"""Integration: ``--metrics`` serves Prometheus text equal to ``k3ctl status --json``."""
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import k3client
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def k3ctl_json(endpoint):
+    r = subprocess.run([sys.executable, "-m", "k3d.ctl", "status", "--endpoint", endpoint, "--json"],
+                       check=False, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def metrics_url(d):
+    m = re.search(r"metrics at (http://\S+/metrics)", d.log())
+    assert m, d.log()
+    return m.group(1)
+
+
+def scrape(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def test_scrape_equals_status(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--arena", "8MiB", "--metrics", "127.0.0.1:0")
+    url = metrics_url(d)
+    with k3client.connect(d.endpoint, name="m") as c:
+        c.fetch(0, [0, 1])               # misses
+        c.begin_token()
+        c.fetch(0, [0, 1])               # hits
+        c.predict([(1, 2)])
+        m = scrape(url)                  # the client is still attached
+        st = k3ctl_json(d.endpoint)
+    s = st["stats"]
+    for name in ("hits", "misses", "waited", "evictions", "bytes_read", "prefetched", "prefetch_hits",
+                 "prefetch_unused", "errors"):
+        assert m[(f"k3d_{name}_total", ())] == s[name], name
+    assert s["hits"] == 2 and s["misses"] == 2
+    a = st["arena"]
+    assert m[("k3d_arena_slots", ())] == a["slots"]
+    assert m[("k3d_arena_used_slots", ())] == a["used"]
+    assert m[("k3d_arena_pinned_slots", ())] == a["pinned"] == 2
+    assert m[("k3d_clients", ())] == 1          # status by k3ctl does not attach
+    lat = st["fetch_seconds"]
+    for result in ("hit", "miss", "waited"):
+        assert m[("k3d_fetch_seconds_count", (("result", result),))] == lat[result]["count"]
+        assert m[("k3d_fetch_seconds_sum", (("result", result),))] == pytest.approx(lat[result]["sum"])
+    assert lat["hit"]["count"] == 1 and lat["miss"]["count"] == 1
+    inf = m[("k3d_fetch_seconds_bucket", (("le", "+Inf"), ("result", "miss")))]
+    assert inf == 1
+
+
+def test_metrics_port_in_use_is_one_line(checkpoint, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "k3d.cli", "start", "--source", checkpoint, "--arena", "4MiB",
+                            "--endpoint", f"ipc://{tmp_path}/k.sock", "--metrics", f"127.0.0.1:{port}"],
+                           check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert f"--metrics 127.0.0.1:{port}: cannot listen" in r.stderr
+
+
+@pytest.mark.parametrize("value", ["9484", "host:port", "127.0.0.1:70000"])
+def test_bad_metrics_address_is_one_line(checkpoint, tmp_path, value):
+    r = subprocess.run([sys.executable, "-m", "k3d.cli", "start", "--source", checkpoint, "--arena", "4MiB",
+                        "--endpoint", f"ipc://{tmp_path}/k.sock", "--metrics", value],
+                       check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "HOST:PORT" in r.stderr
+
+
+def test_scrapes_during_shutdown_never_hang(checkpoint, start_daemon):
+    d = start_daemon(checkpoint, "--arena", "8MiB", "--metrics", "127.0.0.1:0")
+    url = metrics_url(d)
+    outcomes, stop = [], threading.Event()
+
+    def scraper():
+        while not stop.is_set():
+            try:
+                scrape(url, timeout=20)
+                outcomes.append("ok")
+            except (urllib.error.URLError, ConnectionError, OSError) as e:
+                # refused or closed: what a stopping exporter may answer; a timeout is a hang
+                assert "timed out" not in str(e), e
+                outcomes.append("closed")
+
+    threads = [threading.Thread(target=scraper) for _ in range(4)]
+    for t in threads:
+        t.start()
+    while outcomes.count("ok") < 8:
+        time.sleep(0.01)
+    assert d.stop(signal.SIGTERM) == 0
+    stop.set()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    assert outcomes.count("ok") >= 8
