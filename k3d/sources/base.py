@@ -71,6 +71,7 @@ class Source:
         self.tensor_types: dict[str, str] = {}
         self.layer_tensor_types: dict[int, dict[str, str]] = {}
         self.family = None            # k3d.sources.families.Family, where the format has one
+        self.family_fields: dict = {}   # a pack's record of its source's family (describe's fields)
 
     @property
     def expert_bytes(self) -> int:
@@ -88,6 +89,7 @@ class Source:
         """Take another source's experts as this one's (remote sources parse a header image)."""
         self.layout, self.layouts, self.keys = other.layout, other.layouts, other.keys
         self.tensor_format, self.family = other.tensor_format, other.family
+        self.family_fields = dict(other.family_fields)
         self.tensor_types = dict(getattr(other, "tensor_types", None) or {})
         self.layer_tensor_types = dict(other.layer_tensor_types)
 
@@ -114,6 +116,7 @@ class Source:
              "family": self.family.name if self.family else None,
              "family_rule": f"{self.family.rule.id} ({self.family.how})" if self.family else None,
              "top_k": self.family.top_k if self.family else None}
+        d.update(self.family_fields)
         if not self.uniform:
             d["layouts"] = self.layout_groups()
         return d
