@@ -45,7 +45,7 @@ class Daemon:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      preexec_fn=server_affinity if SERVER_CPUS else None)
         deadline = time.monotonic() + timeout
-        while "ready" not in self.log():
+        while "k3d: ready" not in self.log():     # not "arena ... ready in 1.0s"
             if self.proc.poll() is not None:
                 raise RuntimeError(f"k3d start exited {self.proc.returncode}:\n{self.log()}")
             if time.monotonic() > deadline:

@@ -4,7 +4,8 @@ Both sockets are created 0660 in a 0750 directory (the file modes are the first
 gate); every peer is then checked again from its kernel credentials, so a
 socket whose mode was loosened by mistake still refuses strangers: ZeroMQ's
 ``Peer-Address`` property (``localhost:uid:gid:pid`` over ipc) on hello, and
-SO_PEERCRED on the arena socket.  Pure functions; safe from any thread.
+SO_PEERCRED on the arena socket.  Pure functions, safe from any thread, except
+``private_umask`` (the process umask: the server thread, before serving).
 """
 
 from __future__ import annotations
@@ -12,8 +13,20 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from contextlib import contextmanager
 
 import zmq
+
+
+@contextmanager
+def private_umask():
+    """Sockets bound inside are born 0660: only the daemon's user and group may
+    connect.  (Callers chmod again after binding, in case the umask was ignored.)"""
+    old = os.umask(0o117)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def peer_cred(frame) -> tuple[int | None, int | None, int | None]:

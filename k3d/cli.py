@@ -13,8 +13,12 @@ import os
 import sys
 
 from . import __version__
-from .config import ConfigError, resolve
+from .config import DEFAULT_PATTERN, Config, ConfigError, format_size, resolve
 from .ctl import parse_args
+from .reads.plan import COLD_READERS
+from .service import units
+
+D = Config()     # the defaults, written once (config.py); help strings read them here
 
 
 def _start_parser(sub):
@@ -22,30 +26,37 @@ def _start_parser(sub):
     p.add_argument("--config", help="TOML config file (keys as the long options, e.g. arena = \"8GiB\")")
     p.add_argument("--source", help="checkpoint: safetensors directory/file, .gguf or .k3pack file, "
                    "or an http(s):// or s3:// URL of one")
+<<<<<<< HEAD
     p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name} (default: the model "
                    "family, from config.json or the tensor names)")
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes (rounded down to whole slots)")
+=======
+    p.add_argument("--pattern", help=f"tensor name pattern with {{layer}}, {{expert}}, {{name}} (default {D.pattern})")
+    p.add_argument("--arena", help=f"arena size: 512MiB, 8GiB or bytes, rounded down to whole slots (default {format_size(D.arena)})")
+>>>>>>> main
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
-    p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, 2-8, for safetensors/GGUF "
-                   "page-cache reads; 8 for packed files and HTTP/S3 origins)")
+    p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, "
+                   f"2-{COLD_READERS}, for safetensors/GGUF page-cache reads; {COLD_READERS} for packed "
+                   "files and HTTP/S3 origins)")
     p.add_argument("--trace", help="append a route trace line per fetch to FILE")
-    p.add_argument("--lease", dest="lease_s", type=float, help="seconds a silent client keeps its pins (default 10)")
-    p.add_argument("--pin-quota", dest="pin_quota", type=int, help="slots one client may pin per token (0: no limit)")
-    p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
+    p.add_argument("--lease", dest="lease_s", type=float, help=f"seconds a silent client keeps its pins (default {D.lease_s:g})")
+    p.add_argument("--pin-quota", dest="pin_quota", type=int, help=f"slots one client may pin per token (0: no limit; default {D.pin_quota})")
+    p.add_argument("--log-level", dest="log_level", help=f"debug, info, warning, error (default {D.log_level})")
     p.add_argument("--read-mode", dest="read_mode",
-                   help="packed files: buffered (page cache, dropped after reading) or direct (O_DIRECT)")
+                   help="packed files: buffered (page cache, dropped after reading) or direct (O_DIRECT); "
+                   f"default {D.read_mode}")
     p.add_argument("--http-conns", dest="http_conns", type=int,
-                   help="remote sources: persistent connections per host (default 4)")
+                   help=f"remote sources: persistent connections per host (default {D.http_conns})")
     p.add_argument("--http-timeout", dest="http_timeout", type=float,
                    help="remote sources: seconds one request may take in all, connect, headers and body "
-                   "(a body still arriving then is given up on and retried; default 30)")
+                   f"(a body still arriving then is given up on and retried; default {D.http_timeout:g})")
     p.add_argument("--http-retries", dest="http_retries", type=int,
-                   help="remote sources: retries of a failing request, full-jitter backoff (default 5)")
+                   help=f"remote sources: retries of a failing request, full-jitter backoff (default {D.http_retries})")
     p.add_argument("--disk-cache", dest="disk_cache",
                    help="remote sources: keep fetched experts in DIR (crash-safe, survives restarts)")
     p.add_argument("--disk-cache-size", dest="disk_cache_size",
-                   help="bytes the disk cache may hold, e.g. 100GiB (LRU beyond; default 16GiB)")
+                   help=f"bytes the disk cache may hold, e.g. 100GiB (LRU beyond; default {format_size(D.disk_cache_size)})")
     p.add_argument("--hugepages", action="store_const", const=True, default=None,
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
@@ -72,11 +83,10 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _start_parser(sub)
     _pack_parser(sub)
-    from .service import units
     units.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
-    d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default 200)")
-    d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default 3)")
+    d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default %(default)s)")
+    d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default %(default)s)")
     d.add_argument("--seed", type=int, default=1234)
     d.add_argument("--hf", action="store_true",
                    help="transformers processes (k3client.hf) generating with one daemon, vs plain ones")

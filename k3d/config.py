@@ -63,6 +63,15 @@ def parse_size(text) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def format_size(n: int) -> str:
+    """Bytes as the largest binary unit that divides them (``16GiB``, ``512MiB``, ``4097``):
+    ``parse_size`` reads it back exactly (CLI help shows defaults this way)."""
+    for unit, mult in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
 def _size(value) -> int:
     v = parse_size(value)
     if v <= 0:

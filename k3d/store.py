@@ -20,7 +20,13 @@ Invariants:
   so a refused fetch changes nothing.
 
 The store does no I/O: ``fetch``/``predict`` return the slots whose reads the
-caller must start; ``complete`` is called when they finish.
+caller must start; ``complete`` is called when they finish.  It knows a read
+only as a LOADING slot (``Loading``: key, urgent, demote on ready); the read
+itself (token, parts, error) belongs to ``reads.loads``.  The caller changes
+the store only through its methods (``repin``, ``background`` included), so
+its invariants (``check``) hold whatever the caller is.
+
+Thread: the server thread owns the store; no locking.
 """
 
 from __future__ import annotations
@@ -48,12 +54,12 @@ class FetchPlan:
 
 
 @dataclass
-class Load:
+class Loading:
+    """What the store knows of a LOADING slot.  The read itself (token, parts,
+    error) is ``reads.loads.Load``, which the store never sees."""
     key: tuple[int, int]
-    urgent: bool
-    demote_on_ready: bool = False
-    fail: str | None = None
-    parts_left: int = 0
+    urgent: bool                     # False: a background read a fetch must promote
+    demote_on_ready: bool = False    # an unused prediction: LRU end once READY
 
 
 @dataclass
@@ -68,7 +74,7 @@ class Store:
         self.slot_key: list[tuple[int, int] | None] = [None] * self.slots
         self.key_slot: dict[tuple[int, int], int] = {}
         self.free = list(range(self.slots - 1, -1, -1))   # pop() gives slot 0 first
-        self.loads: dict[int, Load] = {}
+        self.loads: dict[int, Loading] = {}
         self.predicted_by: dict[int, int] = {}            # slot -> predicting client
         self.predictions: dict[int, set[int]] = {}        # client -> slots it predicted
 
@@ -158,7 +164,7 @@ class Store:
         self.state[s] = LOADING
         self.slot_key[s] = key
         self.key_slot[key] = s
-        self.loads[s] = Load(key, urgent)
+        self.loads[s] = Loading(key, urgent)
         return s, evicted
 
     def _evict(self, s: int) -> None:
@@ -187,6 +193,25 @@ class Store:
         self.stats.prefetched += len(started)
         return started
 
+    # -- answers and loads after the fact -----------------------------------
+    def repin(self, holder, slots: list[int]) -> None:
+        """Pin READY ``slots`` for ``holder``, within the pin quota (checked first:
+        a refusal changes nothing).  For a fetch answered after its client began
+        a new token: the pins it was planned under are gone."""
+        if self.pin_quota:
+            after = len(self.policy.held(holder) | set(slots))
+            if after > self.pin_quota:
+                raise QuotaExceeded(
+                    f"pin quota exceeded: this fetch, answered after begin_token, would pin {after} slots "
+                    f"in the new token, the quota is {self.pin_quota} per client per token; fetch it again")
+        for s in slots:
+            self.policy.pin(s, holder)
+
+    def background(self, s: int) -> None:
+        """The read of LOADING slot ``s`` now runs as a background read (its client
+        is gone): a later fetch of its key promotes it (``FetchPlan.promote``)."""
+        self.loads[s].urgent = False
+
     # -- epochs and clients -------------------------------------------------
     def end_epoch(self, client: int, holder) -> tuple[int, int]:
         """Release ``holder``'s pins; demote ``client``'s unused predictions.
@@ -204,7 +229,7 @@ class Store:
         return released, len(unused)
 
     # -- completion ---------------------------------------------------------
-    def complete(self, s: int, error: str | None, counted: bool = True) -> Load:
+    def complete(self, s: int, error: str | None, counted: bool = True) -> Loading:
         """The read of slot ``s`` finished (all parts). READY, or FREE on error.
 
         ``counted=False``: a read cancelled by shutdown, not a failure (no ``errors``)."""

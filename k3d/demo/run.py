@@ -23,6 +23,7 @@ import time
 
 from safetensors import safe_open
 
+import k3client
 from k3client.layout import build_layout
 
 from .synthetic import NAME, write_checkpoint
@@ -97,7 +98,6 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
             for w in workers:
                 out, _ = w.communicate(timeout=300)
                 results.append(json.loads(out.strip().splitlines()[-1]) if out.strip() else None)
-            import k3client
             with k3client.connect(endpoint, name="demo-status") as c:
                 status = c.status()
         finally:

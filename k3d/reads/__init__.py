@@ -1,1 +1,11 @@
-"""reads"""
+"""Reads: getting expert bytes from the source into slot memory.
+
+- ``loads``: the one ``Load`` type (an explicit token per read) and the books of
+  reads in flight; the server's only door to this package;
+- ``pool``: the reader threads and their urgent/background queues;
+- ``fair``: each client's fair share of the readers for urgent reads;
+- ``plan``: how a batch of experts is cut into parts.
+
+Thread: the server thread drives all of it; reader threads only run
+``source.read`` into slot memory and report through the pool's queue + eventfd.
+"""

@@ -14,7 +14,7 @@ too, so predicting keys and then fetching them is no way around the share.
 State (server thread only, no lock):
 - ``backlog``: client -> deque of its held-back Jobs;
 - ``in_pool``: client -> how many of its metered Jobs are in the pool now;
-- ``owner``: (load, part) of every metered Job -> its client.  Metering is per
+- ``owner``: (load token, part) of every metered Job -> its client.  Metering is per
   part, not per load: a promoted load may have parts that started unmetered.
 Background reads are not metered: the pool already serves them after every
 urgent read.
@@ -51,21 +51,21 @@ class FairReads:
         elif not self.in_pool[owner]:
             del self.in_pool[owner]
 
-    def waited_on(self, slot: int, client: int) -> None:
-        """``client`` now waits on ``slot``: another client's held-back reads of it go now."""
-        for owner in [o for o, q in self.backlog.items() if o != client and any(j.load_id == slot for j in q)]:
-            self.release(owner, slot)
+    def waited_on(self, load_id: int, client: int) -> None:
+        """``client`` now waits on load ``load_id``: another client's held-back parts of it go now."""
+        for owner in [o for o, q in self.backlog.items() if o != client and any(j.load_id == load_id for j in q)]:
+            self.release(owner, load_id)
 
-    def release(self, owner: int, slot: int | None = None, urgent: bool = True) -> list:
-        """Submit ``owner``'s held-back jobs now: those of ``slot``, or all (as background
-        reads with ``urgent=False``: nobody waits on them).  Returns the jobs moved."""
+    def release(self, owner: int, load_id: int | None = None, urgent: bool = True) -> list:
+        """Submit ``owner``'s held-back jobs now: those of load ``load_id``, or all (as
+        background reads with ``urgent=False``: nobody waits on them).  Returns the jobs moved."""
         q = self.backlog.get(owner)
         if not q:
             return []
-        moved = [j for j in q if slot is None or j.load_id == slot]
+        moved = [j for j in q if load_id is None or j.load_id == load_id]
         if not moved:
             return []
-        rest = deque(j for j in q if slot is not None and j.load_id != slot)
+        rest = deque(j for j in q if load_id is not None and j.load_id != load_id)
         if rest:
             self.backlog[owner] = rest
         else:

@@ -4,14 +4,17 @@ Queues: two FIFO deques under one condition variable; a reader always takes
 from URGENT first, so a background (predicted) read never delays a fetch that
 a client is blocked on.  ``take_background(load_id)`` hands back a load's
 not-yet-started background parts when a client starts waiting for a predicted
-key; the server re-submits them urgent, through the client's fair share.
+key; ``loads.Loads`` re-submits them urgent, through the client's fair share.
 
-A job is one part of one expert's read: ``Job(load_id, part, extents, dest)``.
+A job is one part of one expert's read: ``Job(load_id, part, extents, dest)``;
+``load_id`` is the load's token (``loads.Load.id``), not a slot number.
 The reader calls ``source.read(extents, dest)`` (pread straight into the slot)
 and reports ``Done(load_id, part, nbytes, seconds, error)`` on a SimpleQueue,
 then writes the eventfd so the server loop (which polls it beside the ROUTER
 socket) wakes up.  Readers never touch the store, the policy or any socket:
-the server thread alone owns those, so that state needs no lock.
+the server thread alone owns those, so that state needs no lock.  The pool
+object itself is driven by the server thread (through ``loads.Loads``); its
+queues are shared with the readers under ``_cv``.
 
 Shutdown: ``stop()`` drops queued jobs (reporting each as cancelled) and joins
 the threads after their current part.

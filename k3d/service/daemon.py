@@ -37,9 +37,10 @@ from ..metrics import Exporter, SnapshotBoard
 from ..reads.plan import readers_for
 from ..server import Server
 from ..sources import SourceError, open_source
+from ..wire import open_endpoint
 from .notify import Notifier
-from .starting import Progress, ProgressPrinter, StartupResponder, describe, open_endpoint
 from .sizing import arena_warnings
+from .starting import Progress, ProgressPrinter, StartupResponder, describe
 
 log = logging.getLogger("k3d")
 
@@ -284,7 +285,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             exporter.stop()
         if arena is not None:
             arena.close()
-        if source is not None and (server is None or not server.readers.alive()):
+        if source is not None and (server is None or not server.reads.readers_alive()):
             source.close()               # (a stuck reader may still use the fds)
         notifier.close()
         if lock is not None:

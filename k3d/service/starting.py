@@ -38,28 +38,6 @@ from .. import __version__
 POLL_MS = 50
 
 
-def open_endpoint(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    """The daemon's ROUTER socket, bound with mode 0660 (umask during bind; chmod in case
-    the umask was ignored).  Options as the server loop needs them."""
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    # Hard cap in libzmq (drops the peer); below it, the server answers oversized messages.
-    sock.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_MESSAGE_BYTES)
-    sock.setsockopt(zmq.LINGER, 500)
-    sock.setsockopt(zmq.SNDHWM, 100000)
-    old_umask = os.umask(0o117)
-    try:
-        sock.bind(endpoint)
-    except BaseException:
-        sock.close(0)
-        raise
-    finally:
-        os.umask(old_umask)
-    if endpoint.startswith("ipc://"):
-        os.chmod(endpoint[len("ipc://"):], 0o660)
-    return sock
-
-
 def describe(p: dict) -> str:
     """``pre-faulting 1.2/4.0 GiB (30 %), ~8 s left`` (the phase alone before progress is known)."""
     line = p["phase"]

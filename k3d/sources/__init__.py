@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import os
 
+from ..config import Config
 from .base import Extent, Source, SourceError
-from .gguf import MAGIC as GGUF_MAGIC, GGUFSource
-from .packed import MAGIC as PACK_MAGIC, PARTIAL, PackedSource
+from .gguf import MAGIC as GGUF_MAGIC
+from .gguf import GGUFSource
+from .packed import MAGIC as PACK_MAGIC
+from .packed import PARTIAL, PackedSource
 from .remote.http import HttpSource
 from .remote.s3 import S3Source
 from .safetensors import SafetensorsSource
 
-__all__ = ["Extent", "Source", "SourceError", "open_source", "open_remote"]
+__all__ = ["Extent", "Source", "SourceError", "open_remote", "open_source"]
 
 
-def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg=None) -> Source:
+def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg: Config | None = None) -> Source:
     """Pick the source for a path (directory or file) or URL; raises SourceError.
 
     Files are recognised by their magic (``GGUF``, ``K3DPACK``), else by extension;
@@ -70,18 +73,18 @@ def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg=None) 
                           f"convert {spec} with `k3d pack {spec} OUT.k3pack`")
     if head[:4] == GGUF_MAGIC or spec.endswith(".gguf"):
         return GGUFSource(spec)
-    if os.path.isdir(spec) or spec.endswith(".safetensors") or spec.endswith(".json"):
+    if os.path.isdir(spec) or spec.endswith((".safetensors", ".json")):
         return SafetensorsSource(spec, pattern)
     raise SourceError(f"unsupported source {spec}: expected a safetensors directory or file, "
                       "a .gguf file or a .k3pack file")
 
 
-def open_remote(spec: str, pattern: str, cfg=None) -> Source:
-    """An HTTP(S) or S3 source; ``cfg`` (a Config, or None for defaults) supplies the tunables."""
-    kw = {"disk_cache": getattr(cfg, "disk_cache", None),
-          "disk_cache_size": getattr(cfg, "disk_cache_size", 16 * 2**30),
-          "retries": getattr(cfg, "http_retries", 5)}
-    conns, timeout = getattr(cfg, "http_conns", 4), getattr(cfg, "http_timeout", 30.0)
+def open_remote(spec: str, pattern: str, cfg: Config | None = None) -> Source:
+    """An HTTP(S) or S3 source; ``cfg`` supplies the tunables (None: ``Config``'s defaults,
+    the one place they are written)."""
+    cfg = cfg if cfg is not None else Config()
+    kw = {"disk_cache": cfg.disk_cache, "disk_cache_size": cfg.disk_cache_size, "retries": cfg.http_retries}
+    conns, timeout = cfg.http_conns, cfg.http_timeout
     if spec.startswith("s3://"):
         return S3Source(spec, pattern, conns=conns, timeout=timeout, **kw)
     return HttpSource(spec, pattern, conns=conns, timeout=timeout, **kw)

@@ -452,7 +452,7 @@ def test_start_ticks_reads_proc_stat_even_with_odd_process_names(tmp_path):
     """The clock-step-proof start time of a process, parsed past a comm holding ') ('."""
     import subprocess
     import sys
-    from k3d.server import start_ticks
+    from k3d.sessions import start_ticks
 
     odd = tmp_path / "a) b (c"
     odd.symlink_to(sys.executable)

@@ -14,8 +14,9 @@ through ``RemoteSource`` (source.py); this module is the transport:
   and dropped connections are ``Retryable``.  ``retry.retrying`` is the only
   retry loop (HeadObject and the index GET here, ranged reads in
   ``RemoteSource.fetch_into``): botocore's own retries are off, so the counters
-  see each one.  A ranged read that fails mid-body is refetched whole (its
-  progress is not tracked through botocore's stream).
+  see each one.  A body cut short (a short read, a socket error in
+  ``readinto``) resumes after the bytes that landed, as over HTTP; any other
+  failure inside botocore's stream is retried from the start of the range.
 
 Endpoint, region and credentials come from boto3's usual chain (AWS_ENDPOINT_URL,
 AWS_REGION / AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY,
@@ -96,7 +97,7 @@ class S3Source(RemoteSource):
         def attempt(_n: int):
             try:
                 return fn()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - botocore raises many types; _classify sorts them
                 raise self._classify(url, op, e) from None
         return retrying(attempt, self.retries, f"{op} {url}")
 
@@ -138,7 +139,7 @@ class S3Source(RemoteSource):
         where = f"GetObject {url} bytes={start}-{end}"
         try:
             r = self._s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}", IfMatch=etag)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - botocore raises many types; _classify sorts them
             err = self._classify(url, "GetObject", e)
             raise err from None
         body = r["Body"]
@@ -165,7 +166,7 @@ class S3Source(RemoteSource):
             raise
         except SourceError:
             raise
-        except Exception as e:    # urllib3 protocol errors mid-body: resume is not tracked here, refetch
+        except Exception as e:  # noqa: BLE001 - urllib3 protocol errors mid-body: not resumed here, refetched
             raise Retryable(f"{where}: {type(e).__name__}: {e}") from None
         finally:
             body.close()

@@ -41,6 +41,7 @@ drains the writer.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -82,7 +83,7 @@ class Counters:
 
 class Load:
     """One expert load in progress: its parts' (slot_offset, length, crc) and where they came from."""
-    __slots__ = ("token", "parts", "got", "entry", "fallback")
+    __slots__ = ("entry", "fallback", "got", "parts", "token")
 
     def __init__(self, token: memoryview, entry: Entry | None):
         self.token, self.parts, self.got, self.entry = token, [], 0, entry
@@ -114,7 +115,7 @@ class Tiers:
     @staticmethod
     def _padding(layout) -> dict[int, int]:
         specs = sorted(layout, key=lambda s: s.offset)
-        return {a.offset + a.nbytes: b.offset for a, b in zip(specs, specs[1:])}
+        return {a.offset + a.nbytes: b.offset for a, b in itertools.pairwise(specs)}
 
     # -- disk identity ---------------------------------------------------------------------------
     def fingerprint(self, key) -> str:
