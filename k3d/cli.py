@@ -13,7 +13,7 @@ import os
 import sys
 
 from . import __version__
-from .config import DEFAULT_PATTERN, Config, ConfigError, format_size, resolve
+from .config import Config, ConfigError, format_size, resolve
 from .ctl import parse_args
 from .reads.plan import COLD_READERS
 from .service import units
@@ -26,14 +26,9 @@ def _start_parser(sub):
     p.add_argument("--config", help="TOML config file (keys as the long options, e.g. arena = \"8GiB\")")
     p.add_argument("--source", help="checkpoint: safetensors directory/file, .gguf or .k3pack file, "
                    "or an http(s):// or s3:// URL of one")
-<<<<<<< HEAD
     p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name} (default: the model "
                    "family, from config.json or the tensor names)")
-    p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes (rounded down to whole slots)")
-=======
-    p.add_argument("--pattern", help=f"tensor name pattern with {{layer}}, {{expert}}, {{name}} (default {D.pattern})")
     p.add_argument("--arena", help=f"arena size: 512MiB, 8GiB or bytes, rounded down to whole slots (default {format_size(D.arena)})")
->>>>>>> main
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
     p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, "

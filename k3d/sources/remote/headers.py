@@ -43,15 +43,10 @@ from dataclasses import dataclass, field
 
 from ..base import Extent, SourceError
 from ..gguf import GGUFSource, parse_gguf
-<<<<<<< HEAD
-from ..packed import MAX_HEADER as PACK_MAX_HEADER, PackedSource
-from ..safetensors import CONFIG_NAME, MAX_HEADER as ST_MAX_HEADER, SafetensorsSource
-=======
 from ..packed import MAX_HEADER as PACK_MAX_HEADER
 from ..packed import PackedSource
+from ..safetensors import CONFIG_NAME, SafetensorsSource
 from ..safetensors import MAX_HEADER as ST_MAX_HEADER
-from ..safetensors import SafetensorsSource
->>>>>>> main
 
 INDEX_NAME = "model.safetensors.index.json"
 HEAD_PROBE = 1 << 16          # first header fetch; more only if the header says so
