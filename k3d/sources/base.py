@@ -83,7 +83,9 @@ class Source:
 
     @property
     def uniform(self) -> bool:
-        return all(l == self.layout for l in self.layouts.values())
+        """Every layer has ``layout`` (and the same tensor types): one layout tells all."""
+        return (all(lay == self.layout for lay in self.layouts.values())
+                and all(t == self.tensor_types for t in self.layer_tensor_types.values()))
 
     def adopt(self, other: Source) -> None:
         """Take another source's experts as this one's (remote sources parse a header image)."""
