@@ -1,0 +1,181 @@
+"""Integration: every MoE family as transformers' own save_pretrained writes it is served without a pattern.
+
+For each family a tiny model is saved (CPU, float32), opened with no ``--pattern``,
+and every byte of every served expert is compared with ``safe_open``'s tensor (per-
+expert families) or its ``[e]`` slice (stacked ones; DBRX's 2-D ``[E*I, H]`` reshaped
+to ``[E, I, H]``).  Where experts live is stated by ``tests/tiny_families.EXPECTED``,
+independently of ``k3d.sources.families``.
+"""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+from safetensors import safe_open
+
+import k3client
+from k3d.sources import SourceError, open_source
+from k3d.sources.safetensors import SafetensorsSource
+from tests import tiny_families as tf
+
+FAMILIES = sorted(tf.EXPECTED)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """model_type -> directory, each written once per module."""
+    root = tmp_path_factory.mktemp("families")
+    cache = {}
+
+    def get(mt):
+        if mt not in cache:
+            cache[mt] = tf.write(mt, str(root / mt))
+        return cache[mt]
+    return get
+
+
+def _config(path) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def _reference(path):
+    """name -> numpy array of every tensor in the checkpoint (safe_open, the reference reader)."""
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), "np") as s:
+                for k in s:
+                    out[k] = s.get_tensor(k)
+    return out
+
+
+def _expected(mt, ref):
+    """{(layer, expert): {layout name: reference array}} from EXPECTED and the names alone."""
+    template, kind, layers = tf.EXPECTED[mt]
+    want = {}
+    for layer in layers:
+        if kind == "per-expert":
+            pre = template.format(l=layer, e="{e}")
+            rx = re.compile(re.escape(pre).replace(re.escape("{e}"), r"(\d+)") + r"(.+)\Z")
+            for name, arr in ref.items():
+                m = rx.match(name)
+                if m:
+                    want.setdefault((layer, int(m[1])), {})[m[2]] = arr
+        else:
+            pre = template.format(l=layer)
+            for name in tf.STACKED_NAMES[mt]:
+                arr = ref[pre + name]
+                if kind == "flat":
+                    arr = arr.reshape(tf.E, -1, arr.shape[-1])
+                assert arr.shape[0] == tf.E
+                for e in range(tf.E):
+                    want.setdefault((layer, e), {})[name] = arr[e]
+    return want
+
+
+@pytest.mark.parametrize("mt", FAMILIES)
+def test_family_served_byte_for_byte(saved, mt):
+    path = saved(mt)
+    ref = _reference(path)
+    want = _expected(mt, ref)
+    src = open_source(path, None)
+    try:
+        d = src.describe()
+        assert d["family"] == tf.FAMILY_NAME.get(mt, mt)
+        assert "config.json model_type" in d["family_rule"]
+        assert d["layers"] == tf.EXPECTED[mt][2]
+        assert set(src.keys) == set(want), "served experts differ from the routed experts on disk"
+        assert d["experts_per_layer"] == tf.E
+        assert d["top_k"] == (1 if mt.startswith("llama4") else tf.TOP_K)
+        slot = bytearray(src.expert_bytes)
+        for key in sorted(want):
+            layout = src.layout_of(key[0])
+            assert {s.name for s in layout} == set(want[key]), key
+            slot[:] = bytes(len(slot))
+            src.read(src.keys[key], memoryview(slot))
+            for spec in layout:
+                arr = np.ascontiguousarray(want[key][spec.name])
+                assert tuple(spec.shape) == arr.shape, (key, spec.name)
+                assert bytes(slot[spec.offset:spec.offset + spec.nbytes]) == arr.tobytes(), (key, spec.name)
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("mt", ["mixtral", "gpt_oss", "granitemoe"])
+def test_names_alone_find_the_family(saved, mt, tmp_path):
+    """Without config.json the tensor names settle the storage rule (DBRX needs its config)."""
+    src_dir = saved(mt)
+    for f in os.listdir(src_dir):
+        if f.endswith(".safetensors"):
+            os.symlink(os.path.join(src_dir, f), tmp_path / f)
+    src = SafetensorsSource(str(tmp_path))
+    try:
+        d = src.describe()
+        assert d["family"] == {"mixtral": "experts.block_sparse_moe", "gpt_oss": "stacked.mlp",
+                               "granitemoe": "stacked.block_sparse_moe"}[mt]
+        assert d["family_rule"].endswith("(tensor names)") and len(src.keys) == 2 * tf.E
+    finally:
+        src.close()
+
+
+def test_config_that_disagrees_is_one_line(saved, tmp_path):
+    src_dir = saved("mixtral")
+    for f in os.listdir(src_dir):
+        if f.endswith(".safetensors"):
+            os.symlink(os.path.join(src_dir, f), tmp_path / f)
+    cfg = _config(src_dir)
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, num_local_experts=8)))
+    with pytest.raises(SourceError, match=r"config.json says 8 experts per layer, but in layer 0 it has 4 "
+                                          r"experts \(0-3\)"):
+        SafetensorsSource(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt_oss")))
+    with pytest.raises(SourceError, match=r"config.json says model_type 'gpt_oss' .* its tensors match rule "
+                                          r"experts.block_sparse_moe \('model.layers.0.block_sparse_moe"):
+        SafetensorsSource(str(tmp_path))
+
+
+def test_stacked_first_dimension_must_be_the_expert_count(saved, tmp_path):
+    src_dir = saved("gpt_oss")
+    for f in os.listdir(src_dir):
+        if f.endswith(".safetensors"):
+            os.symlink(os.path.join(src_dir, f), tmp_path / f)
+    cfg = _config(src_dir)
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, num_local_experts=3)))
+    with pytest.raises(SourceError, match=r"stacked expert tensor 'model.layers.0.mlp.experts.down_proj' is "
+                                          r"\[4, \d+, \d+\]: its first dimension is not the config.json's 3 experts"):
+        SafetensorsSource(str(tmp_path))
+    dbrx = saved("dbrx")
+    for f in os.listdir(dbrx):
+        if f.endswith(".safetensors"):
+            os.symlink(os.path.join(dbrx, f), tmp_path / ("d-" + f))
+    cfg = _config(dbrx)
+    cfg["ffn_config"]["moe_num_experts"] = 3
+    os.makedirs(tmp_path / "d")
+    os.rename(tmp_path / ("d-model.safetensors"), tmp_path / "d" / "model.safetensors")
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match=r"tensor 'transformer.blocks.0.ffn.experts.mlp.v1' is \[64, 32\]: its "
+                                          r"first dimension does not divide by the config.json's 3 experts"):
+        SafetensorsSource(str(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("mt", ["gpt_oss", "jamba"])
+def test_start_serves_the_family_without_a_pattern(saved, mt, start_daemon):
+    """`k3d start --source DIR` with no --pattern: hello and status report the family and the layers served."""
+    path = saved(mt)
+    want = _expected(mt, _reference(path))
+    d = start_daemon(path, "--slots", "8")
+    with k3client.connect(d.endpoint, name=mt) as c:
+        for m in (c.model, c.status()["model"]):
+            assert m["family"] == mt and m["layers"] == tf.EXPECTED[mt][2]
+        for layer in tf.EXPECTED[mt][2]:
+            c.begin_token()
+            for ex in c.fetch(layer, [3, 1]):
+                for spec in c.layout_of(layer):
+                    assert ex.array(spec.name).tobytes() == np.ascontiguousarray(
+                        want[(layer, ex.expert)][spec.name]).tobytes()
+    assert d.stop() == 0
