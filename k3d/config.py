@@ -7,6 +7,10 @@ environment; it is handed ``os.environ`` by the CLI (tests pass a dict).
 
 Every value is checked here: a bad one is a ``ConfigError`` with a single line
 naming the key, where it came from and what is accepted.
+
+Threads: ``resolve`` runs in the CLI's main thread at start and, for SIGHUP, in
+the server thread (the daemon's main thread); a ``Config`` is frozen, so any
+thread may read one.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ does not answer (with ``--json`` the failure is JSON on stdout too).
 terminal, adding hit rate and throughput over the last interval and since
 start; elsewhere (a pipe, a log) it prints one frame per interval, and with
 ``--json`` one JSON object per line.  Ctrl-C ends it with exit 0.
+
+A short-lived process of its own (the ``k3ctl`` console script), one thread;
+``status`` needs no hello.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def query_status(endpoint: str, timeout: float) -> dict:
         try:
             s.connect(endpoint)
         except zmq.ZMQError as e:
-            raise RuntimeError(f"cannot connect to {endpoint}: {e.strerror} (use ipc:///path/k3d.sock or tcp://host:port)") from None
+            raise RuntimeError(f"cannot connect to {endpoint}: {e.strerror} "
+                               "(use ipc:///path/k3d.sock or tcp://host:port)") from None
         s.send(pack({"v": PROTOCOL_VERSION, "op": "status", "id": 1}))
         if not s.poll(int(timeout * 1000)):
             raise RuntimeError(f"k3d is not running at {endpoint} (no answer in {timeout:g}s)")
@@ -119,8 +123,9 @@ def render(st: dict) -> str:
     tiers = m.get("tiers")
     if tiers:
         o = tiers["origin"]
-        lines.append(f"origin  {o['url']}: {o['fetches']} fetches, {_mib(o['bytes'])}, {o['bps'] / 1e6:.0f} MB/s, "
-                     f"{o['retries']} retries, {o['errors']} errors")
+        state = "" if o.get("up", True) else f"DOWN for {o['down_s']:.0f}s ({o['error']}), serving from disk; "
+        lines.append(f"origin  {o['url']}: {state}{o['fetches']} fetches, {_mib(o['bytes'])}, "
+                     f"{o['bps'] / 1e6:.0f} MB/s, {o['retries']} retries, {o['errors']} errors")
         d = tiers.get("disk")
         if d:
             lines.append(f"disk    {d['dir']}: {d['hits']} hits, {d['entries']} entries, "

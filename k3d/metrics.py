@@ -65,9 +65,9 @@ DISK_GAUGES = {"entries": "entries in the disk tier", "bytes": "bytes in the dis
 class SnapshotBoard:
     """Where the server loop publishes status snapshots for other threads."""
 
-    def __init__(self, wake=lambda: None):
+    def __init__(self, wake=None):
         self._cond = threading.Condition()
-        self.wake = wake             # set by the server: makes its loop's poll return
+        self.wake = wake             # set by the server: makes its loop's poll return (None: no loop yet)
         self._seq = 0
         self._snapshot: dict | None = None
         self._closed = False
@@ -90,7 +90,7 @@ class SnapshotBoard:
         """Any thread: a snapshot published after this call, or the last one if the loop does not
         answer within ``timeout`` or has stopped (None if none was ever published)."""
         with self._cond:
-            if self._closed:
+            if self._closed or self.wake is None:     # stopped, or still starting: nothing to wait for
                 return self._snapshot
             seq = self._seq
             self.wanted = True
@@ -116,6 +116,13 @@ def families(st: dict):
         HistogramMetricFamily,
     )
 
+    starting = st.get("state") == "starting"
+    yield GaugeMetricFamily("k3d_ready", "1 once the daemon serves, 0 while it starts", value=0 if starting else 1)
+    if starting:
+        done, total = st.get("done", 0), st.get("total", 0)
+        yield GaugeMetricFamily("k3d_startup_progress_ratio", "share of the current start-up phase done",
+                                value=done / total if total else 0.0)
+        return
     for name, value in st["stats"].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             yield CounterMetricFamily(f"k3d_{name}", HELP.get(name, f"status stats.{name}"), value=value)

@@ -18,6 +18,7 @@ reply never names a loading or reused slot, whatever a client does.
 Who does what (all on this thread; reader threads only fill slot memory and
 report through ``reads``):
 - ``wire``: the ROUTER socket, request decoding, key checks, replies;
+- ``turns``: requests received, waiting for their client's turn;
 - ``sessions``: attached clients and their liveness;
 - ``store``: slots, pins, predictions (changed only through its methods);
 - ``reads.loads``: reads in flight, by explicit load token (start, promote,
@@ -31,9 +32,13 @@ Signals: the CLI's handlers only call ``request_stop`` / ``request_reload``
 accepting, cancel queued reads, wait for running ones, answer parked fetches
 with an error, release the arena.
 
-Fair share of the readers: a client's urgent reads go through its fair share
-(``reads/fair.py``), so one client's huge cold fetch cannot put every other
-client's miss behind all of it.
+Fair share of the loop: requests are taken off the socket into ``turns``
+(one queue per client) and served one per loop pass by deficit round-robin
+(``turns.py``: clients with requests waiting take turns, each with a budget
+per turn, a request costing by its size), so a client flooding big requests
+cannot make the others wait behind all of them.  Fair share of the readers: a
+client's urgent reads go through its fair share (``reads/fair.py``), so one
+client's huge cold fetch cannot put every other client's miss behind all of it.
 
 Access (``access.py``): both sockets are created mode 0660 in a 0750 directory, and every
 peer is checked again from its kernel credentials (ZeroMQ ``Peer-Address`` on
@@ -60,8 +65,7 @@ from k3client.errors import (
     UnknownExpert,
 )
 
-from . import reload, wire
-from . import status as status_view
+from . import reload, status as status_view, wire
 from .access import peer_allowed, peer_cred, private_umask, refusal
 from .handout import ArenaHandout
 from .latency import FetchLatency, classify
@@ -72,8 +76,10 @@ from .sessions import REAP_INTERVAL, Session, Sessions, identify
 from .stats import Throughput
 from .store import Store
 from .trace import RouteTrace
+from .turns import Turns, cost_of
 
 log = logging.getLogger("k3d")
+RECV_BATCH = 256         # requests taken off the socket per loop pass, at most
 
 DEFERRED = object()      # handler parked the request; it replies later
 NO_REPLY = object()      # heartbeat: nothing to send
@@ -94,6 +100,7 @@ class Server:
         self.recent = Throughput()
         self.latency = FetchLatency()
         self._t_msg = 0.0        # arrival of the request being handled (fetch latency)
+        self.turns = Turns()     # requests received, waiting their client's turn (k3d/turns.py)
         # /metrics reads status through this board, never the store (k3d/metrics.py)
         self.board = board or SnapshotBoard()
         self.board.wake = self._wake
@@ -163,7 +170,7 @@ class Server:
         try:
             while not self._stop:
                 try:
-                    events = dict(poller.poll(100))
+                    events = dict(poller.poll(0 if self.turns.waiting else 100))
                 except zmq.ZMQError as e:
                     if e.errno == zmq.EINTR:
                         continue
@@ -176,7 +183,9 @@ class Server:
                     self.board.publish(self.status())
                 self._apply_done()
                 if self.sock in events:
-                    self._recv_one()
+                    self._recv_waiting()
+                if self.turns.waiting:
+                    self._serve_one()
                 if self.handout.fileno() in events:
                     self.handout.serve()
                 now = time.monotonic()
@@ -194,15 +203,25 @@ class Server:
         finally:
             self._shutdown()
 
-    def _recv_one(self) -> None:
-        # One message per wake-up: the poll is level-triggered and reports the
-        # socket again while messages wait, so looping until zmq.Again would only
-        # add a failing recv (several µs here) to every request.
-        try:
-            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return
-        self._t_msg = time.monotonic()
+    def _recv_waiting(self) -> None:
+        """Take the requests waiting on the socket (up to RECV_BATCH) into ``turns``: the loop
+        then serves clients with requests waiting in turn, each with a budget per turn
+        (k3d/turns.py), instead of in arrival order.  The socket's EVENTS (~1 µs) says
+        whether another request waits; a failing recv (zmq.Again) would cost several µs."""
+        for _ in range(RECV_BATCH):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            size = sum(len(f.buffer) for f in frames[1:])
+            self.turns.push(frames[0].bytes, (time.monotonic(), frames), cost_of(size))
+            if not self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                return
+
+    def _serve_one(self) -> None:
+        """Handle the next request in turn (one per loop pass: finished reads and new
+        requests are taken in between)."""
+        self._t_msg, frames = self.turns.pop()
         self._handle(frames[0].bytes, frames[1:])
 
     # -- dispatch: the one place that turns exceptions into error replies ---
@@ -387,6 +406,8 @@ class Server:
             self.store.background(slot)
         self.sessions.remove(s)
         self.parked.drop(s, reason)
+        if dead:                      # its requests still waiting have no one to answer
+            self.turns.forget(s.routing)
         if dead:
             self.stats.clients_dead += 1
             log.warning("client %s (pid %s) %s: released %d pins", s.name, s.pid, reason, released)

@@ -2,7 +2,8 @@
 
 Sections (memcached/Redis style: clients skip fields they do not know; new
 sections may be added, existing fields keep their meaning):
-- top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``, ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
+- top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``,
+  ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
 - ``arena``: sizes, plus the store's gauges (``used``, ``pinned``, ``loading``, ``free``);
 - ``stats``: the monotonic counters (``stats.Counters``);
 - ``fetch_seconds``: the fetch latency histogram by result (``latency.py``);

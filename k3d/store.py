@@ -103,7 +103,8 @@ class Store:
                 raise CacheFull(
                     f"cache full: {self.policy.pinned_count()} of {self.slots} slots pinned, "
                     f"this fetch needs {need} new slots and only {available} can be freed; "
-                    "call begin_token() to release earlier pins, fetch fewer experts, or start k3d with a larger --arena")
+                    "call begin_token() to release earlier pins, fetch fewer experts, "
+                    "or start k3d with a larger --arena")
         if self.pin_quota:
             after = len(self.policy.held(holder) | resident) + need
             if after > self.pin_quota:

@@ -8,6 +8,9 @@ Line format (space separated)::
 fetching client's predictions found unused at its last ``begin_token`` (since
 its previous traced fetch).  The file is line-buffered and flushed per line, so a
 killed daemon keeps every line it wrote.
+
+Owned by the server thread (it writes a line as it plans each fetch; a SIGHUP
+reload swaps the file there too); no lock.
 """
 
 from __future__ import annotations

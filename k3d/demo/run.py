@@ -9,6 +9,8 @@
    byte it reads.
 4. Prints hit rate, waits, prefetch use, bytes read and per-process RSS/PSS,
    then stops the daemon with SIGTERM and checks it exited 0 and left nothing.
+
+Runs in the CLI's main thread; the daemon and the workers are child processes.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
               f"{st['prefetch_unused']} unused")
         model_bytes = len(digests) * arena["expert_bytes"]
         print(f"reads: {st['bytes_read'] / 2**20:.1f} MiB read from the checkpoint, "
-              f"{st['bytes_read'] / model_bytes:.1f}x its {model_bytes / 2**20:.1f} MiB of experts; {st['errors']} errors")
+              f"{st['bytes_read'] / model_bytes:.1f}x its {model_bytes / 2**20:.1f} MiB of experts; "
+              f"{st['errors']} errors")
         print(f"why: the arena holds {arena['slots']} of the {len(digests)} experts "
               f"({100 * arena['slots'] / len(digests):.0f} %, on purpose: real arenas are smaller than the model), so "
               "experts are evicted and read again when routing returns to them; every process shares each read")

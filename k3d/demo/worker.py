@@ -4,7 +4,8 @@ Routes tokens through ``layers`` MoE layers with skewed (Zipf-like) routing that
 all processes share, predicts the next layer's experts (right most of the
 time, as a real router predictor would be), and verifies every fetched expert
 against the digest the parent computed from the checkpoint with the
-safetensors library.  Prints one JSON line of results.
+safetensors library.  Prints one JSON line of results.  A process of its own,
+one thread (plus the client's lease thread).
 """
 
 from __future__ import annotations

@@ -233,6 +233,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         except zmq.ZMQError as e:
             raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
         board = SnapshotBoard()
+        board.publish(responder.status())
         if cfg.metrics:                  # before the arena: a port in use must not cost a pre-fault
             try:
                 exporter = Exporter(cfg.metrics, board)
@@ -252,7 +253,8 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             log.warning("%s", warning)
         log.info("source %s: %d experts, %d bytes each; arena %d slots x %d bytes; %d readers%s",
                  source.path, len(source.keys), source.expert_bytes, slots, slot_bytes, cfg.readers, chosen)
-        arena = build_arena(cfg, slots, slot_bytes, progress, notifier, check_stop)
+        arena = build_arena(cfg, slots, slot_bytes, progress, notifier, check_stop,
+                            lambda: board.publish(responder.status()))
         try:
             server = Server(cfg, source, arena, arena_sock, notifier, board, sock=responder.hand_over())
         except zmq.ZMQError as e:
@@ -297,7 +299,7 @@ def with_readers(cfg, source):
     return cfg if cfg.readers else dataclasses.replace(cfg, readers=readers_for(source.kind, os.cpu_count()))
 
 
-def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop) -> Arena:
+def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop, publish) -> Arena:
     """The arena, with its progress shown (stderr, status, systemd STATUS=) as it is prepared."""
     printer = ProgressPrinter()
     t0 = time.monotonic()
@@ -306,6 +308,7 @@ def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop
         check_stop()
         p = progress.update(PHASES.get(what, what), done, total)
         printer.show(p)
+        publish()                        # /metrics shows the start-up too
         notifier.status(f"starting: {describe(p)}")
         if notifier.watchdog_interval:   # a long pre-fault is not a hang
             notifier.watchdog()
@@ -315,7 +318,7 @@ def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop
         raise StartupError(str(e)) from None
     check_stop()
     if cfg.thp and not cfg.hugepages:
-        log.info("arena: %d of %d MiB in 2 MiB huge pages%s, ready in %.1fs (huge pages cost start-up time and "
+        log.info("arena: %d of %d MiB in 2 MiB huge pages%s, prepared in %.1fs (huge pages cost start-up time and "
                  "make O_DIRECT/disk reads into the arena faster; --no-thp skips them)",
                  arena.thp_bytes >> 20, arena.mapped >> 20, f" ({arena.thp_why})" if arena.thp_why else "",
                  time.monotonic() - t0)

@@ -30,12 +30,14 @@ Why the settings are what they are (each pitfall was checked):
 - Clients find the daemon through ``K3D_ENDPOINT`` (set in the unit for the
   daemon; model processes need the same value) and must be in group ``k3d``.
 
-Pure text rendering; ``install`` is the only function that writes files.
+Pure text rendering; ``install`` is the only function that writes files.  Run by
+``k3d install-unit`` in the CLI's one thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -102,6 +104,9 @@ ExecStart={exec} start --config /etc/k3d/k3d.toml
 # The socket lives in the RuntimeDirectory (0750, owned by k3d); the
 # environment wins over the config file's endpoint.
 Environment=K3D_ENDPOINT=ipc:///run/k3d/k3d.sock
+# Prometheus /metrics (needs prometheus_client: pip install 'k3d[metrics]').  To move
+# or turn it off: systemctl edit k3d, [Service] Environment=K3D_METRICS=HOST:PORT (or "").
+Environment=K3D_METRICS=127.0.0.1:9484
 RuntimeDirectory=k3d
 RuntimeDirectoryMode=0750
 # Kept when this unit stops: k3d@MODEL instances have their sockets below it.
@@ -240,6 +245,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"k3d: error: {e}", file=sys.stderr)
         return 1
     exec_path = args.exec_path or default_exec()
+    if importlib.util.find_spec("prometheus_client") is None:
+        print("k3d: warning: the units serve Prometheus metrics on 127.0.0.1:9484, which needs prometheus_client "
+              "where ExecStart runs: pip install 'k3d[metrics]' (or set K3D_METRICS= empty in the unit)",
+              file=sys.stderr)
     closed = closed_to_others(exec_path)
     if closed:
         print(f"k3d: warning: ExecStart {exec_path.split()[0]} is under {closed}, which other users cannot enter: "

@@ -16,12 +16,12 @@ boto3 = pytest.importorskip("boto3", reason="S3 tests need boto3 (pip install 'm
 moto_server = pytest.importorskip("moto.server", reason="S3 tests need moto's server (pip install 'moto[server]')")
 
 import k3client  # noqa: E402
+from helpers import Reference  # noqa: E402
 from k3d.config import DEFAULT_PATTERN  # noqa: E402
-from k3d.sources.remote.s3 import S3Source  # noqa: E402
-from k3d.sources import SourceError  # noqa: E402
-from k3d.reads.plan import split_extents  # noqa: E402
 from k3d.demo.synthetic import write_checkpoint  # noqa: E402
-from test_http_faults import Reference  # noqa: E402
+from k3d.reads.plan import split_extents  # noqa: E402
+from k3d.sources import SourceError  # noqa: E402
+from k3d.sources.remote.s3 import S3Source  # noqa: E402
 
 BUCKET = "k3d-models"
 
@@ -95,6 +95,14 @@ def test_s3_missing_prefix_is_clear(s3):
         S3Source(f"s3://{BUCKET}/models/ck/none.safetensors", DEFAULT_PATTERN)
 
 
+def test_s3_missing_object_is_one_clause(s3):
+    """A 404 on HeadObject reads as one error, not wrapped in a second 'SourceError:' clause."""
+    url = f"s3://{BUCKET}/models/ck/none.gguf"
+    with pytest.raises(SourceError) as ei:
+        S3Source(url, DEFAULT_PATTERN)
+    assert str(ei.value) == f"HeadObject {url}: HTTP 404 (not found)"
+
+
 def test_daemon_from_s3_with_disk_cache(s3, start_daemon, tmp_path):
     client, env, ref, _ = s3
     args = ("--arena", "4MiB", "--disk-cache", str(tmp_path / "dc"), "--disk-cache-size", "64MiB")
@@ -102,7 +110,7 @@ def test_daemon_from_s3_with_disk_cache(s3, start_daemon, tmp_path):
     with k3client.connect(d.endpoint, name="s3") as c:
         for ex in c.fetch(1, [0, 1, 2, 3]):
             for spec in c.layout:
-                want = ref.tensors[DEFAULT_PATTERN.format(layer=ex.layer, expert=ex.expert, name=spec.name)]
+                want = ref.expert(ex.layer, ex.expert, spec.name)
                 assert np.array_equal(ex.array(spec.name), want)
         t = c.status()["model"]["tiers"]
     assert t["origin"]["fetches"] == 4 and t["origin"]["url"] == f"s3://{BUCKET}/models/ck/"

@@ -43,10 +43,8 @@ from dataclasses import dataclass, field
 
 from ..base import Extent, SourceError
 from ..gguf import GGUFSource, parse_gguf
-from ..packed import MAX_HEADER as PACK_MAX_HEADER
-from ..packed import PackedSource
-from ..safetensors import CONFIG_NAME, SafetensorsSource
-from ..safetensors import MAX_HEADER as ST_MAX_HEADER
+from ..packed import MAX_HEADER as PACK_MAX_HEADER, PackedSource
+from ..safetensors import CONFIG_NAME, MAX_HEADER as ST_MAX_HEADER, SafetensorsSource
 
 INDEX_NAME = "model.safetensors.index.json"
 HEAD_PROBE = 1 << 16          # first header fetch; more only if the header says so
@@ -111,7 +109,7 @@ def open_catalog(origin, url: str, pattern: str) -> Catalog:
         msg = str(e)
         for image, remote in images.names.items():
             msg = msg.replace(image, remote)
-        raise SourceError(msg.replace(tmp + "/", "")) from None
+        raise type(e)(msg.replace(tmp + "/", "")) from None     # OriginDown stays OriginDown
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -10,8 +10,8 @@ the rules below hold for HTTP(S) and S3 alike:
   sleeps full-jitter exponential backoff (uniform(0, min(BACKOFF_CAP,
   BACKOFF_BASE * 2**n))) and calls ``fn`` again, up to ``retries`` times; a
   stale pooled keep-alive connection (``stale``, nothing received) gets one
-  free retry on a fresh connection, no wait.  Exhausted retries become a
-  ``SourceError``: "WHAT failed after N attempts: last reason".  Resuming is
+  free retry on a fresh connection, no wait.  Exhausted retries become an
+  ``OriginDown`` (a ``SourceError``): "WHAT failed after N attempts: last reason".  Resuming is
   the caller's: a ``Retryable`` carries ``progress``, the body bytes that had
   already landed (checked against Content-Range and the validator), and the
   caller asks for the rest with ``skip_bytes``.
@@ -45,6 +45,11 @@ _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\Z")
 T = TypeVar("T")
 
 
+class OriginDown(SourceError):
+    """A request still failing after its retries (refused, reset, timed out, 5xx): the origin
+    does not answer now.  Raised by ``retrying`` alone."""
+
+
 class Retryable(Exception):
     """A transient failure of one request; ``progress`` bytes of the body had landed."""
 
@@ -74,7 +79,7 @@ def retrying(fn: Callable[[int], T], retries: int, what: str | Callable[[], str]
             attempt += 1
             if attempt > retries:
                 name = what() if callable(what) else what
-                raise SourceError(f"{name} failed after {attempt} attempts: {e.reason}") from None
+                raise OriginDown(f"{name} failed after {attempt} attempts: {e.reason}") from None
             if on_retry is not None:
                 on_retry(attempt, e)
             time.sleep(backoff(attempt))

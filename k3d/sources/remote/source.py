@@ -13,9 +13,14 @@ supplies three primitives:
 This class adds what every transport shares:
 
 - opening (``headers.open_catalog``): files stat'ed, headers fetched into
-  sparse images and parsed by the local parsers: format, layout, extents;
+  sparse images and parsed by the local parsers: format, layout, extents.
+  With a disk tier the origin's answers are recorded and kept there
+  (kept.py); when the origin does not answer at start (``OriginDown``) the
+  same parsers run on the kept answers instead;
 - ``fetch_into``: a run of bytes with the one retry loop (``retry.retrying``),
-  resuming after the bytes that had landed; counts requests, retries, errors;
+  resuming after the bytes that had landed; counts requests, retries, errors,
+  and tells ``OriginState`` (origin.py) whether the origin answered: while
+  it is down, each request gets one attempt;
 - ``read``: finds the expert a part belongs to (by file offset) and hands the
   part to ``tiers.Tiers`` (disk entry or origin, crc, write-behind).
 
@@ -48,7 +53,9 @@ import urllib.parse
 from ..base import Extent, Source, SourceError
 from .disk_cache import DiskCache, DiskCacheError
 from .headers import open_catalog
-from .retry import Retryable, retrying, skip_bytes
+from .kept import Recorder, Replay
+from .origin import OriginState
+from .retry import OriginDown, Retryable, retrying, skip_bytes
 from .tiers import Counters, Tiers
 
 log = logging.getLogger("k3d")
@@ -67,7 +74,10 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         self.sizes: list[int] = []
         self.counters = Counters()
         self.tiers: Tiers | None = None
-        cat = open_catalog(self, url, pattern)
+        self.origin = OriginState(url)
+        self._recorder: Recorder | None = None
+        self._replay: Replay | None = None
+        cat = self._open(url, pattern, disk_cache)
         self.format, self.layout, self.keys = cat.format, cat.layout, cat.keys
         self.tensor_format, self.tensor_types, self.expected_crc = cat.tensor_format, cat.tensor_types, cat.expected_crc
         self.layouts, self.layer_tensor_types, self.family = cat.layouts, cat.layer_tensor_types, cat.family
@@ -88,6 +98,7 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
                 cache = DiskCache(disk_cache, disk_cache_size)
             except DiskCacheError as e:
                 raise SourceError(str(e)) from None
+            self._keep_headers(disk_cache)
         self.tiers = Tiers(url, cat, self.files, self.validators, cache, self.fetch_into, self.counters)
 
     # -- transport primitives (subclasses) --------------------------------------------------
@@ -107,21 +118,69 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         # a shard name is a file name, not a URL: '#', '?', '%', spaces and non-ASCII quoted
         return urllib.parse.urljoin(base, urllib.parse.quote(name))
 
+    # -- opening, from the origin or from the headers kept in the disk tier ------------------
+    def _open(self, url: str, pattern: str, disk_cache: str | None):
+        """The catalog from the origin; with a disk tier its answers are kept there (kept.py),
+        and an origin that does not answer is replaced by the answers kept last time."""
+        if not disk_cache:
+            return open_catalog(self, url, pattern)
+        self._recorder = Recorder(url)
+        try:
+            cat = open_catalog(self, url, pattern)
+        except OriginDown as e:
+            self._replay = Replay.load(disk_cache, url)
+            if self._replay is None:
+                raise OriginDown(f"{e}; no headers of {url} are kept in {disk_cache} to start from (start once "
+                                 "while the origin answers)") from None
+            log.warning("origin %s does not answer (%s); starting from the headers kept in %s: serving what the "
+                        "disk tier holds, the rest once the origin answers", url, e, self._replay.path)
+            self.files, self.sizes, self.validators = [], [], []
+            self._recorder = None
+            cat = open_catalog(self, url, pattern)
+            self.origin.went_down(str(e))
+        finally:
+            self._replay = None
+        return cat
+
+    def _keep_headers(self, disk_cache: str) -> None:
+        """Save what the origin answered while opening (after the disk tier's lock is held)."""
+        rec, self._recorder = self._recorder, None
+        if rec is None or not rec.stat_answers:      # opened from the kept headers: keep them as they are
+            return
+        try:
+            rec.save(disk_cache)
+        except OSError as e:          # the disk tier still works; only an offline restart would not
+            log.warning("cannot keep the headers of %s in %s: %s", self.path, disk_cache, e)
+
     # -- what headers.open_catalog asks of the origin ---------------------------------------
     def add_file(self, url: str) -> int:
-        size, validator = self._stat(url)
+        if self._replay is not None:
+            size, validator = self._replay.stat(url)
+        else:
+            size, validator = self._stat(url)
+            if self._recorder is not None:
+                self._recorder.keep_stat(url, size, validator)
         self.files.append(url)
         self.sizes.append(size)
         self.validators.append(validator)
         return len(self.files) - 1
 
     def get_small(self, url: str) -> bytes | None:
-        return self._get_small(url)
+        if self._replay is not None:
+            return self._replay.small(url)
+        data = self._get_small(url)
+        if self._recorder is not None:
+            self._recorder.keep_small(url, data)
+        return data
 
     def fetch_bytes(self, fi: int, start: int, length: int) -> bytes:
+        if self._replay is not None:
+            return self._replay.ranges(self.files)(fi, start, length)
         buf = bytearray(length)
         if length:
             self.fetch_into(fi, start, [memoryview(buf)])
+        if self._recorder is not None:
+            self._recorder.keep_range(self.files[fi], start, bytes(buf))
         return bytes(buf)
 
     # -- ranged reads with retries -----------------------------------------------------------
@@ -144,12 +203,21 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
             log.info("retry %d/%d of %s bytes=%d-%d: %s", n, self.retries, self.files[fi],
                      start + done, start + total - 1, e.reason)
 
+        # while the origin is down, one attempt per request: a fetch of what the disk tier
+        # lacks fails at once (ReadFailed; the next fetch tries again) instead of backing off
+        retries = 0 if not self.origin.up else self.retries
         try:
-            retrying(attempt, self.retries, lambda: f"GET {self.files[fi]} bytes={start}-{start + total - 1}",
+            retrying(attempt, retries, lambda: f"GET {self.files[fi]} bytes={start}-{start + total - 1}",
                      on_retry)
+        except OriginDown as e:
+            self.counters.add("errors")
+            self.origin.went_down(str(e))
+            raise
         except SourceError:
             self.counters.add("errors")
+            self.origin.answered()    # it answered, with something no retry mends
             raise
+        self.origin.answered()
         return total
 
     # -- which expert a part belongs to ------------------------------------------------------
@@ -196,7 +264,8 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
             disk.update(cache.stats())
         origin = {"url": self.path, "fetches": c["origin_fetches"], "bytes": c["origin_bytes"],
                   "seconds": round(secs, 6), "bps": round(c["origin_bytes"] / secs) if secs else 0,
-                  "requests": c["requests"], "retries": c["retries"], "errors": c["errors"]}
+                  "requests": c["requests"], "retries": c["retries"], "errors": c["errors"],
+                  **self.origin.status()}
         return {"disk": disk if cache is not None else None, "origin": origin}
 
     def describe(self) -> dict:
