@@ -152,7 +152,8 @@ def test_truncated_file(mxfp4, tmp_path):
 
 def test_no_expert_tensors(tmp_path):
     p = _write(tmp_path / "dense.gguf", {"blk.0.ffn_gate.weight": _q8((64, 64))})
-    with pytest.raises(SourceError, match=r"no expert tensors \(blk\.N\.ffn_\*_exps\.\* or blk\.N\.ffn_gate\.E\.weight\)"):
+    with pytest.raises(SourceError, match=r"no expert tensors \(blk\.N\.ffn_\*_exps\.\* or "
+                                          r"blk\.N\.ffn_gate\.E\.weight\)"):
         GGUFSource(p)
 
 
