@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 
-from . import __version__
+from . import __version__, inspection
 from .config import Config, ConfigError, format_size, resolve
 from .ctl import parse_args
 from .reads.plan import COLD_READERS
@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     _start_parser(sub)
     _pack_parser(sub)
     units.add_parser(sub)
+    inspection.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
     d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default %(default)s)")
     d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default %(default)s)")
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
     if args.cmd == "install-unit":
         return units.main(args)
+    if args.cmd == "inspect":
+        return inspection.main(args)
     if args.cmd == "pack":
         from .pack import pack_main
         return pack_main(args.src, args.out, args.pattern, args.force, args.progress)

@@ -19,7 +19,9 @@ import json
 import os
 
 E, TOP_K = 4, 2
-_ATT = {"vocab_size": 64, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
+_ATT = {"vocab_size": 64, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 64}
+_VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32}
 
 
 def _cfg(model_type):
@@ -32,30 +34,34 @@ def _cfg(model_type):
     routed = {"n_routed_experts": E, "num_experts_per_tok": TOP_K}
     c = {
         "qwen2_moe": lambda: (T.Qwen2MoeConfig(**a, **moe, num_hidden_layers=2, intermediate_size=32,
-                                               moe_intermediate_size=16, shared_expert_intermediate_size=16), "Qwen2MoeForCausalLM"),
+                                               moe_intermediate_size=16, shared_expert_intermediate_size=16),
+                                                       "Qwen2MoeForCausalLM"),
         "qwen3_moe": lambda: (T.Qwen3MoeConfig(**a, **moe, num_hidden_layers=2, head_dim=16, intermediate_size=32,
                                                moe_intermediate_size=16), "Qwen3MoeForCausalLM"),
         "qwen3_next": lambda: (T.Qwen3NextConfig(**a, **moe, num_hidden_layers=2, head_dim=16, intermediate_size=32,
                                                  moe_intermediate_size=16, shared_expert_intermediate_size=16,
                                                  linear_num_value_heads=2, linear_num_key_heads=2,
                                                  linear_key_head_dim=8, linear_value_head_dim=8,
-                                                 layer_types=["linear_attention", "full_attention"]), "Qwen3NextForCausalLM"),
+                                                 layer_types=["linear_attention", "full_attention"]),
+                                                         "Qwen3NextForCausalLM"),
         "qwen3_5_moe": lambda: (T.Qwen3_5MoeConfig(
             text_config=dict(**a, **moe, num_hidden_layers=2, head_dim=16, moe_intermediate_size=16,
                              shared_expert_intermediate_size=16, linear_num_value_heads=2, linear_num_key_heads=2,
                              linear_key_head_dim=8, linear_value_head_dim=8,
                              layer_types=["linear_attention", "full_attention"]),
-            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32}),
+            vision_config=_VISION),
             "Qwen3_5MoeForConditionalGeneration"),
         "olmoe": lambda: (T.OlmoeConfig(**a, **moe, num_hidden_layers=2, intermediate_size=16), "OlmoeForCausalLM"),
         "flex_olmo": lambda: (T.FlexOlmoConfig(**a, **moe, num_hidden_layers=2, intermediate_size=16, pad_token_id=1),
                               "FlexOlmoForCausalLM"),
         "deepseek_v2": lambda: (T.DeepseekV2Config(**a, **routed, num_hidden_layers=2, intermediate_size=32,
-                                                   moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+                                                   moe_intermediate_size=16, n_shared_experts=1,
+                                                   first_k_dense_replace=1,
                                                    kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
                                                    qk_nope_head_dim=8, v_head_dim=8), "DeepseekV2ForCausalLM"),
         "deepseek_v3": lambda: (T.DeepseekV3Config(**a, **routed, num_hidden_layers=3, intermediate_size=32,
-                                                   moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+                                                   moe_intermediate_size=16, n_shared_experts=1,
+                                                   first_k_dense_replace=1,
                                                    n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
                                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
                                 "DeepseekV3ForCausalLM"),
@@ -81,7 +87,8 @@ def _cfg(model_type):
                                 "Cohere2MoeForCausalLM"),
         "mixtral": lambda: (T.MixtralConfig(**a, **local, num_hidden_layers=2, head_dim=16, intermediate_size=16),
                             "MixtralForCausalLM"),
-        "phimoe": lambda: (T.PhimoeConfig(**a, **local, num_hidden_layers=2, intermediate_size=16), "PhimoeForCausalLM"),
+        "phimoe": lambda: (T.PhimoeConfig(**a, **local, num_hidden_layers=2, intermediate_size=16),
+                "PhimoeForCausalLM"),
         "minimax": lambda: (T.MiniMaxConfig(**a, **local, num_hidden_layers=2, head_dim=16, intermediate_size=16),
                             "MiniMaxForCausalLM"),
         "minimax_m2": lambda: (T.MiniMaxM2Config(**a, **local, num_hidden_layers=2, head_dim=16, intermediate_size=16),
@@ -99,7 +106,7 @@ def _cfg(model_type):
         "qwen3_vl_moe": lambda: (T.Qwen3VLMoeConfig(
             text_config=dict(**a, **moe, num_hidden_layers=2, head_dim=16, intermediate_size=32,
                              moe_intermediate_size=16),
-            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32,
+            vision_config={**_VISION,
                                "deepstack_visual_indexes": []}), "Qwen3VLMoeForConditionalGeneration"),
         "llama4": lambda: (T.Llama4Config(
             text_config=dict(**a, num_local_experts=E, num_experts_per_tok=1, num_hidden_layers=2, head_dim=16,

@@ -244,8 +244,9 @@ class GGUFSource(Source):
         declared = declared if isinstance(declared, int) and declared > 0 else None
         stacked, legacy = self._find(tensors)
         if not stacked and not legacy:
+            first = ", ".join(sorted(tensors)[:5]) or "(none)"
             raise SourceError(f"{path}: no expert tensors (blk.N.ffn_*_exps.* or blk.N.ffn_gate.E.weight) "
-                              "in this GGUF file")
+                              f"in this GGUF file; first tensors: {first}")
         experts: dict[tuple[int, int], dict[str, tuple]] = {}
         types: dict[int, dict[str, str]] = {}
         if stacked:
@@ -287,6 +288,12 @@ class GGUFSource(Source):
             self.tensor_format = "ggml:" + next(iter(next(iter(seen.values()))))
         else:
             self.tensor_format = "ggml:" + ",".join(f"{n}={'|'.join(sorted(t))}" for n, t in sorted(seen.items()))
+        used = meta.get(f"{arch}.expert_used_count") if isinstance(arch, str) else None
+        self.family_fields = {
+            "family": arch if isinstance(arch, str) else None,
+            "family_rule": ("gguf blk.{layer}.ffn_*_exps [E, ...]" if stacked else "gguf blk.{layer}.ffn_*.{expert}")
+            + " (general.architecture)",
+            "top_k": used if isinstance(used, int) and used > 0 else None}
         self.files = [path]
         self.fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
 

@@ -9,8 +9,7 @@ The daemon test runs the real ``k3d start`` and reads each layer with its own la
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType as T, GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 

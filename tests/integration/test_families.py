@@ -49,7 +49,7 @@ def _reference(path):
     for f in sorted(os.listdir(path)):
         if f.endswith(".safetensors"):
             with safe_open(os.path.join(path, f), "np") as s:
-                for k in s:
+                for k in s.keys():  # noqa: SIM118 (safe_open is not iterable)
                     out[k] = s.get_tensor(k)
     return out
 
