@@ -336,5 +336,6 @@ def no_match_hint(names, first: int = 5) -> str:
     shown = ", ".join(names[:first]) + (f" ... ({len(names)} tensors)" if len(names) > first else "")
     guess = suggest_pattern(names)
     tip = (f"try --pattern '{guess}'" if guess
-           else "pass --pattern with {layer}, {expert} and {name} (e.g. model.layers.{layer}.mlp.experts.{expert}.{name})")
+           else "pass --pattern with {layer}, {expert} and {name} "
+                "(e.g. model.layers.{layer}.mlp.experts.{expert}.{name})")
     return f"first tensors: {shown or '(none)'}; {tip}"

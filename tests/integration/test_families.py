@@ -10,12 +10,15 @@ independently of ``k3d.sources.families``.
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 import k3client
 from k3d.sources import SourceError, open_source
@@ -179,3 +182,42 @@ def test_start_serves_the_family_without_a_pattern(saved, mt, start_daemon):
                     assert ex.array(spec.name).tobytes() == np.ascontiguousarray(
                         want[(layer, ex.expert)][spec.name]).tobytes()
     assert d.stop() == 0
+
+
+def _k3d(*args):
+    return subprocess.run([sys.executable, "-m", "k3d.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_inspect_describes_without_starting(saved):
+    path = saved("deepseek_v3")
+    r = _k3d("inspect", path, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["family"] == "deepseek_v3" and info["rule"].startswith("experts.mlp (config.json")
+    assert info["layers"] == [1, 2] and info["experts_per_layer"] == tf.E and info["top_k"] == tf.TOP_K
+    names = {t["name"] for t in info["layouts"][0]["tensors"]}
+    assert names == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    one = _expected("deepseek_v3", _reference(path))[(1, 0)]
+    per_expert = sum(np.ascontiguousarray(a).nbytes for a in one.values())     # 2 KiB tensors: no padding
+    assert info["total_expert_bytes"] == 2 * tf.E * per_expert and info["tensor_format"] == "raw"
+    slot = info["slot_bytes"]
+    assert info["sizing"]["pins_per_token"] == 2 * tf.TOP_K
+    assert info["sizing"]["arena_for_clients"] == {"1": 4 * slot, "4": 8 * slot, "16": 8 * slot}
+    assert info["sizing"]["arena_whole_model"] == 8 * slot
+    r = _k3d("inspect", path)
+    assert r.returncode == 0 and "family    deepseek_v3" in r.stdout and "one client pins 4 slots" in r.stdout
+
+
+def test_no_match_hint_from_inspect_and_start(tmp_path):
+    t = {f"transformer.h.{l}.moe.experts.{e}.w1.weight": np.zeros((4, 4), np.float32)
+         for l in range(2) for e in range(2)}
+    t["transformer.wte.weight"] = np.zeros((8, 4), np.float32)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    hint = "try --pattern 'transformer.h.{layer}.moe.experts.{expert}.{name}'"
+    r = _k3d("inspect", str(tmp_path))
+    assert r.returncode == 1 and hint in r.stderr and "first tensors: transformer.h.0.moe" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = _k3d("start", "--source", str(tmp_path), "--endpoint", f"ipc://{tmp_path}/k.sock")
+    assert r.returncode == 1 and hint in r.stderr, r.stderr
+    r = _k3d("inspect", str(tmp_path), "--pattern", "transformer.h.{layer}.moe.experts.{expert}.{name}", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["family"] == "pattern"
