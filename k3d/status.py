@@ -46,7 +46,7 @@ def build(srv, now: float) -> dict:
                     "queued_background": background,
                     "held_back": srv.reads.held_back(),
                     "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
-                    "recent_bps": round(srv.recent.rate(now))},
+                    "recent_bps": round(srv.cache.recent.rate(now))},
         "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
                      "pins": len(srv.store.policy.held(s.holder)), "fetches": s.fetches,
                      "idle_s": round(now - s.last_seen, 3)}
