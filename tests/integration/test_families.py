@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import k3client
+from k3client import mxfp4
 from k3d.sources import SourceError, open_source
 from k3d.sources.safetensors import SafetensorsSource
 from tests import tiny_families as tf
@@ -221,3 +222,86 @@ def test_no_match_hint_from_inspect_and_start(tmp_path):
     assert r.returncode == 1 and hint in r.stderr, r.stderr
     r = _k3d("inspect", str(tmp_path), "--pattern", "transformer.h.{layer}.moe.experts.{expert}.{name}", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["family"] == "pattern"
+
+
+# -- shipped forms save_pretrained cannot write on a CPU: hand-written with the real names ------------------
+def test_gpt_oss_mxfp4_as_shipped(tmp_path):
+    """openai/gpt-oss ships MXFP4 experts as stacked ``*_blocks [E, rows, G, 16]`` U8 + ``*_scales [E, rows, G]``
+    U8 (+ BF16 biases): served per expert as slices, decoded by k3client.mxfp4 exactly as transformers does."""
+    import torch
+    from safetensors.torch import save_file as save_torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(3)
+    hidden, inter, layers = 64, 32, 2
+    t = {}
+    for layer in range(layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        for name, rows, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+            t[p + name + "_blocks"] = torch.randint(0, 256, (tf.E, rows, cols // 32, 16), generator=g,
+                                                    dtype=torch.uint8)
+            t[p + name + "_scales"] = torch.randint(118, 136, (tf.E, rows, cols // 32), generator=g, dtype=torch.uint8)
+            t[p + name + "_bias"] = torch.randn(tf.E, rows, generator=g).to(torch.bfloat16)
+        t[f"model.layers.{layer}.mlp.router.weight"] = torch.randn(tf.E, hidden, generator=g).to(torch.bfloat16)
+    save_torch(t, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gpt_oss", "num_local_experts": tf.E, "num_experts_per_tok": 2, "experts_per_token": 2,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "quantization_config": {"quant_method": "mxfp4"}}))
+    src = open_source(str(tmp_path), None)
+    try:
+        assert src.describe()["family"] == "gpt_oss" and src.tensor_format == "gpt-oss:MXFP4"
+        assert {s.name for s in src.layout} == {f"{n}_{k}" for n in ("gate_up_proj", "down_proj")
+                                                for k in ("blocks", "scales", "bias")}
+        slot = bytearray(src.expert_bytes)
+        for (layer, e) in sorted(src.keys):
+            src.read(src.keys[(layer, e)], memoryview(slot))
+            view = {s.name: np.frombuffer(slot, np.uint8, s.nbytes, s.offset) for s in src.layout_of(layer)}
+            p = f"model.layers.{layer}.mlp.experts."
+            for s in src.layout_of(layer):
+                assert view[s.name].tobytes() == t[p + s.name][e].contiguous().view(torch.uint8).numpy().tobytes()
+            for name in ("gate_up_proj", "down_proj"):
+                spec = {s.name: s for s in src.layout_of(layer)}
+                blocks = view[name + "_blocks"].reshape(spec[name + "_blocks"].shape)
+                scales = view[name + "_scales"].reshape(spec[name + "_scales"].shape)
+                ours = mxfp4.dequantize(blocks, scales, layout="gpt-oss")
+                ref = convert_moe_packed_tensors(t[p + name + "_blocks"], t[p + name + "_scales"], dtype=torch.float32)
+                assert np.array_equal(ours, ref[e].T.numpy())       # transformers transposes to [H, 2I]
+    finally:
+        src.close()
+
+
+def test_deepseek_v3_fp8_as_shipped(tmp_path):
+    """deepseek-ai/DeepSeek-V3 ships F8_E4M3 expert weights with F32 ``weight_scale_inv`` per 128x128 block."""
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    g = torch.Generator().manual_seed(4)
+    hidden, inter = 256, 128
+    t = {"model.layers.0.mlp.gate_proj.weight": torch.randn(64, hidden, generator=g).to(torch.float8_e4m3fn)}
+    for e in range(tf.E):
+        for name, (rows, cols) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                                   ("down_proj", (hidden, inter))):
+            p = f"model.layers.1.mlp.experts.{e}.{name}."
+            t[p + "weight"] = torch.randn(rows, cols, generator=g).to(torch.float8_e4m3fn)
+            t[p + "weight_scale_inv"] = torch.rand(-(-rows // 128), -(-cols // 128), generator=g)
+    t["model.layers.1.mlp.gate.e_score_correction_bias"] = torch.zeros(tf.E)
+    t["model.layers.1.mlp.shared_experts.gate_proj.weight"] = torch.zeros(inter, hidden).to(torch.float8_e4m3fn)
+    save_torch(t, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "deepseek_v3", "n_routed_experts": tf.E, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
+    src = open_source(str(tmp_path), None)
+    try:
+        d = src.describe()
+        assert d["family"] == "deepseek_v3" and d["layers"] == [1] and src.tensor_format == "fp8:E4M3"
+        spec = {s.name: s for s in src.layout}
+        assert spec["gate_proj.weight"].dtype == "F8_E4M3" and spec["gate_proj.weight_scale_inv"].shape == (1, 2)
+        slot = bytearray(src.expert_bytes)
+        for e in range(tf.E):
+            src.read(src.keys[(1, e)], memoryview(slot))
+            for s in src.layout:
+                ref = t[f"model.layers.1.mlp.experts.{e}.{s.name}"].contiguous().view(torch.uint8).numpy()
+                assert bytes(slot[s.offset:s.offset + s.nbytes]) == ref.tobytes()
+    finally:
+        src.close()
