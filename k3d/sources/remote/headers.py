@@ -64,6 +64,7 @@ class Catalog:
     layouts: dict = field(default_factory=dict)             # layer -> layout (see sources.base)
     layer_tensor_types: dict = field(default_factory=dict)
     family: object = None                                   # sources.families.Family
+    family_fields: dict = field(default_factory=dict)       # GGUF / packs: describe()'s family fields
 
     def layout_of(self, layer: int) -> list:
         return self.layouts.get(layer, self.layout)
@@ -72,7 +73,8 @@ class Catalog:
 def _catalog(fmt: str, src, **kw) -> Catalog:
     """The catalog of a parsed (closed) header image: everything the local parser found."""
     return Catalog(fmt, src.layout, src.keys, src.tensor_format, dict(src.tensor_types), layouts=src.layouts,
-                   layer_tensor_types=src.layer_tensor_types, family=src.family, **kw)
+                   layer_tensor_types=src.layer_tensor_types, family=src.family,
+                   family_fields=dict(src.family_fields), **kw)
 
 
 def open_catalog(origin, url: str, pattern: str) -> Catalog:
