@@ -54,7 +54,9 @@ def _start_parser(sub):
     p.add_argument("--hugepages", action="store_const", const=True, default=None,
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
-                   help="leave the arena in 4 KiB pages (default: collapse it into transparent huge pages)")
+                   help="skip the huge-page collapse: ready sooner, but O_DIRECT and disk reads into the arena "
+                   "slower (default: collapse the arena into 2 MiB transparent huge pages at start; "
+                   "bench/startup.py measures both)")
     p.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (needs pip install 'k3d[metrics]')")
     return p
