@@ -95,6 +95,14 @@ def test_s3_missing_prefix_is_clear(s3):
         S3Source(f"s3://{BUCKET}/models/ck/none.safetensors", DEFAULT_PATTERN)
 
 
+def test_s3_missing_object_is_one_clause(s3):
+    """A 404 on HeadObject reads as one error, not wrapped in a second 'SourceError:' clause."""
+    url = f"s3://{BUCKET}/models/ck/none.gguf"
+    with pytest.raises(SourceError) as ei:
+        S3Source(url, DEFAULT_PATTERN)
+    assert str(ei.value) == f"HeadObject {url}: HTTP 404 (not found)"
+
+
 def test_daemon_from_s3_with_disk_cache(s3, start_daemon, tmp_path):
     client, env, ref, _ = s3
     args = ("--arena", "4MiB", "--disk-cache", str(tmp_path / "dc"), "--disk-cache-size", "64MiB")

@@ -97,6 +97,8 @@ class S3Source(RemoteSource):
         def attempt(_n: int):
             try:
                 return fn()
+            except SourceError:
+                raise           # already one line (a 404 from head()): not wrapped in another
             except Exception as e:  # noqa: BLE001 - botocore raises many types; _classify sorts them
                 raise self._classify(url, op, e) from None
         return retrying(attempt, self.retries, f"{op} {url}")

@@ -13,9 +13,14 @@ supplies three primitives:
 This class adds what every transport shares:
 
 - opening (``headers.open_catalog``): files stat'ed, headers fetched into
-  sparse images and parsed by the local parsers: format, layout, extents;
+  sparse images and parsed by the local parsers: format, layout, extents.
+  With a disk tier the origin's answers are recorded and kept there
+  (kept.py); when the origin does not answer at start (``OriginDown``) the
+  same parsers run on the kept answers instead;
 - ``fetch_into``: a run of bytes with the one retry loop (``retry.retrying``),
-  resuming after the bytes that had landed; counts requests, retries, errors;
+  resuming after the bytes that had landed; counts requests, retries, errors,
+  and tells ``OriginState`` (origin.py) whether the origin answered: while
+  it is down, each request gets one attempt;
 - ``read``: finds the expert a part belongs to (by file offset) and hands the
   part to ``tiers.Tiers`` (disk entry or origin, crc, write-behind).
 
