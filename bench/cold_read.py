@@ -73,17 +73,17 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import harness  # noqa: E402
 import numpy as np  # noqa: E402
 
-import harness  # noqa: E402
 import k3client  # noqa: E402
 from k3d.arena import Arena, hugepages  # noqa: E402
-from k3d.sources.checksum import CrcPipeline, crc32_of_parts  # noqa: E402
 from k3d.config import DEFAULT_PATTERN  # noqa: E402
+from k3d.reads.plan import parts_per_key, readers_for, split_extents  # noqa: E402
+from k3d.sources import Extent, open_source  # noqa: E402
+from k3d.sources.checksum import CrcPipeline, crc32_of_parts  # noqa: E402
 from k3d.sources.packed import CHUNK, PackedSource, read_header  # noqa: E402
 from k3d.sources.packwrite import write_pack  # noqa: E402
-from k3d.sources import Extent, open_source  # noqa: E402
-from k3d.reads.plan import parts_per_key, readers_for, split_extents  # noqa: E402
 
 CACHE = "/tmp/k3d-bench-cold"
 HIDDEN = INTER = 2880           # gpt-oss: 13.2 MB MXFP4 experts
@@ -91,7 +91,8 @@ METHODS = ("floor", "floorcrc", "mmap", "mmap2x", "mmap1", "direct", "buffered")
 MMAPS = {"mmap": 1, "mmap2x": 2}          # threads: this many times --readers ("mmap1": one)
 LABELS = {"floor": "O_DIRECT preadv (floor)", "floorcrc": "O_DIRECT preadv + crc32 check",
           "mmap": "mmap demand paging, {r} threads",
-          "mmap2x": "mmap demand paging, {r2} threads", "mmap1": "mmap demand paging, 1 thread", "direct": "k3d --read-mode direct",
+          "mmap2x": "mmap demand paging, {r2} threads", "mmap1": "mmap demand paging, 1 thread",
+          "direct": "k3d --read-mode direct",
           "buffered": "k3d --read-mode buffered"}
 
 
@@ -368,7 +369,7 @@ def measure(args, path, stride, keys, offset, crcs, total) -> int:
     for p in patterns:
         r = results[p]
 
-        def ratio(a: str, b: str) -> float:
+        def ratio(a: str, b: str, r=r) -> float:
             return harness.median([x / y for x, y in zip(r[a], r[b])])
 
         best_mmap = [max(x) for x in zip(r["mmap"], r["mmap2x"], r["mmap1"])]

@@ -28,11 +28,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import harness  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import harness  # noqa: E402
 import k3client  # noqa: E402
 from k3client.mxfp4 import dequantize  # noqa: E402
 
@@ -73,14 +73,17 @@ class Safetensors:
             out = {}
             with self.safe_open(self.file, "pt") as f:
                 for e in used:
-                    t = lambda n: f.get_tensor(PATTERN.format(layer=layer, expert=e, name=n))
-                    out[e] = tuple(dequantize(t(f"{m}.weight_packed"), t(f"{m}.weight_scale")) for m in ("w1", "w3", "w2"))
+                    def t(n, e=e):
+                        return f.get_tensor(PATTERN.format(layer=layer, expert=e, name=n))
+                    out[e] = tuple(dequantize(t(f"{m}.weight_packed"), t(f"{m}.weight_scale"))
+                                   for m in ("w1", "w3", "w2"))
             return out
         return weights
 
     @staticmethod
     def decode(ex):
-        return tuple(dequantize(ex.tensor(f"{m}.weight_packed"), ex.tensor(f"{m}.weight_scale")) for m in ("w1", "w3", "w2"))
+        return tuple(dequantize(ex.tensor(f"{m}.weight_packed"), ex.tensor(f"{m}.weight_scale"))
+                     for m in ("w1", "w3", "w2"))
 
 
 class Gguf:
@@ -147,10 +150,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: OpenMP spinning on a shared VM hurts)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from k3d.demo.synthetic import write_synthetic_gguf
-    from k3d.sources.packwrite import write_pack
+    from k3d.demo.synthetic import write_checkpoint, write_synthetic_gguf
     from k3d.sources import open_source
-    from k3d.demo.synthetic import write_checkpoint
+    from k3d.sources.packwrite import write_pack
 
     tmp = tempfile.mkdtemp(prefix="k3d-bench-fwd-", dir="/tmp")
     try:

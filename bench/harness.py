@@ -173,7 +173,7 @@ def hugepages_reserved(pages: int):
         with open(path, "w") as f:
             f.write(str(old + pages))
     except OSError as e:
-        raise SystemExit(f"--hugepages: cannot reserve huge pages ({path}: {e.strerror}; run as root)")
+        raise SystemExit(f"--hugepages: cannot reserve huge pages ({path}: {e.strerror}; run as root)") from None
     try:
         with open(path) as f:
             if int(f.read()) < old + pages:

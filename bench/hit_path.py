@@ -31,9 +31,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import harness  # noqa: E402
 import zmq  # noqa: E402
 
-import harness  # noqa: E402
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack  # noqa: E402
 
 N_KEYS = 8
@@ -196,7 +196,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--block", type=int, default=25, help="alternate echo and fetch every BLOCK requests")
     ap.add_argument("--pin", action="store_true",
-                    help="pin this process to CPU 0 and the daemon and echo server to CPU 1 (steadier, not deployment-like)")
+                    help="pin this process to CPU 0 and the daemon and echo server to CPU 1 "
+                         "(steadier, not deployment-like)")
     ap.add_argument("--explain", action="store_true",
                     help="also run a ladder from the bare echo to the real fetch, to see where the time goes")
     ap.add_argument("--echo-server", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
@@ -231,16 +232,20 @@ def main() -> int:
             e50, e99, f50, f99, ratios = [], [], [], [], []
             for r in range(a.reps):
                 e, f = run_blocks(es, req, c, keys, a.iters, a.block)
-                e50.append(harness.pct(e, 50)); e99.append(harness.pct(e, 99))
-                f50.append(harness.pct(f, 50)); f99.append(harness.pct(f, 99))
+                e50.append(harness.pct(e, 50))
+                e99.append(harness.pct(e, 99))
+                f50.append(harness.pct(f, 50))
+                f99.append(harness.pct(f, 99))
                 ratios.append(f50[-1] / e50[-1])
                 harness.banner("hit_path", f"rep {r + 1}/{a.reps}: fetch p50 {f50[-1] * 1e6:.0f}us "
-                               f"p99 {f99[-1] * 1e6:.0f}us | echo p50 {e50[-1] * 1e6:.0f}us p99 {e99[-1] * 1e6:.0f}us | "
+                               f"p99 {f99[-1] * 1e6:.0f}us | echo p50 {e50[-1] * 1e6:.0f}us "
+                               f"p99 {e99[-1] * 1e6:.0f}us | "
                                f"ratio {ratios[-1]:.2f}")
             if a.explain:
                 explain(a, req, rep, c, keys)
             st1 = c.status()["stats"]
-            es.send(b"stop"); es.recv()
+            es.send(b"stop")
+            es.recv()
             es.close(0)
             ctx.term()
         misses = st1["misses"] - st0["misses"]

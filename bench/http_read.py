@@ -45,11 +45,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import harness  # noqa: E402
+
 import k3client  # noqa: E402
 from faulty_http import Nginx  # noqa: E402
 from k3d.config import DEFAULT_PATTERN, Config  # noqa: E402
-from k3d.sources.packwrite import write_pack  # noqa: E402
 from k3d.sources import open_source  # noqa: E402
+from k3d.sources.packwrite import write_pack  # noqa: E402
 
 CACHE = "/tmp/k3d-bench-http"
 

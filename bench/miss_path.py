@@ -36,8 +36,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
-from k3d.sources import Extent, Source  # noqa: E402
+
 from k3d.reads.plan import parts_per_key, readers_for, split_extents  # noqa: E402
+from k3d.sources import Extent, Source  # noqa: E402
 
 HIDDEN = INTER = 2880
 LAYERS = 3
@@ -154,7 +155,8 @@ def main() -> int:
                 return floor.batch([spans[(layer, e)] for e in experts])
 
             for _ in range(LAYERS):        # warm-up: every slot written once
-                one_fetch(); one_floor()
+                one_fetch()
+                one_floor()
             st0 = c.status()["stats"]
             floor.bytes, floor.seconds = 0, 0.0
             for r in range(a.reps):
@@ -167,10 +169,12 @@ def main() -> int:
                 ratios.append(fetch_gbs[-1] / floor_gbs[-1])
                 harness.banner("miss_path", f"rep {r + 1}/{a.reps}: fetch {fetch_gbs[-1]:.2f} GB/s "
                                f"(median {harness.median(f) * 1e3:.1f} ms/batch) | preadv floor "
-                               f"{floor_gbs[-1]:.2f} GB/s ({harness.median(g) * 1e3:.1f} ms/batch) | ratio {ratios[-1]:.2f}")
+                               f"{floor_gbs[-1]:.2f} GB/s ({harness.median(g) * 1e3:.1f} ms/batch) | "
+                               f"ratio {ratios[-1]:.2f}")
             status = c.status()
             st1 = status["stats"]
-        busy = (st1["bytes_read"] - st0["bytes_read"]) / max(1e-9, st1.get("read_seconds", 0) - st0.get("read_seconds", 0))
+        read_s = st1.get("read_seconds", 0) - st0.get("read_seconds", 0)
+        busy = (st1["bytes_read"] - st0["bytes_read"]) / max(1e-9, read_s)
         fetched = a.reps * a.rounds * a.batch
         misses = st1["misses"] - st0["misses"]
         assert misses == fetched, f"only {misses} of {fetched} fetched keys missed"

@@ -105,7 +105,8 @@ def main() -> int:
                 finally:
                     for p in procs:
                         try:
-                            p.stdin.write("\n"); p.stdin.close()
+                            p.stdin.write("\n")
+                            p.stdin.close()
                         except OSError:
                             pass
                     rcs = [p.wait(30) for p in procs]
@@ -120,7 +121,8 @@ def main() -> int:
                                " ".join(f"{m['pss'] / MiB:.0f}" for m in mems) +
                                f" MiB (sum {total / MiB:.0f} MiB); USS " +
                                " ".join(f"{m['uss'] / MiB:.0f}" for m in mems) +
-                               f" MiB; RSS {mems[0]['rss'] / MiB:.0f} MiB each; daemon PSS {dmem['pss'] / MiB:.0f} MiB; "
+                               f" MiB; RSS {mems[0]['rss'] / MiB:.0f} MiB each; "
+                               f"daemon PSS {dmem['pss'] / MiB:.0f} MiB; "
                                f"each client read {reports[0]['bytes'] / MiB:.0f} MiB in "
                                f"{harness.median([x['seconds'] for x in reports]):.2f}s")
     finally:
@@ -133,7 +135,8 @@ def main() -> int:
           f"arena {arena / MiB:.0f} MiB; every byte read through views by every client; median of {a.reps} reps")
     print("sharing: pss " + " ".join(f"{m['pss'] / MiB:.0f}" for m in mems) +
           f" MiB sum {total / MiB:.0f} MiB limit {limit / MiB:.0f} MiB (arena {arena / MiB:.0f} + "
-          f"{a.clients} x 150) daemon_pss {dmem['pss'] / MiB:.0f} MiB ratio {total / limit:.2f} (target <= 1.0) {harness.verdict(total <= limit)}")
+          f"{a.clients} x 150) daemon_pss {dmem['pss'] / MiB:.0f} MiB ratio {total / limit:.2f} (target <= 1.0) "
+          f"{harness.verdict(total <= limit)}")
     return 0
 
 

@@ -1,9 +1,22 @@
 """k3client: the light client of the k3d expert cache (numpy, pyzmq, msgpack)."""
 
 from .client import Client, Expert, connect
-from .errors import (BadRequest, CacheFull, DaemonNotRunning, DaemonRestarted, K3Error,
-                     NotAttached, PermissionDenied, ProtocolMismatch, QuotaExceeded,
-                     ReadFailed, ShuttingDown, Starting, Timeout, UnknownExpert)
+from .errors import (
+    BadRequest,
+    CacheFull,
+    DaemonNotRunning,
+    DaemonRestarted,
+                     K3Error,
+    NotAttached,
+    PermissionDenied,
+    ProtocolMismatch,
+    QuotaExceeded,
+    ReadFailed,
+    ShuttingDown,
+    Starting,
+    Timeout,
+    UnknownExpert,
+)
 from .layout import TensorSpec
 from .protocol import PROTOCOL_VERSION
 

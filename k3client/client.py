@@ -105,7 +105,7 @@ class Expert:
     def tensor(self, name: str):
         """torch view of one tensor, no copy, in its real dtype (needs torch). Do not write to it."""
         try:
-            import torch   # optional: k3client itself needs only numpy, pyzmq and msgpack
+            import torch  # optional: k3client itself needs only numpy, pyzmq and msgpack
         except ImportError:
             raise ImportError("Expert.tensor() needs torch: pip install torch --index-url "
                               "https://download.pytorch.org/whl/cpu (CPU build; or your CUDA build); "
@@ -194,7 +194,8 @@ class Client:
             self._sock.connect(self.endpoint)
         except zmq.ZMQError as e:
             raise errors.DaemonNotRunning(
-                f"cannot connect to {self.endpoint}: {e.strerror} (use ipc:///path/k3d.sock or tcp://host:port)") from None
+                f"cannot connect to {self.endpoint}: {e.strerror} "
+                "(use ipc:///path/k3d.sock or tcp://host:port)") from None
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self.gen = None
@@ -292,7 +293,8 @@ class Client:
             except OSError as e:
                 raise errors.DaemonNotRunning(f"cannot attach the arena at {path}: {e}") from None
         if not fds:
-            raise errors.PermissionDenied(f"the daemon refused to hand out the arena at {path}: {msg.decode(errors='replace')}")
+            raise errors.PermissionDenied(
+                f"the daemon refused to hand out the arena at {path}: {msg.decode(errors='replace')}")
         fd = fds[0]
         try:
             meta = unpack(msg)

@@ -3,6 +3,7 @@
 Precedence: explicit argument > ``K3D_ENDPOINT`` > (daemon only: config file) >
 ``ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock`` or ``ipc:///tmp/k3d-$UID/k3d.sock``.
 The environment is passed in (``env``) so callers decide what they read.
+Pure functions (they read only the file system): safe from any thread.
 """
 
 from __future__ import annotations

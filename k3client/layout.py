@@ -9,6 +9,8 @@ Dtype names are the safetensors ones (``U8``, ``F16``, ``BF16`` ...).  numpy has
 no bfloat16 (or fp8): ``numpy_dtype`` returns the same-width unsigned integer for
 those, so ``Expert.array`` still gives the exact bits; ``Expert.tensor`` gives the
 real torch dtype.
+
+Pure data and functions: no state, safe from any thread.
 """
 
 from __future__ import annotations

@@ -13,16 +13,19 @@ client can tell a restarted daemon from the one it attached to)::
     {"id": int, "ok": True, "gen": int, ...result fields}
     {"id": int, "ok": False, "gen": int, "error": {"code": str, "message": str}}
 
-Ops (the handler docstrings in ``k3d.server`` are the full spec):
+Ops (the ``op_*`` handler docstrings in ``k3d.server`` are the full spec):
 
-- ``hello {name, pid}`` -> ``{client_id, layout, slots, slot_bytes, arena_bytes,
-  arena_socket, keys, lease_s, model}``; must come first.
+- ``hello {name, pid}`` -> ``{client_id, layout, slots, slot_bytes, expert_bytes,
+  arena_bytes, arena_socket, lease_s, model}``; must come first.  (The key set is
+  not sent: an unknown key is an ``unknown_expert`` error reply.)
 - ``fetch {keys: [[layer, expert], ...], predicted: [[l, e], ...]}`` ->
   ``{slots: [int, ...]}`` in request order, sent once every key is ready.
 - ``predict {keys}`` -> ``{queued: int}`` at once (reads run in the background).
 - ``begin_token {}`` -> ``{epoch, released}``.
-- ``heartbeat {client_id}`` -> no reply (sent from the client's lease thread).
-- ``status {}`` -> the status dict (see README).
+- ``heartbeat {client_id, gen}`` -> no reply (sent from the client's lease thread;
+  one for another daemon generation is ignored).
+- ``status {}`` -> ``{status: {...}}`` (the dict ``k3ctl status --json`` prints); no
+  hello needed.
 - ``bye {}`` -> ``{}``; releases everything the client held.
 
 Replies carry slot numbers, never expert bytes: the bytes are read from the
@@ -33,6 +36,8 @@ SOCK_SEQPACKET socket; SCM_RIGHTS).  The arena message is
 Decode limits (``unpack``) bound every container so a hostile frame cannot make
 the daemon allocate without bound; frames above ``MAX_MESSAGE_BYTES`` are
 dropped by ZeroMQ itself (ZMQ_MAXMSGSIZE).
+
+Pure functions and constants: no state, safe from any thread.
 """
 
 from __future__ import annotations

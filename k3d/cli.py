@@ -1,4 +1,10 @@
-"""``k3d``: start the daemon, or run the demo.
+"""``k3d``: start the daemon, pack a checkpoint, install the systemd units, or run the demo.
+
+Runs in the process's main thread; each subcommand's module is imported only when
+that subcommand runs (``pack``, ``install-unit``, ``demo``, and ``start``'s
+``k3d.service.daemon``), so ``k3d --help`` stays light.  ``start`` resolves the
+config here (``k3d.config.resolve``, the one reader of the environment) and hands
+it to ``k3d.service.daemon.run``, which serves in this same thread.
 
 ``k3d start`` runs in the foreground (no double fork: systemd's Type=notify
 way), logs to stderr, prints a ``ready`` line once it serves, and exits 0 after
@@ -15,6 +21,7 @@ import sys
 from . import __version__
 from .config import DEFAULT_PATTERN, Config, ConfigError, format_size, resolve
 from .ctl import parse_args
+from .policy import POLICIES
 from .reads.plan import COLD_READERS
 from .service import units
 
@@ -27,15 +34,18 @@ def _start_parser(sub):
     p.add_argument("--source", help="checkpoint: safetensors directory/file, .gguf or .k3pack file, "
                    "or an http(s):// or s3:// URL of one")
     p.add_argument("--pattern", help=f"tensor name pattern with {{layer}}, {{expert}}, {{name}} (default {D.pattern})")
-    p.add_argument("--arena", help=f"arena size: 512MiB, 8GiB or bytes, rounded down to whole slots (default {format_size(D.arena)})")
+    p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes, rounded down to whole slots "
+                   f"(default {format_size(D.arena)})")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
     p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, "
                    f"2-{COLD_READERS}, for safetensors/GGUF page-cache reads; {COLD_READERS} for packed "
                    "files and HTTP/S3 origins)")
     p.add_argument("--trace", help="append a route trace line per fetch to FILE")
-    p.add_argument("--lease", dest="lease_s", type=float, help=f"seconds a silent client keeps its pins (default {D.lease_s:g})")
-    p.add_argument("--pin-quota", dest="pin_quota", type=int, help=f"slots one client may pin per token (0: no limit; default {D.pin_quota})")
+    p.add_argument("--lease", dest="lease_s", type=float,
+                   help=f"seconds a silent client keeps its pins (default {D.lease_s:g})")
+    p.add_argument("--pin-quota", dest="pin_quota", type=int,
+                   help=f"slots one client may pin per token (0: no limit; default {D.pin_quota})")
     p.add_argument("--log-level", dest="log_level", help=f"debug, info, warning, error (default {D.log_level})")
     p.add_argument("--read-mode", dest="read_mode",
                    help="packed files: buffered (page cache, dropped after reading) or direct (O_DIRECT); "
@@ -50,13 +60,17 @@ def _start_parser(sub):
     p.add_argument("--disk-cache", dest="disk_cache",
                    help="remote sources: keep fetched experts in DIR (crash-safe, survives restarts)")
     p.add_argument("--disk-cache-size", dest="disk_cache_size",
-                   help=f"bytes the disk cache may hold, e.g. 100GiB (LRU beyond; default {format_size(D.disk_cache_size)})")
+                   help="bytes the disk cache may hold, e.g. 100GiB "
+                   f"(LRU beyond; default {format_size(D.disk_cache_size)})")
     p.add_argument("--hugepages", action="store_const", const=True, default=None,
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
                    help="skip the huge-page collapse: ready sooner, but O_DIRECT and disk reads into the arena "
                    "slower (default: collapse the arena into 2 MiB transparent huge pages at start; "
                    "bench/startup.py measures both)")
+    p.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default {D.policy})")
+    p.add_argument("--state-dir", dest="state_dir",
+                   help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")
     p.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (needs pip install 'k3d[metrics]')")
     return p
@@ -78,6 +92,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _start_parser(sub)
     _pack_parser(sub)
+    from . import replay_cli  # the CLI dispatching a subcommand's module
+    replay_cli.add_parser(sub)
     units.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
     d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default %(default)s)")
@@ -96,6 +112,8 @@ def main(argv=None) -> int:
             return run_hf_demo(clients=args.clients, tokens=min(args.tokens, 32))
         from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+    if args.cmd == "replay":
+        return replay_cli.main(args)
     if args.cmd == "install-unit":
         return units.main(args)
     if args.cmd == "pack":

@@ -7,6 +7,9 @@ does not answer (with ``--json`` the failure is JSON on stdout too).
 terminal, adding hit rate and throughput over the last interval and since
 start; elsewhere (a pipe, a log) it prints one frame per interval, and with
 ``--json`` one JSON object per line.  Ctrl-C ends it with exit 0.
+
+A short-lived process of its own (the ``k3ctl`` console script), one thread;
+``status`` needs no hello.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from k3client.endpoint import (
 )
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 
+from .quality import line as prediction_line
 from .service.starting import describe
 
 
@@ -45,7 +49,8 @@ def query_status(endpoint: str, timeout: float) -> dict:
         try:
             s.connect(endpoint)
         except zmq.ZMQError as e:
-            raise RuntimeError(f"cannot connect to {endpoint}: {e.strerror} (use ipc:///path/k3d.sock or tcp://host:port)") from None
+            raise RuntimeError(f"cannot connect to {endpoint}: {e.strerror} "
+                               "(use ipc:///path/k3d.sock or tcp://host:port)") from None
         s.send(pack({"v": PROTOCOL_VERSION, "op": "status", "id": 1}))
         if not s.poll(int(timeout * 1000)):
             raise RuntimeError(f"k3d is not running at {endpoint} (no answer in {timeout:g}s)")
@@ -116,6 +121,13 @@ def render(st: dict) -> str:
         f"errors  {s['errors']} failed reads, {s['bad_requests']} bad requests, {s['cache_full']} cache full, "
         f"{s['clients_dead']} dead clients",
     ]
+    pq = st.get("prediction")
+    if pq:      # prediction quality, in total and per client (k3d.quality)
+        lines.append(f"        {prediction_line(pq['total'])}")
+    w = st.get("warm") or {}
+    if "planned" in w:
+        lines.append(f"warm    {st.get('policy', '')} statistics from {w['state_file']}: pre-loaded {w['ready']} of "
+                     f"{w['planned']} hot experts ({w['percent']:.0f}%{', done' if w['done'] else ''})")
     tiers = m.get("tiers")
     if tiers:
         o = tiers["origin"]
@@ -129,6 +141,9 @@ def render(st: dict) -> str:
     lines.append(f"clients {len(st['clients'])}")
     for c in st["clients"]:
         lines.append(f"  {c['name']:<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  fetches {c['fetches']}")
+        q = (pq or {}).get("clients", {}).get(str(c.get("id")))
+        if q:
+            lines.append(f"    predict {prediction_line(q)}")
     return "\n".join(lines)
 
 

@@ -2,8 +2,11 @@
 
 Loop (``serve_forever``): poll the ROUTER socket, the reader pool's eventfd and
 the arena hand-out socket; handle every ready request, apply every finished
-read, hand out the arena fd, then housekeeping (dead clients, systemd status
-and watchdog).  Nothing in the loop waits on I/O: a fetch that misses starts
+read, hand out the arena fd, publish a status snapshot when ``/metrics`` asked
+for one (``metrics.SnapshotBoard``: other threads never read the store), then
+housekeeping (dead clients, systemd status and watchdog).  The ROUTER socket
+usually arrives bound: the daemon binds it before start-up and the start-up
+responder (``service/starting.py``) hands it over.  Nothing in the loop waits on I/O: a fetch that misses starts
 reads and is parked (``parked.py``) until its slots are ready, while other
 clients' hits are answered at once.
 
@@ -20,12 +23,13 @@ report through ``reads``):
 - ``wire``: the ROUTER socket, request decoding, key checks, replies;
 - ``turns``: requests received, waiting for their client's turn;
 - ``sessions``: attached clients and their liveness;
-- ``store``: slots, pins, predictions (changed only through its methods);
-- ``reads.loads``: reads in flight, by explicit load token (start, promote,
-  cancel, finish); the server never touches a read's record;
-- ``parked``: fetches waiting for their reads, and how each is answered;
+- ``cache``: the fetch path, keeping three in step: ``store`` (slots, pins,
+  predictions; changed only through its methods), ``reads.loads`` (reads in
+  flight, by explicit load token: start, promote, cancel, finish) and
+  ``parked`` (fetches waiting for their reads, and how each is answered);
 - ``handout``: the arena fd over the Unix socket;
-- ``status``, ``reload``: what status shows; what SIGHUP may change.
+- ``status``, ``reload``: what status shows; what SIGHUP may change;
+- ``latency``, ``trace``: fetch latency histogram; the optional route trace.
 
 Signals: the CLI's handlers only call ``request_stop`` / ``request_reload``
 (set a flag and write the eventfd); the loop acts.  Stop drains: stop
@@ -65,26 +69,24 @@ from k3client.errors import (
     UnknownExpert,
 )
 
-from . import reload, wire
-from . import status as status_view
+from . import reload, status as status_view, wire
 from .access import peer_allowed, peer_cred, private_umask, refusal
+from .cache import Cache
 from .handout import ArenaHandout
-from .latency import FetchLatency, classify
+from .latency import FetchLatency
 from .metrics import SnapshotBoard
-from .parked import Parked, checked_slots
-from .reads.loads import Load, Loads
+from .policy import make as make_policy
 from .sessions import REAP_INTERVAL, Session, Sessions, identify
-from .stats import Throughput
 from .store import Store
 from .trace import RouteTrace
 from .turns import Turns, cost_of
+from .warm import WarmState
 
 log = logging.getLogger("k3d")
 RECV_BATCH = 256         # requests taken off the socket per loop pass, at most
 
 DEFERRED = object()      # handler parked the request; it replies later
 NO_REPLY = object()      # heartbeat: nothing to send
-WASTE_LIMIT = 0.9        # share of unused predictions above which a client is throttled
 STATUS_INTERVAL = 5.0    # seconds between systemd STATUS= lines
 
 
@@ -96,9 +98,10 @@ class Server:
         self.notifier = notifier
         self.t0 = time.monotonic()
         self.gen = random.getrandbits(62) | 1
-        self.store = Store(arena.slots, cfg.pin_quota)
+        self.store = Store(arena.slots, cfg.pin_quota, make_policy(cfg.policy, 1 + max(l for l, _ in source.keys)),
+                           key_bytes=lambda key: source.expert_bytes)
+        self.warm = WarmState(cfg, source, self.store, self.t0)     # restores the policy's statistics
         self.stats = self.store.stats
-        self.recent = Throughput()
         self.latency = FetchLatency()
         self._t_msg = 0.0        # arrival of the request being handled (fetch latency)
         self.turns = Turns()     # requests received, waiting their client's turn (k3d/turns.py)
@@ -107,7 +110,7 @@ class Server:
         self.board.wake = self._wake
         self.trace = RouteTrace(cfg.trace, self.t0) if cfg.trace else None
         self.sessions = Sessions()
-        self._stop = self._draining = self._reload = False
+        self._stop = self._reload = False
         self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
         if sock is None:
@@ -122,8 +125,9 @@ class Server:
         with private_umask():
             self.handout.bind()
         self.replies = wire.Replies(self.sock, self.gen)
-        self.parked = Parked(self.store, self.replies, source.path, self.latency)
-        self.reads = Loads(cfg.readers, source, arena)
+        self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency)
+        self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
+        self.cache.preload(self.warm.preload(self.store))   # behind every urgent read
 
     # -- loop -----------------------------------------------------------------
     def request_stop(self) -> None:
@@ -182,7 +186,7 @@ class Server:
                     self._do_reload()
                 if self.board.wanted:
                     self.board.publish(self.status())
-                self._apply_done()
+                self.cache.apply_done()
                 if self.sock in events:
                     self._recv_waiting()
                 if self.turns.waiting:
@@ -194,6 +198,7 @@ class Server:
                     for s, reason in self.sessions.expired(now, self.cfg.lease_s):
                         self._drop(s, reason, dead=True)
                     next_reap = now + REAP_INTERVAL
+                    self.warm.tick(self.store, now)
                 if self.notifier is not None:
                     if now >= next_status:
                         self.notifier.status(self.status_line())
@@ -294,30 +299,19 @@ class Server:
         if not keys:
             raise BadRequest("fetch of zero keys")
         predicted = self._keys(msg, "predicted", unique=False) if msg.get("predicted") is not None else []
-        plan = self.store.fetch(s.holder, keys)
-        self._start_loads(plan.new_loads, urgent=True, owner=s.client_id)
-        for slot in plan.promote:     # its predicted reads not started yet: urgent, in its fair share
-            self.reads.promote(slot, s.client_id)
-        for slot in plan.waiting:     # someone else's held-back read: this client waits too
-            self.reads.waited_on(slot, s.client_id)
-        s.fetches += 1
+        plan = self.cache.plan(s, keys)
         if self.trace:
             try:
-                self.trace.fetch(time.monotonic(), keys[0][0], [e for _, e in keys], plan.misses,
+                self.trace.fetch(time.monotonic(), s.client_id, s.epoch, keys, plan.misses,
                                  plan.evictions, plan.waited, plan.prefetched_hits, s.pfu)
             except OSError as e:   # a full disk must not fail a fetch that is already planned
                 log.error("route trace %s: %s; tracing stops", self.trace.path, e)
                 self.trace = None
         s.pfu = 0
         if predicted:
-            self._predict(s, predicted)
-        result = classify(plan.misses, plan.waited)
-        if not plan.waiting:
-            slots = checked_slots(self.store, keys, plan.slots)
-            self.latency.record(result, time.monotonic() - self._t_msg)
-            return {"slots": slots}
-        self.parked.park(s, msg["id"], keys, plan.slots, plan.waiting, self._t_msg, result)
-        return DEFERRED
+            self.cache.predict(s, predicted, self.cfg.pin_quota, self.trace)
+        slots = self.cache.answer(s, msg["id"], keys, plan, self._t_msg)
+        return DEFERRED if slots is None else {"slots": slots}
 
     def op_predict(self, routing, msg, frame):
         """predict {keys: [[layer, expert], ...]} -> {queued: int}, at once.
@@ -328,32 +322,18 @@ class Server:
         prefetch_unused and are demoted to the LRU end.  With a pin quota, a
         client has at most that many predictions outstanding (the rest are
         dropped), and a client whose predictions go almost all unused (moving
-        share > WASTE_LIMIT) may start one read per token: a flood of
+        share > ``cache.WASTE_LIMIT``) may start one read per token: a flood of
         predictions can neither sweep the cache nor monopolise the readers."""
         s = self.sessions.require(routing, time.monotonic())
-        return {"queued": self._predict(s, self._keys(msg, "keys", unique=False))}
-
-    def _predict(self, s: Session, keys) -> int:
-        keys = list(dict.fromkeys(keys))
-        if self.cfg.pin_quota:
-            room = self.cfg.pin_quota - len(self.store.predictions.get(s.client_id, ()))
-            if s.pf_waste > WASTE_LIMIT:
-                room = min(room, 1 - s.pf_started)
-            keys = [k for k in keys if k not in self.store.key_slot][:max(0, room)]
-        started = self.store.predict(s.client_id, keys)
-        s.pf_started += len(started)
-        self._start_loads(started, urgent=False)
-        return len(started)
+        return {"queued": self.cache.predict(s, self._keys(msg, "keys", unique=False), self.cfg.pin_quota,
+                                             self.trace)}
 
     def op_begin_token(self, routing, msg, frame):
         """begin_token {} -> {epoch, released}: next epoch; the previous epoch's pins go."""
         s = self.sessions.require(routing, time.monotonic())
-        released, unused = self.store.end_epoch(s.client_id, s.holder)
-        s.pfu += unused
-        if s.pf_started:
-            s.pf_waste = 0.8 * s.pf_waste + 0.2 * min(1.0, unused / s.pf_started)
-        s.pf_started = 0
-        s.epoch += 1
+        if self.trace:
+            self.trace.begin(time.monotonic(), s.client_id, s.epoch)
+        released = self.cache.end_token(s)
         return {"epoch": s.epoch, "released": released}
 
     def op_heartbeat(self, routing, msg, frame):
@@ -376,40 +356,14 @@ class Server:
             self._drop(s, "said bye", dead=False)
         return {}
 
-    # -- reads -----------------------------------------------------------------
-    def _start_loads(self, slots: list[int], urgent: bool, owner: int | None = None) -> None:
-        key_of = self.store.slot_key
-        self.reads.start([(slot, key_of[slot]) for slot in slots], urgent, owner)
-
-    def _apply_done(self) -> None:
-        now = time.monotonic()
-        for d, load in self.reads.reported():
-            self.stats.bytes_read += d.nbytes
-            self.stats.read_seconds += d.seconds
-            self.recent.add(now, d.nbytes)
-            if load is not None:
-                self._finished(load)
-
-    def _finished(self, load: Load) -> None:
-        """``load``'s last part reported: the slot is READY (or FREE), its waiters learn."""
-        cancelled = bool(load.fail) and self._draining
-        self.store.complete(load.slot, load.fail, counted=not cancelled)
-        if load.fail and not cancelled:
-            log.warning("read of expert (layer %d, expert %d) failed: %s", *load.key, load.fail)
-        self.parked.finished(load, cancelled)
-
     # -- clients ----------------------------------------------------------------
     def _drop(self, s: Session, reason: str, dead: bool) -> None:
-        released, _ = self.store.end_epoch(s.client_id, s.holder)
-        # Its held-back reads go on as background reads (another client may fetch
-        # those keys: that promotes them), never ahead of the urgent reads of others.
-        for slot in self.reads.to_background(s.client_id):
-            self.store.background(slot)
         self.sessions.remove(s)
-        self.parked.drop(s, reason)
-        if dead:                      # its requests still waiting have no one to answer
-            self.turns.forget(s.routing)
+        if self.trace:
+            self.trace.bye(time.monotonic(), s.client_id)
+        released = self.cache.drop(s, reason)
         if dead:
+            self.turns.forget(s.routing)   # its requests still waiting have no one to answer
             self.stats.clients_dead += 1
             log.warning("client %s (pid %s) %s: released %d pins", s.name, s.pid, reason, released)
         else:
@@ -424,17 +378,13 @@ class Server:
 
     # -- shutdown -----------------------------------------------------------------
     def _shutdown(self) -> None:
+        self.warm.save(self.store)
         self.board.close()            # a scrape waiting on the loop gets the last snapshot now
         if self.notifier is not None:
             self.notifier.stopping()
         log.info("draining: stop accepting, cancel queued reads")
         self.handout.close()
-        self._draining = True         # cancelled reads answer ShuttingDown, not ReadFailed
-        if not self.reads.cancel_all():
-            log.error("%d reader(s) still busy after 30 s; exiting without waiting for them",
-                      self.reads.readers_alive())
-        self._apply_done()
-        self.parked.shut_down()
+        self.cache.shut_down()        # cancelled reads answer ShuttingDown, not ReadFailed
         self.sock.close()
         self.ctx.term()
         path = ipc_path(self.cfg.endpoint)

@@ -2,12 +2,15 @@
 
 Sections (memcached/Redis style: clients skip fields they do not know; new
 sections may be added, existing fields keep their meaning):
-- top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``, ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
+- top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``,
+  ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
 - ``arena``: sizes, plus the store's gauges (``used``, ``pinned``, ``loading``, ``free``);
 - ``stats``: the monotonic counters (``stats.Counters``);
 - ``fetch_seconds``: the fetch latency histogram by result (``latency.py``);
 - ``readers``: threads, queued parts, held-back parts, throughput;
-- ``clients``: one entry per attached session.
+- ``clients``: one entry per attached session;
+- ``policy`` (its name), ``prediction`` (quality in total and per client id:
+  ``quality.py``), ``warm`` (the state file and the warm restart's pre-load progress).
 
 Pure reads of the server's state: called on the server thread (``op_status``,
 the loop's systemd status), never changes anything.
@@ -20,6 +23,7 @@ import os
 from k3client.protocol import PROTOCOL_VERSION
 
 from . import __version__
+from .quality import section as prediction_section
 
 
 def build(srv, now: float) -> dict:
@@ -40,12 +44,15 @@ def build(srv, now: float) -> dict:
                   "page_bytes": srv.arena.page_bytes,
                   "thp_bytes": srv.arena.thp_bytes, **srv.store.gauges()},
         "stats": st.as_dict(),
+        "policy": srv.cfg.policy,
+        "prediction": prediction_section(srv.store, [s.client_id for s in srv.sessions]),
+        "warm": srv.warm.status(srv.store),
         "fetch_seconds": srv.latency.as_dict(),
         "readers": {"threads": srv.reads.threads, "queued_urgent": urgent,
                     "queued_background": background,
                     "held_back": srv.reads.held_back(),
                     "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
-                    "recent_bps": round(srv.recent.rate(now))},
+                    "recent_bps": round(srv.cache.recent.rate(now))},
         "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
                      "pins": len(srv.store.policy.held(s.holder)), "fetches": s.fetches,
                      "idle_s": round(now - s.last_seen, 3)}

@@ -13,10 +13,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
+from helpers import poll_for
 from k3d.demo.synthetic import write_checkpoint
 
 # Every socket directory and daemon log of this test session lives under one
@@ -25,6 +25,8 @@ from k3d.demo.synthetic import write_checkpoint
 # other-user permission tests can reach the sockets inside.
 SCRATCH = tempfile.mkdtemp(prefix="k3d-tests-", dir="/tmp")
 os.chmod(SCRATCH, 0o755)
+# Daemons keep warm-restart state under $XDG_STATE_HOME/k3d: the tests' stays in SCRATCH.
+os.environ.setdefault("XDG_STATE_HOME", os.path.join(SCRATCH, "state"))
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -42,6 +44,14 @@ class Daemon:
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()
+
+    def ready(self) -> bool:
+        """The daemon printed its ready line; RuntimeError (with the log) if it exited instead."""
+        if "k3d: ready" in self.log():
+            return True
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+        return False
 
     def stop(self, sig=15, timeout=30) -> int:
         if self.proc.poll() is None:
@@ -65,14 +75,11 @@ def spawn_daemon(source, *args, endpoint=None, env=None, wait_ready=True, timeou
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
     d = Daemon(proc, endpoint, log_path)
     if wait_ready:
-        deadline = time.monotonic() + timeout
-        while "k3d: ready" not in d.log():
-            if proc.poll() is not None:
-                raise RuntimeError(f"daemon exited {proc.returncode}:\n{d.log()}")
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"daemon not ready in {timeout}s:\n{d.log()}")
-            time.sleep(0.02)
+        try:
+            poll_for(d.ready, timeout, lambda: f"the daemon's ready line:\n{d.log()}", interval=0.02)
+        except AssertionError:
+            proc.kill()
+            raise
     return d
 
 

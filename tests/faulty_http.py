@@ -42,6 +42,8 @@ import urllib.parse
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from helpers import poll_for
+
 
 @dataclass
 class Fault:
@@ -305,18 +307,22 @@ http {{
             f.write(self.config())
         self.proc = subprocess.Popen([self.binary, "-p", self.dir, "-c", conf, "-e", f"{self.dir}/error.log"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nginx exited {self.proc.returncode}: {self.proc.stderr.read().decode()}"
-                                   f"{self._errlog()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"nginx did not listen on {self.port}: {self._errlog()}")
+        try:
+            poll_for(self._listening, 15, interval=0.05)
+        except AssertionError:
+            self.stop()
+            raise RuntimeError(f"nginx did not listen on {self.port}: {self._errlog()}") from None
+        return self
+
+    def _listening(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"nginx exited {self.proc.returncode}: {self.proc.stderr.read().decode()}"
+                               f"{self._errlog()}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                return True
+        except OSError:
+            return False
 
     def _errlog(self) -> str:
         try:

@@ -33,11 +33,13 @@ def _require_transformers() -> None:
 
 _require_transformers()
 
-from transformers.integrations.moe import ExpertsInterface
+# Imported after the version check on purpose: an old transformers gets the one-line
+# ImportError above, not a traceback from deep inside these imports.
+from transformers.integrations.moe import ExpertsInterface  # noqa: E402
 
-from .families import FAMILIES, FamilyError, supported
-from .fingerprint import Mismatch
-from .loader import IMPLEMENTATION, k3d_experts_forward, load_model
+from .families import FAMILIES, FamilyError, supported  # noqa: E402
+from .fingerprint import Mismatch  # noqa: E402
+from .loader import IMPLEMENTATION, k3d_experts_forward, load_model  # noqa: E402
 
 ExpertsInterface.register(IMPLEMENTATION, k3d_experts_forward)
 

@@ -42,7 +42,7 @@ def host_register(mm) -> bool:
     err = cudart.cudaHostRegister(addr, size, REGISTER_PORTABLE | REGISTER_READ_ONLY)
     if int(err) != 0:
         warnings.warn(f"k3client.hf: cudaHostRegister of the {size}-byte arena failed ({err}); "
-                      "expert copies to the GPU stay pageable (slower, still correct)")
+                      "expert copies to the GPU stay pageable (slower, still correct)", stacklevel=2)
         return False
     _registered[addr] = size
     return True

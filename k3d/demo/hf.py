@@ -86,7 +86,8 @@ def worker(argv: list[str]) -> int:
     if not a.eager:
         rt = model.k3d
         res["stats"] = {k: v for k, v in rt.stats.as_dict().items() if not isinstance(v, dict)}
-        res["fetch_ms_per_layer"] = {str(k): 1e3 * v / rt.stats.fetch_calls[k] for k, v in rt.stats.fetch_seconds.items()}
+        res["fetch_ms_per_layer"] = {str(k): 1e3 * v / rt.stats.fetch_calls[k]
+                                     for k, v in rt.stats.fetch_seconds.items()}
     print(json.dumps({"result": res}), flush=True)
     if a.hold:
         sys.stdin.read()
@@ -128,7 +129,8 @@ def run_hf_demo(clients: int = 3, tokens: int = 16, family: str = "qwen3_moe", h
         ebytes = hf_models.expert_bytes(path)
         endpoint = f"ipc://{tmp}/k3d.sock"
         arena = max(1 << 20, int(ebytes * arena_fraction))
-        cmd = [sys.executable, "-m", "k3d.cli", "start", "--source", path, "--endpoint", endpoint, "--arena", str(arena)]
+        cmd = [sys.executable, "-m", "k3d.cli", "start", "--source", path, "--endpoint", endpoint,
+               "--arena", str(arena)]
         if family in hf_models.PATTERNS:
             cmd += ["--pattern", hf_models.PATTERNS[family]]
         with open(os.path.join(tmp, "daemon.log"), "w+") as log:
@@ -190,7 +192,8 @@ def _report(n, tokens, ebytes, arena, k3d_res, eager_res, status, dmem, k3d_wall
 
 def _print(r: dict) -> None:
     mb = 1 / 2**20
-    print(f"k3d demo --hf: {r['clients']} processes x {r['tokens']} tokens, routed experts {r['expert_bytes'] * mb:.1f} MiB, "
+    print(f"k3d demo --hf: {r['clients']} processes x {r['tokens']} tokens, "
+          f"routed experts {r['expert_bytes'] * mb:.1f} MiB, "
           f"arena {r['arena_bytes'] * mb:.1f} MiB (random weights: routing unlike a trained model)")
     for kind in ("k3d", "eager"):
         for w in r[kind]:

@@ -5,10 +5,12 @@
 2. Starts a real daemon (``k3d start``) with an arena that holds ~40% of the
    experts, so the LRU, predictions and evictions all matter.
 3. Runs ``clients`` model processes (``k3d.demo.worker``) that share it over many
-   tokens with skewed routing and next-layer predictions; each verifies every
+   tokens with realistic routing and gate-ahead predictions; each verifies every
    byte it reads.
 4. Prints hit rate, waits, prefetch use, bytes read and per-process RSS/PSS,
    then stops the daemon with SIGTERM and checks it exited 0 and left nothing.
+
+Runs in the CLI's main thread; the daemon and the workers are child processes.
 """
 
 from __future__ import annotations
@@ -117,11 +119,16 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
                   f"{r['p50_us']:7.0f}us {r['p99_us']:7.0f}us  {r['rss'] / 2**20:7.1f}  {r['pss'] / 2**20:7.1f}")
         print(f"\ncache: hit rate {100 * st['hits'] / max(total, 1):.1f}% ({st['hits']} hits / {st['misses']} misses), "
               f"{st['waited']} waited on a read in flight, {st['evictions']} evictions")
-        print(f"predictions: {st['prefetched']} prefetched, {st['prefetch_hits']} used, "
-              f"{st['prefetch_unused']} unused")
+        pq = status.get("prediction", {}).get("total", {})
+        prec = pq.get("precision")
+        print(f"predictions (gate-ahead, not right by construction): {st['prefetched']} prefetched, "
+              f"{st['prefetch_hits']} used, {st['prefetch_unused']} unused"
+              + (f", precision {100 * prec:.1f}%" if prec is not None else "")
+              + (f"; fetched keys ready {pq['ready']}, waited {pq['waited']}, missed {pq['missed']}" if pq else ""))
         model_bytes = len(digests) * arena["expert_bytes"]
         print(f"reads: {st['bytes_read'] / 2**20:.1f} MiB read from the checkpoint, "
-              f"{st['bytes_read'] / model_bytes:.1f}x its {model_bytes / 2**20:.1f} MiB of experts; {st['errors']} errors")
+              f"{st['bytes_read'] / model_bytes:.1f}x its {model_bytes / 2**20:.1f} MiB of experts; "
+              f"{st['errors']} errors")
         print(f"why: the arena holds {arena['slots']} of the {len(digests)} experts "
               f"({100 * arena['slots'] / len(digests):.0f} %, on purpose: real arenas are smaller than the model), so "
               "experts are evicted and read again when routing returns to them; every process shares each read")

@@ -9,7 +9,8 @@ Per expert (OCP/compressed-tensors layout, as gpt-oss ships it)::
 Scales are valid E8M0 (never 0xFF).  Non-expert tensors (router, norm) are
 written too, so the source must ignore them.  With ``shards > 1`` the layers
 are spread over shards with a ``model.safetensors.index.json``.  Used by the
-demo, the tests and the benchmarks.
+demo, the tests and the benchmarks.  Pure function of its arguments and seed,
+run in the caller's thread; it writes only under the directory it is given.
 
 ``write_synthetic_gguf``: a small MoE GGUF (stacked ``*_exps``, quantized with
 ``gguf.quants``) written by the reference writer; tests and benchmarks only
@@ -47,7 +48,8 @@ def write_checkpoint(path: str, layers: int = 4, experts: int = 16, hidden: int 
     for sh in range(shards):
         tensors = {}
         for layer in range(sh * per_shard, min(layers, (sh + 1) * per_shard)):
-            tensors[f"model.layers.{layer}.mlp.router.weight"] = rng.standard_normal((experts, hidden)).astype(np.float16)
+            router = rng.standard_normal((experts, hidden)).astype(np.float16)
+            tensors[f"model.layers.{layer}.mlp.router.weight"] = router
             tensors[f"model.layers.{layer}.post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
             for e in range(experts):
                 for name, arr in expert_tensors(rng, hidden, inter).items():
@@ -88,7 +90,8 @@ def write_synthetic_gguf(path: str, layers: int = 2, experts: int = 8, hidden: i
             x = (rng.standard_normal((experts, rows, cols)) / np.sqrt(cols)).astype(np.float32)
             qt = GGMLQuantizationType[tname]
             if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", x.astype(np.float16 if tname == "F16" else np.float32))
+                w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight",
+                             x.astype(np.float16 if tname == "F16" else np.float32))
             else:
                 w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", quantize(x, qt), raw_dtype=qt)
         if bias:

@@ -6,7 +6,7 @@ a client is blocked on.  ``take_background(load_id)`` hands back a load's
 not-yet-started background parts when a client starts waiting for a predicted
 key; ``loads.Loads`` re-submits them urgent, through the client's fair share.
 
-A job is one part of one expert's read: ``Job(load_id, part, extents, dest)``;
+A job is one part of one expert's read: ``Job(load_id, part, extents, dest, source)``;
 ``load_id`` is the load's token (``loads.Load.id``), not a slot number.
 The reader calls ``source.read(extents, dest)`` (pread straight into the slot)
 and reports ``Done(load_id, part, nbytes, seconds, error)`` on a SimpleQueue,
@@ -17,7 +17,12 @@ object itself is driven by the server thread (through ``loads.Loads``); its
 queues are shared with the readers under ``_cv``.
 
 Shutdown: ``stop()`` drops queued jobs (reporting each as cancelled) and joins
-the threads after their current part.
+the threads after their current part; while a reader is stuck in ``read`` past
+the timeout, ``stop`` returns False and the eventfd stays open for its late report.
+
+Threads: ``submit``, ``take_background``, ``queued`` and ``stop`` are the server
+thread's; the ``k3d-reader-N`` threads only run jobs.  The queues are shared
+between them under ``_cv``; ``done`` and ``wake_fd`` are the one way back.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ The protocol is one datagram per message to the AF_UNIX socket named by
 ``NOTIFY_SOCKET`` every call is a no-op, so the daemon behaves the same in a
 terminal.  Failures to notify are logged once and otherwise ignored: systemd
 being unreachable must never stop the cache from serving.
+
+Used from the daemon's main thread only (start-up progress, then the server loop's
+STATUS/WATCHDOG ticks); no lock.
 """
 
 from __future__ import annotations

@@ -27,10 +27,8 @@ import os
 
 from ..config import Config
 from .base import Extent, Source, SourceError
-from .gguf import MAGIC as GGUF_MAGIC
-from .gguf import GGUFSource
-from .packed import MAGIC as PACK_MAGIC
-from .packed import PARTIAL, PackedSource
+from .gguf import MAGIC as GGUF_MAGIC, GGUFSource
+from .packed import MAGIC as PACK_MAGIC, PARTIAL, PackedSource
 from .remote.http import HttpSource
 from .remote.s3 import S3Source
 from .safetensors import SafetensorsSource

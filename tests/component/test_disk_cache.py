@@ -18,19 +18,29 @@ import time
 import pytest
 
 from faulty_http import FaultyServer
+from helpers import ROOT, Reference, poll_for
 from k3d.config import DEFAULT_PATTERN
+from k3d.demo.synthetic import write_checkpoint
+from k3d.reads.plan import split_extents
+from k3d.sources import SourceError
 from k3d.sources.remote.disk_cache import DATA_OFFSET, DiskCache, DiskCacheError, entry_name, read_entry_header
 from k3d.sources.remote.http import HttpSource
-from k3d.sources import SourceError
-from k3d.reads.plan import split_extents
-from k3d.demo.synthetic import write_checkpoint
-from test_http_faults import Reference
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def entries(d):
     return sorted(f for f in os.listdir(d) if f.endswith(".k3e"))
+
+
+CLOCK_REALTIME_COARSE = 5      # <linux/time.h>; the time module does not name it
+
+
+def next_file_tick(d):
+    """Wait until a file written now gets a later mtime than every entry in ``d``: file times
+    come from the kernel's coarse clock (one tick is 1-10 ms), and recency across a restart
+    is read from them."""
+    newest = max(os.stat(os.path.join(d, f)).st_mtime_ns for f in entries(d))
+    poll_for(lambda: time.clock_gettime_ns(CLOCK_REALTIME_COARSE) > newest, 2, "the file clock to tick",
+             interval=0.001)
 
 
 def test_insert_lookup_and_atomic_files(tmp_path):
@@ -55,7 +65,7 @@ def test_lru_bound_and_order_survive_restart(tmp_path):
     c = DiskCache(str(tmp_path), 3 * size)
     for i in range(3):
         c.insert("o", (0, i), "fp", {}, img, 0)
-        time.sleep(0.01)
+        next_file_tick(tmp_path)
     assert c.lookup("o", (0, 0), "fp", {})          # (0, 0) becomes most recent
     c.insert("o", (0, 3), "fp", {}, img, 0)          # evicts (0, 1), the least recent
     assert c.bytes <= 3 * size and len(entries(tmp_path)) == 3

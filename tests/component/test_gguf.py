@@ -4,22 +4,20 @@ The daemon test runs the real ``k3d start`` on a GGUF file and a real client.
 """
 
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFWriter, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T, GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize, quantize
 
 import k3client
+from helpers import k3d
 from k3client.mxfp4 import dequantize
 from k3d.demo.synthetic import write_synthetic_gguf
-from k3d.sources.gguf import GGML_TYPES, GGUFSource
-from k3d.sources import SourceError, open_source
-
 from k3d.reads.plan import split_extents
+from k3d.sources import SourceError, open_source
+from k3d.sources.gguf import GGML_TYPES, GGUFSource
 
 PARTS = {"gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"}
 
@@ -54,7 +52,8 @@ def test_extents_match_reader(mixed):
                                                 "ffn_gate_exps.weight", "ffn_up_exps.weight"]
         spec = {s.name: s for s in src.layout}
         assert spec["ffn_down_exps.weight"].dtype == "F16" and spec["ffn_down_exps.weight"].shape == (256, 128)
-        assert spec["ffn_gate_exps.weight"].dtype == "U8" and spec["ffn_gate_exps.weight"].shape == (128, 256 // 32 * 17)
+        assert spec["ffn_gate_exps.weight"].dtype == "U8"
+        assert spec["ffn_gate_exps.weight"].shape == (128, 256 // 32 * 17)
         assert spec["ffn_up_exps.weight"].shape == (128, 256 // 32 * 34)
         assert src.tensor_types == {"ffn_down_exps.weight": "ggml:F16", "ffn_gate_exps.bias": "ggml:F32",
                                     "ffn_gate_exps.weight": "ggml:MXFP4", "ffn_up_exps.weight": "ggml:Q8_0"}
@@ -194,7 +193,8 @@ def test_shapes_differ_between_layers(tmp_path):
     with pytest.raises(SourceError, match=r"blk\.1\.ffn_up_exps\.weight is Q8_0\[64, 16, 4\], but "
                                           r"blk\.0\.ffn_up_exps\.weight is Q8_0\[64, 8, 4\]"):
         GGUFSource(p)
-    t = {"blk.0.ffn_up_exps.weight": _q8((4, 8, 64)), "blk.1.ffn_up_exps.weight": (np.zeros((4, 8, 64), np.float16), None)}
+    t = {"blk.0.ffn_up_exps.weight": _q8((4, 8, 64)),
+         "blk.1.ffn_up_exps.weight": (np.zeros((4, 8, 64), np.float16), None)}
     p = _write(tmp_path / "t2.gguf", t)
     with pytest.raises(SourceError, match=r"blk\.1\.ffn_up_exps\.weight is F16"):
         GGUFSource(p)
@@ -224,8 +224,7 @@ def test_not_gguf(tmp_path):
 
 def test_start_refuses_bad_gguf_in_one_line(tmp_path):
     p = _write(tmp_path / "dense.gguf", {"blk.0.attn_q.weight": _q8((64, 64))})
-    r = subprocess.run([sys.executable, "-m", "k3d.cli", "start", "--source", p,
-                        "--endpoint", f"ipc://{tmp_path}/k.sock"], capture_output=True, text=True, timeout=60)
+    r = k3d("start", "--source", p, "--endpoint", f"ipc://{tmp_path}/k.sock")
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "no expert tensors" in lines[0], r.stderr

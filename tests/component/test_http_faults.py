@@ -9,22 +9,19 @@ runs the real ``k3d start`` against the server.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 
-import numpy as np
 import pytest
-from safetensors import safe_open
 
 import k3client
 from faulty_http import Fault, FaultyServer
+from helpers import Reference, k3ctl
 from k3d.config import DEFAULT_PATTERN
-from k3d.sources.remote.http import HttpSource
-from k3d.sources import SourceError
-from k3d.reads.plan import split_extents
 from k3d.demo.synthetic import write_checkpoint
+from k3d.reads.plan import split_extents
+from k3d.sources import SourceError
+from k3d.sources.remote.http import HttpSource
 
 SHARD1 = "model-00001-of-00002.safetensors"
 
@@ -48,24 +45,6 @@ def server(origin):
     srv.clear()
     srv.etags.clear()
     srv.validators = True
-
-
-class Reference:
-    """Expected expert bytes, from the reference safetensors reader."""
-
-    def __init__(self, ckpt):
-        import glob
-        self.tensors = {}
-        for f in glob.glob(f"{ckpt}/*.safetensors"):
-            with safe_open(f, framework="numpy") as st:
-                for name in st.keys():
-                    self.tensors[name] = st.get_tensor(name)
-
-    def check(self, src, key, slot: bytes) -> None:
-        for spec in src.layout:
-            want = self.tensors[DEFAULT_PATTERN.format(layer=key[0], expert=key[1], name=spec.name)]
-            got = np.frombuffer(slot, np.uint8, spec.nbytes, spec.offset)
-            assert got.tobytes() == want.tobytes(), f"wrong bytes in {key} {spec.name}"
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +235,8 @@ def test_trickling_body_times_out_as_a_whole(server, ref):
 def test_origin_without_validators_is_refused_unless_packed(server, ref):
     """No ETag and no Last-Modified: k3d could not tell a re-upload from the file it started
     with, so it refuses the checkpoint; a .k3pack (a crc32 per expert) is served anyway."""
-    from k3d.sources.packwrite import write_pack
     from k3d.sources import open_source
+    from k3d.sources.packwrite import write_pack
 
     srv, root = server
     srv.validators = False
@@ -334,13 +313,12 @@ def test_daemon_fetch_errors_then_recovers(server, ref, start_daemon):
         ex = c.fetch(0, [2, 3])
         for e in ex:
             for spec in c.layout:
-                want = ref.tensors[DEFAULT_PATTERN.format(layer=e.layer, expert=e.expert, name=spec.name)]
+                want = ref.expert(e.layer, e.expert, spec.name)
                 assert e.array(spec.name).tobytes() == want.tobytes()
         st = c.status()
     tiers = st["model"]["tiers"]
     assert tiers["origin"]["fetches"] == 2 and tiers["origin"]["errors"] >= 1 and tiers["origin"]["retries"] >= 1
-    r = subprocess.run([sys.executable, "-m", "k3d.ctl", "status", "--endpoint", d.endpoint, "--json"],
-                       capture_output=True, text=True, timeout=30)
+    r = k3ctl("status", "--endpoint", d.endpoint, "--json")
     assert json.loads(r.stdout)["model"]["kind"] == "http"
     assert d.stop() == 0
 

@@ -14,24 +14,20 @@ import os
 import shutil
 import signal
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 import k3client
 from faulty_http import Nginx, nginx_binary
+from helpers import Reference, k3ctl
 from k3d.config import DEFAULT_PATTERN
-from k3d.demo.synthetic import write_synthetic_gguf
+from k3d.demo.synthetic import write_checkpoint, write_synthetic_gguf
+from k3d.reads.plan import split_extents
+from k3d.sources import SourceError, open_source
 from k3d.sources.gguf import GGUFSource
 from k3d.sources.packed import PackedSource
 from k3d.sources.packwrite import write_pack
 from k3d.sources.remote.http import HttpSource
-from k3d.sources import SourceError, open_source
-from k3d.reads.plan import split_extents
-from k3d.demo.synthetic import write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +43,6 @@ def site(tmp_path_factory):
     write_pack(open_source(str(root / "ck"), DEFAULT_PATTERN), str(root / "ck.k3pack"), progress=False)
     with Nginx(str(root), binary) as n:
         yield n, root
-
-
-def tensors_of(ckpt):
-    out = {}
-    for f in sorted(os.listdir(ckpt)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(ckpt, f), framework="numpy") as st:
-                for name in st.keys():
-                    out[name] = st.get_tensor(name)
-    return out
 
 
 def read_all(src, parts=2):
@@ -81,7 +67,7 @@ def same_as_local(remote, local):
 
 def test_daemon_serves_safetensors_from_nginx(site, start_daemon):
     n, root = site
-    ref = tensors_of(root / "ck")
+    ref = Reference(root / "ck").tensors
     d = start_daemon(n.url + "ck/", "--arena", "8MiB", "--readers", "4", "--http-conns", "4")
     with k3client.connect(d.endpoint, name="w") as c:
         header_requests = c.status()["model"]["tiers"]["origin"]["requests"]
@@ -98,8 +84,7 @@ def test_daemon_serves_safetensors_from_nginx(site, start_daemon):
     assert o["fetches"] == 24 and o["errors"] == 0 and o["bytes"] == st["stats"]["bytes_read"]
     assert o["requests"] - header_requests == 24     # one coalesced range per expert
     assert st["model"]["tiers"]["disk"] is None
-    human = subprocess.run([sys.executable, "-m", "k3d.ctl", "status", "--endpoint", d.endpoint],
-                           capture_output=True, text=True, timeout=30)
+    human = k3ctl("status", "--endpoint", d.endpoint)
     assert human.returncode == 0 and "origin  " + n.url + "ck/" in human.stdout and "0 retries" in human.stdout
     assert d.stop() == 0
 
@@ -158,7 +143,7 @@ def test_nginx_if_match_catches_a_replaced_file(site, tmp_path):
 
 def test_disk_cache_survives_daemon_restart(site, start_daemon, tmp_path):
     n, root = site
-    ref = tensors_of(root / "ck")
+    ref = Reference(root / "ck").tensors
     cache = tmp_path / "dc"
     args = ("--arena", "8MiB", "--disk-cache", str(cache), "--disk-cache-size", "64MiB")
     d = start_daemon(n.url + "ck/", *args)

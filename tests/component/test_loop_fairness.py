@@ -13,8 +13,8 @@ import threading
 import time
 
 import zmq
-from conftest import SCRATCH
 
+from conftest import SCRATCH
 from k3client.protocol import PROTOCOL_VERSION, pack
 from k3d.arena import Arena
 from k3d.config import DEFAULT_PATTERN, resolve

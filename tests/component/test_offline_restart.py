@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from faulty_http import FaultyServer
 from test_http_faults import Reference
 
+from faulty_http import FaultyServer
 from k3d.config import DEFAULT_PATTERN
 from k3d.demo.synthetic import write_checkpoint
 from k3d.reads.plan import split_extents

@@ -12,25 +12,17 @@ import zlib
 
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 import k3client
 import k3d.sources.packed as k3d_packed
-from k3d.demo.synthetic import write_synthetic_gguf
-from k3d.sources.checksum import CrcPipeline, crc32, crc32_combine, crc32_of_parts
+from helpers import ROOT, k3d, reference, verify
 from k3d.config import DEFAULT_PATTERN, ConfigError, resolve
+from k3d.demo.synthetic import write_synthetic_gguf
+from k3d.reads.plan import split_extents
+from k3d.sources import SourceError, open_source
+from k3d.sources.checksum import CrcPipeline, crc32, crc32_combine, crc32_of_parts
 from k3d.sources.packed import MAGIC, ChecksumError, PackedSource, read_header
 from k3d.sources.packwrite import write_pack
-from k3d.sources import SourceError, open_source
-
-from k3d.reads.plan import split_extents
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def k3d(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "k3d.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +35,6 @@ def packed(checkpoint, tmp_path_factory):
     return out
 
 
-def reference(checkpoint, key, name):
-    with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
-        wm = json.load(f)["weight_map"]
-    t = DEFAULT_PATTERN.format(layer=key[0], expert=key[1], name=name)
-    with safe_open(os.path.join(checkpoint, wm[t]), "np") as f:
-        return f.get_tensor(t)
-
-
 def test_file_layout(packed, checkpoint):
     h, size = read_header(packed)
     assert open(packed, "rb").read(8) == MAGIC
@@ -58,27 +42,27 @@ def test_file_layout(packed, checkpoint):
     assert h["stride"] % 4096 == 0 and h["data_offset"] % 4096 == 0
     assert h["keys"] == [[l, e] for l in range(4) for e in range(16)]
     assert size == h["data_offset"] + 64 * h["stride"]
+    ref = reference(checkpoint)
     with open(packed, "rb") as f:
         for i, (l, e) in enumerate(h["keys"]):
             f.seek(h["data_offset"] + i * h["stride"])
             blob = f.read(h["stride"])
             assert f"{zlib.crc32(blob):08x}" == h["checksums"][i]
-            for name, dtype, shape, off, nb in h["layout"]:
-                assert blob[off:off + nb] == reference(checkpoint, (l, e), name).tobytes()
+            for name, _dtype, _shape, off, nb in h["layout"]:
+                assert blob[off:off + nb] == ref.expert(l, e, name).tobytes()
 
 
 @pytest.mark.parametrize("mode", ["buffered", "direct"])
 def test_daemon_serves_packed(packed, checkpoint, start_daemon, mode):
     d = start_daemon(packed, "--read-mode", mode, "--arena", "4MiB", "--readers", "3")
+    ref = reference(checkpoint)
     with k3client.connect(d.endpoint, name=f"packed-{mode}") as c:
         assert c.model["kind"] == "packed" and c.model["read_mode"] == mode
         assert c.model["packed_from"] == "safetensors" and c.model["tensor_format"] == "ocp:MXFP4"
         # one key per fetch splits the read over all readers; many keys read one each
         for layer in range(4):
             c.begin_token()
-            for ex in c.fetch(layer, [layer * 3 % 16]) + c.fetch(layer, [1, 9, 15, 4]):
-                for spec in c.layout:
-                    assert ex.array(spec.name).tobytes() == reference(checkpoint, (layer, ex.expert), spec.name).tobytes()
+            verify(c, c.fetch(layer, [layer * 3 % 16]) + c.fetch(layer, [1, 9, 15, 4]), ref)
         st = c.status()
         assert st["stats"]["errors"] == 0
     assert d.stop() == 0
@@ -264,7 +248,7 @@ def test_crc_pipeline_interrupted_and_closed():
             outcome.append(str(e))
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.002)
+    time.sleep(0.002)                # close at some point of the run: the race itself is the test
     p.close()
     t.join(10)
     assert not t.is_alive(), "finish() hung after close()"
@@ -563,8 +547,9 @@ def test_direct_handles_unaligned_pieces(packed):
     buf = mmap.mmap(-1, 3 * 4096 * 64)
     try:
         with open(packed, "rb") as f:
-            for off, length, addr in [(4096, 4096 * 40, 0), (4096 + 100, 4096 * 40, 100), (4096 + 100, 4096 * 40 - 300, 100),
-                                      (8192, 4096 * 40 + 17, 0), (8192, 4096 * 3, 64), (4096 + 5, 10, 5)]:
+            for off, length, addr in [(4096, 4096 * 40, 0), (4096 + 100, 4096 * 40, 100),
+                                      (4096 + 100, 4096 * 40 - 300, 100), (8192, 4096 * 40 + 17, 0),
+                                      (8192, 4096 * 3, 64), (4096 + 5, 10, 5)]:
                 f.seek(off)
                 want = f.read(length)
                 view = memoryview(buf)[addr:addr + length]

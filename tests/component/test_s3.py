@@ -16,12 +16,12 @@ boto3 = pytest.importorskip("boto3", reason="S3 tests need boto3 (pip install 'm
 moto_server = pytest.importorskip("moto.server", reason="S3 tests need moto's server (pip install 'moto[server]')")
 
 import k3client  # noqa: E402
+from helpers import Reference  # noqa: E402
 from k3d.config import DEFAULT_PATTERN  # noqa: E402
-from k3d.sources.remote.s3 import S3Source  # noqa: E402
-from k3d.sources import SourceError  # noqa: E402
-from k3d.reads.plan import split_extents  # noqa: E402
 from k3d.demo.synthetic import write_checkpoint  # noqa: E402
-from test_http_faults import Reference  # noqa: E402
+from k3d.reads.plan import split_extents  # noqa: E402
+from k3d.sources import SourceError  # noqa: E402
+from k3d.sources.remote.s3 import S3Source  # noqa: E402
 
 BUCKET = "k3d-models"
 
@@ -110,7 +110,7 @@ def test_daemon_from_s3_with_disk_cache(s3, start_daemon, tmp_path):
     with k3client.connect(d.endpoint, name="s3") as c:
         for ex in c.fetch(1, [0, 1, 2, 3]):
             for spec in c.layout:
-                want = ref.tensors[DEFAULT_PATTERN.format(layer=ex.layer, expert=ex.expert, name=spec.name)]
+                want = ref.expert(ex.layer, ex.expert, spec.name)
                 assert np.array_equal(ex.array(spec.name), want)
         t = c.status()["model"]["tiers"]
     assert t["origin"]["fetches"] == 4 and t["origin"]["url"] == f"s3://{BUCKET}/models/ck/"

@@ -18,22 +18,23 @@ import pytest
 import zmq
 
 import k3client
+from conftest import SCRATCH
+from helpers import expert_bytes, poll_for, reference as reference_reader
 from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 from k3d.arena import Arena
-from k3d.config import resolve
-from k3d.service.daemon import size_arena
+from k3d.config import DEFAULT_PATTERN, resolve
 from k3d.server import Server
+from k3d.service.daemon import size_arena
 from k3d.sources.safetensors import SafetensorsSource
-from k3d.config import DEFAULT_PATTERN
-from conftest import SCRATCH
 
 
 class Faulty(SafetensorsSource):
-    """The real source, with per-key delays and failures the test controls."""
+    """The real source, with per-key delays and failures the test controls; ``started``
+    lists the keys whose (delayed or failing) reads have begun, in order."""
 
     def __init__(self, *a):
         super().__init__(*a)
-        self.delay, self.fail = {}, set()
+        self.delay, self.fail, self.started = {}, set(), []
 
     def key_of(self, extent):
         """The expert an extent (or a part cut from one) belongs to."""
@@ -43,6 +44,8 @@ class Faulty(SafetensorsSource):
 
     def read(self, extents, slot):
         key = self.key_of(extents[0]) if (self.delay or self.fail) else None
+        if key is not None:
+            self.started.append(key)
         time.sleep(self.delay.get(key, 0))
         if key in self.fail:
             raise OSError(5, f"Input/output error (injected for {key})")
@@ -51,7 +54,7 @@ class Faulty(SafetensorsSource):
 
 @pytest.fixture
 def server(checkpoint):
-    started = []
+    started, ref = [], reference_reader(checkpoint)
 
     def start(slots=16, readers=2, **cfg_kw):
         tmp = tempfile.mkdtemp(prefix="k3d-c-", dir=SCRATCH)
@@ -60,6 +63,7 @@ def server(checkpoint):
         n, sb = size_arena(cfg, src.expert_bytes)
         arena = Arena(n, sb)
         srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
+        srv.ref = ref
         t = threading.Thread(target=srv.serve_forever, daemon=True)
         t.start()
         srv.thread = t
@@ -75,10 +79,8 @@ def server(checkpoint):
 
 
 def reference(srv, key):
-    """The expert's bytes as laid out in a slot, read by the source itself."""
-    buf = bytearray(srv.arena.slot_bytes)
-    srv.source.__class__.__mro__[1].read(srv.source, srv.source.keys[key], memoryview(buf))
-    return bytes(buf[:srv.source.expert_bytes])
+    """The expert's bytes as laid out in a slot, from safetensors.safe_open."""
+    return expert_bytes(srv.ref, srv.source.layout, key)
 
 
 def test_fetch_returns_correct_bytes_zero_copy(server):
@@ -131,7 +133,7 @@ def test_cold_miss_does_not_delay_other_clients_hits(server):
         done = {}
         th = threading.Thread(target=lambda: done.setdefault("slow", (slow.fetch(2, [9]), time.monotonic())))
         th.start()
-        time.sleep(0.2)
+        poll_for(lambda: (2, 9) in srv.source.started, 5, "the cold miss's read to start")
         t0 = time.monotonic()
         for _ in range(20):
             fast.begin_token()
@@ -149,7 +151,7 @@ def test_waiters_share_one_read_and_count_waited(server):
         res = {}
         th = threading.Thread(target=lambda: res.setdefault("a", a.fetch(3, [4])))
         th.start()
-        time.sleep(0.2)
+        poll_for(lambda: (3, 4) in srv.source.started, 5, "a's read to start")
         eb = b.fetch(3, [4])
         th.join(5)
         assert eb[0].slot == res["a"][0].slot
@@ -171,9 +173,9 @@ def test_failed_read_errors_every_waiter_then_retry_works(server):
                 errs.append(str(e))
 
         ths = [threading.Thread(target=go, args=(c,)) for c in (a, b)]
-        for t in ths:
-            t.start()
-            time.sleep(0.1)
+        ths[0].start()
+        poll_for(lambda: (1, 1) in srv.source.started, 5, "a's failing read to start")
+        ths[1].start()                   # b waits on the same read
         for t in ths:
             t.join(5)
         assert len(errs) == 2 and all("(layer 1, expert 1)" in e and "next fetch retries" in e for e in errs)
@@ -303,6 +305,7 @@ def test_fd_exhaustion_does_not_stop_the_loop(server):
             os.close(hog.pop())          # room for the connecting socket only
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             s.connect(srv.arena_socket)  # the server's accept() now fails with EMFILE
+            # Nothing to poll: the loop must meet the failing accept() while the fds are gone.
             time.sleep(0.3)
         finally:
             for fd in hog:
@@ -347,7 +350,7 @@ def test_shutdown_with_reads_in_flight_answers_shutting_down(checkpoint):
         s = raw_dealer(cfg.endpoint)
         assert ask(s, pack({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "name": "w"}))["ok"]
         s.send(pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": 2, "keys": [[0, 0], [0, 1], [0, 2], [0, 3]]}))
-        time.sleep(0.1)
+        poll_for(lambda: src.started, 5, "the fetch's first read to start")
         srv.request_stop()
         assert s.poll(5000)
         r = unpack(s.recv())
@@ -428,10 +431,7 @@ def test_dead_clients_held_back_reads_do_not_jump_the_queue(server):
     _hello(a, "big")
     a.send(pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": 2, "keys": [[2, e] for e in range(12)]}))
     with k3client.connect(srv.cfg.endpoint, name="small") as b:
-        deadline = time.monotonic() + 3
-        while b.status()["readers"]["queued_urgent"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        poll_for(lambda: b.status()["readers"]["queued_urgent"] >= 1, 3, "the big fetch's reads to queue")
         a.send(pack({"v": PROTOCOL_VERSION, "op": "bye", "id": 3}))
         r = _replies(a, 2)                    # bye, and the fetch it left: not_attached
         assert r[3]["ok"] and r[2]["error"]["code"] == "not_attached"
@@ -452,6 +452,7 @@ def test_start_ticks_reads_proc_stat_even_with_odd_process_names(tmp_path):
     """The clock-step-proof start time of a process, parsed past a comm holding ') ('."""
     import subprocess
     import sys
+
     from k3d.sessions import start_ticks
 
     odd = tmp_path / "a) b (c"
@@ -465,10 +466,7 @@ def test_start_ticks_reads_proc_stat_even_with_odd_process_names(tmp_path):
         want = (psutil.Process(p.pid).create_time() - psutil.boot_time()) * hz
         assert isinstance(ticks, int) and abs(ticks - want) <= 1
         p.stdin.close()                               # it exits; not reaped yet: a zombie
-        deadline = time.monotonic() + 5
-        while start_ticks(p.pid) is not None:
-            assert time.monotonic() < deadline, "a zombie must read as gone"
-            time.sleep(0.01)
+        poll_for(lambda: start_ticks(p.pid) is None, 5, "a zombie to read as gone")
         with open(f"/proc/{p.pid}/stat") as f:
             stat = f.read()
         assert stat[stat.rindex(")") + 2:].startswith("Z")
@@ -488,10 +486,7 @@ def test_predicting_then_fetching_stays_within_the_fair_share(server):
         a.predict([(2, e) for e in range(12)])
         t = threading.Thread(target=a.fetch, args=(2, list(range(12))))
         t.start()
-        deadline = time.monotonic() + 3
-        while b.status()["readers"]["held_back"] < 8:
-            assert time.monotonic() < deadline, b.status()["readers"]
-            time.sleep(0.01)
+        poll_for(lambda: b.status()["readers"]["held_back"] >= 8, 3, lambda: f"8 held back: {b.status()['readers']}")
         q = b.status()["readers"]
         assert q["queued_urgent"] <= 2 and q["queued_background"] == 0, q
         exs = b.fetch(3, [7])                 # ahead of the greedy client's held-back reads

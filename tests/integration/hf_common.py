@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", minversion="5")
 
-from k3d.demo import hf_models
+from k3d.demo import hf_models  # noqa: E402  (after the transformers skip above)
 
 _ROOT = tempfile.mkdtemp(prefix="k3d-hf-tests-")
 _CACHE: dict = {}

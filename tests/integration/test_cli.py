@@ -8,10 +8,7 @@ import time
 
 import pytest
 
-
-def run(module, *args, timeout=60, env=None):
-    return subprocess.run([sys.executable, "-m", module, *args], check=False, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+from helpers import run_module as run
 
 
 @pytest.mark.parametrize("argv, usage", [

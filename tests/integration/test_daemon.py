@@ -10,19 +10,11 @@ import time
 import pytest
 
 import k3client
+from helpers import k3ctl, k3d, poll_for
 
 
 def shm():
     return set(os.listdir("/dev/shm"))
-
-
-def k3ctl(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "k3d.ctl", *args], capture_output=True, text=True,
-                          timeout=30, env=env)
-
-
-def k3d(*args):
-    return subprocess.run([sys.executable, "-m", "k3d.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_ready_status_sigterm_leaves_nothing(checkpoint, start_daemon):
@@ -71,10 +63,10 @@ def test_second_daemon_on_same_endpoint_is_refused(checkpoint, start_daemon):
 
 
 def _first_progress(d, timeout=30):
-    deadline = time.monotonic() + timeout
-    while "pre-faulting the arena" not in d.log() and "collapsing the arena" not in d.log():
-        assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
-        time.sleep(0.01)
+    def started():
+        assert d.proc.poll() is None, d.log()
+        return "pre-faulting the arena" in d.log() or "collapsing the arena" in d.log()
+    poll_for(started, timeout, lambda: f"the arena's first progress line:\n{d.log()}")
 
 
 def test_second_daemon_refused_while_the_first_is_still_starting(checkpoint, start_daemon):
@@ -84,10 +76,7 @@ def test_second_daemon_refused_while_the_first_is_still_starting(checkpoint, sta
     _first_progress(first)
     r = k3d("start", "--source", checkpoint, "--endpoint", first.endpoint, "--arena", "4MiB")
     assert r.returncode == 1 and "another k3d is starting or serving at" in r.stderr, r.stderr
-    deadline = time.monotonic() + 60
-    while "k3d: ready" not in first.log():
-        assert first.proc.poll() is None and time.monotonic() < deadline, first.log()
-        time.sleep(0.02)
+    poll_for(first.ready, 60, lambda: f"the first daemon's ready line:\n{first.log()}", interval=0.02)
     assert k3ctl("status", "--endpoint", first.endpoint).returncode == 0
     assert first.stop() == 0
 
@@ -157,15 +146,17 @@ time.sleep(60)
 
 
 def _wait_client(endpoint, name, present, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Poll status until client ``name`` is (or no longer is) attached; (status, when it was seen)."""
+    last = {}
+
+    def seen():
         with k3client.connect(endpoint, name="observer") as o:
-            st = o.status()
-        names = [c["name"] for c in st["clients"]]
-        if (name in names) == present:
+            last["st"] = st = o.status()
+        if (name in [c["name"] for c in st["clients"]]) == present:
             return st, time.monotonic()
-        time.sleep(0.05)
-    raise AssertionError(f"client {name} still {'absent' if present else 'present'}: {st['clients']}")
+
+    return poll_for(seen, timeout, lambda: f"client {name} to be {'present' if present else 'gone'}: "
+                                           f"{last['st']['clients']}", interval=0.05)
 
 
 def test_killed_client_loses_pins_within_2s(checkpoint, start_daemon):
@@ -207,18 +198,20 @@ def test_route_trace_survives_kill9(checkpoint, start_daemon, tmp_path):
         c.fetch(2, [4])
     d.stop(signal.SIGKILL)
     lines = [l.split() for l in trace.read_text().splitlines()]
-    assert len(lines) == 3
-    assert lines[0][1:] == ["L2", "n=2", "miss=2", "evict=0", "wait=0", "pf=0", "pfu=0", "4,6"]
-    assert 0 < int(lines[0][0]) <= int(lines[1][0]) <= int(lines[2][0])
-    assert lines[1][1:4] == ["L3", "n=1", "miss=0"] and lines[1][6:] == ["pf=1", "pfu=0", "1"]
-    assert lines[2][1:] == ["L2", "n=1", "miss=0", "evict=0", "wait=0", "pf=0", "pfu=1", "4"]
+    # fetch, its predictions, fetch, begin, fetch, bye: client 1, epochs 0 then 1
+    assert [l[1:3] for l in lines] == [["c=1", "t=0"]] * 4 + [["c=1", "t=1"], ["c=1", "bye"]]
+    assert lines[0][3:] == ["L2", "n=2", "miss=2", "evict=0", "wait=0", "pf=0", "pfu=0", "4", "6"]
+    assert lines[1][3:] == ["predict", "3:1", "3:2"]
+    assert 0 < int(lines[0][0]) <= int(lines[2][0]) <= int(lines[4][0])
+    assert lines[2][3:6] == ["L3", "n=1", "miss=0"] and lines[2][8:] == ["pf=1", "pfu=0", "1"]
+    assert lines[3][3:] == ["begin"]
+    assert lines[4][3:] == ["L2", "n=1", "miss=0", "evict=0", "wait=0", "pf=0", "pfu=1", "4"]
 
 
 def test_demo_runs_and_verifies():
     # the caller's own K3D_* settings (a tight quota here) are not the demo's
     env = dict(os.environ, K3D_PIN_QUOTA="2", K3D_READERS="0")
-    r = subprocess.run([sys.executable, "-m", "k3d.cli", "demo", "--tokens", "20"], capture_output=True,
-                       text=True, timeout=120, env=env)
+    r = k3d("demo", "--tokens", "20", env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "demo: OK" in r.stdout and "hit rate" in r.stdout and "PSS" in r.stdout
 

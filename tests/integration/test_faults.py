@@ -25,12 +25,11 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
-from safetensors import safe_open
 
 import k3client
 from conftest import spawn_daemon
+from helpers import poll_for, reference, verify
 
 SLOW_DAEMON = r"""
 import sys, time
@@ -82,26 +81,6 @@ def client_proc(endpoint, mode):
     return p
 
 
-def wait_until(pred, timeout=5.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def reference(ckpt):
-    wm = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
-    files = {f: safe_open(os.path.join(ckpt, f), "np") for f in set(wm.values())}
-    return lambda name: files[wm[name]].get_tensor(name)
-
-
-def verify(c, exs, ref):
-    for ex in exs:
-        for spec in c.layout:
-            name = f"model.layers.{ex.layer}.mlp.experts.{ex.expert}.{spec.name}"
-            assert np.array_equal(ex.array(spec.name), ref(name)), name
-
-
 # -- dying clients -----------------------------------------------------------------
 def test_client_killed_mid_fetch_loses_pins(checkpoint, start_daemon):
     seed = int(os.environ.get("K3D_TEST_SEED", random.randrange(1 << 30)))
@@ -115,7 +94,7 @@ def test_client_killed_mid_fetch_loses_pins(checkpoint, start_daemon):
             time.sleep(rng.uniform(0.05, 0.5))           # somewhere inside its fetch loop
             p.kill()
             p.wait()
-            wait_until(lambda: [c["name"] for c in w.status()["clients"]] == ["watcher"], 3, "reaping")
+            poll_for(lambda: [c["name"] for c in w.status()["clients"]] == ["watcher"], 3, "reaping")
             w.begin_token()                              # drop the watcher's own pins
             st = w.status()
             assert st["arena"]["pinned"] == 0 and st["arena"]["loading"] == 0
@@ -129,7 +108,7 @@ def test_client_killed_while_waiting_on_cold_miss(checkpoint, slow_daemon):
     ref = reference(checkpoint)
     with k3client.connect(d.endpoint, name="watcher") as w:
         p = client_proc(d.endpoint, "cold")
-        wait_until(lambda: w.status()["arena"]["loading"] == 3, 3, "the cold fetch to start")
+        poll_for(lambda: w.status()["arena"]["loading"] == 3, 3, "the cold fetch to start")
         st = {c["name"]: c for c in w.status()["clients"]}
         assert st["cold"]["pins"] == 3
         # a second client waits on one of the same keys (hit + waited)
@@ -139,8 +118,8 @@ def test_client_killed_while_waiting_on_cold_miss(checkpoint, slow_daemon):
         exs = w.fetch(3, [11])                           # waits for the dead client's read
         verify(w, exs, ref)
         assert time.monotonic() - t0 < 5
-        wait_until(lambda: [c["name"] for c in w.status()["clients"]] == ["watcher"], 3, "reaping")
-        wait_until(lambda: w.status()["arena"]["loading"] == 0, 6, "reads to finish")
+        poll_for(lambda: [c["name"] for c in w.status()["clients"]] == ["watcher"], 3, "reaping")
+        poll_for(lambda: w.status()["arena"]["loading"] == 0, 6, "reads to finish")
         st = w.status()
         assert st["arena"]["pinned"] == 1                 # only the watcher's own pin
         assert st["stats"]["waited"] >= 1 and st["stats"]["errors"] == 0
@@ -158,7 +137,8 @@ def test_fetch_in_flight_during_kill9_is_reissued_to_the_new_daemon(checkpoint, 
     with k3client.connect(d.endpoint, name="inflight", reconnect_timeout=20) as c:
         gen = c.gen
         def kill_when_loading():
-            time.sleep(0.4)                               # the fetch is parked on its 1 s read
+            with k3client.connect(d.endpoint, name="watcher") as w:   # the fetch is parked on its 1 s reads
+                poll_for(lambda: w.status()["arena"]["loading"] == 2, 5, "the fetch's reads to start")
             os.kill(d.pid, signal.SIGKILL)
             d.proc.wait(10)
             holder.append(spawn_slow(checkpoint, 0.0, "--slots", "16", endpoint=d.endpoint))
@@ -199,7 +179,7 @@ def test_read_failing_mid_batch(checkpoint, start_daemon, tmp_path):
     with k3client.connect(d.endpoint, name="victim") as c:
         with pytest.raises(k3client.ReadFailed, match=r"unexpected end of file.*the next fetch retries"):
             c.fetch(3, list(range(16)))
-        wait_until(lambda: c.status()["arena"]["loading"] == 0, 5, "the batch to settle")
+        poll_for(lambda: c.status()["arena"]["loading"] == 0, 5, "the batch to settle")
         st = c.status()
         assert st["stats"]["errors"] == len(bad)
         assert st["arena"]["used"] == len(ok)             # failed slots went back to free
@@ -269,7 +249,7 @@ def test_one_clients_big_cold_fetch_does_not_queue_everyone_behind_it(checkpoint
 
         t = threading.Thread(target=big)
         t.start()
-        wait_until(lambda: b.status()["arena"]["loading"] == 16, 3, "the big fetch to start")
+        poll_for(lambda: b.status()["arena"]["loading"] == 16, 3, "the big fetch to start")
         t0 = time.monotonic()
         exs = b.fetch(3, [7])
         b_s = time.monotonic() - t0

@@ -6,20 +6,14 @@ The served side decodes with ``k3client.mxfp4``; the GGUF reference decodes with
 equal outputs also mean the two dequantizers agree bit for bit on real weights.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
-from safetensors import safe_open
 
 import k3client
+from helpers import k3d, reference
 from k3client.mxfp4 import dequantize
-from k3d.config import DEFAULT_PATTERN
 from k3d.demo.synthetic import write_synthetic_gguf
 
 # torch is optional (not in the test extra: PyPI's Linux wheels are CUDA builds)
@@ -27,7 +21,6 @@ torch = pytest.importorskip("torch", reason="needs torch; CPU build: "
                             "pip install torch --index-url https://download.pytorch.org/whl/cpu")
 F = torch.nn.functional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOP_K = 4
 
 
@@ -56,17 +49,12 @@ def served(client, layer, experts, decode):
 
 def test_safetensors_ocp_layer(checkpoint, start_daemon):
     d = start_daemon(checkpoint, "--arena", "8MiB")
-    with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
-        wm = json.load(f)["weight_map"]
-
-    def st(name):
-        with safe_open(os.path.join(checkpoint, wm[name]), "pt") as f:
-            return f.get_tensor(name)
+    st = reference(checkpoint, "pt")
 
     def ref_weights(layer):
         def w(e):
-            t = lambda n: st(DEFAULT_PATTERN.format(layer=layer, expert=e, name=n))
-            return tuple(dequantize(t(f"{m}.weight_packed"), t(f"{m}.weight_scale"), name=m) for m in ("w1", "w3", "w2"))
+            return tuple(dequantize(st.expert(layer, e, f"{m}.weight_packed"), st.expert(layer, e, f"{m}.weight_scale"),
+                                    name=m) for m in ("w1", "w3", "w2"))
         return w
 
     def decode(ex):
@@ -123,8 +111,7 @@ def test_gguf_layer(tmp_path, start_daemon, types, packed):
     source, args = path, []
     if packed:
         source = str(tmp_path / "m.k3pack")
-        r = subprocess.run([sys.executable, "-m", "k3d.cli", "pack", path, source, "--no-progress"],
-                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        r = k3d("pack", path, source, "--no-progress")
         assert r.returncode == 0, r.stderr
         args = ["--read-mode", "direct"]
     d = start_daemon(source, "--arena", "8MiB", *args)

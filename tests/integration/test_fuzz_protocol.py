@@ -20,6 +20,7 @@ import numpy as np
 import zmq
 
 import k3client
+from helpers import poll_for
 from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 
 VALID = [
@@ -157,10 +158,8 @@ def test_fuzzed_frames_get_error_replies_and_daemon_keeps_serving(checkpoint, st
         assert s.poll(1000)
         unpack(s.recv())
         good.begin_token()
-        deadline = time.monotonic() + 3
-        while good.status()["arena"]["pinned"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert good.status()["arena"]["pinned"] == 0
+        poll_for(lambda: good.status()["arena"]["pinned"] == 0, 3, lambda: f"no pins: {good.status()['arena']}",
+                 interval=0.05)
     finally:
         good.close()
         s.close(0)

@@ -141,7 +141,8 @@ def test_transformers_older_than_5_is_one_line(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('__version__ = "4.57.1"\n')
     env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-c", "import k3client.hf"], env=env, capture_output=True, text=True, check=False)
+    r = subprocess.run([sys.executable, "-c", "import k3client.hf"], env=env, capture_output=True, text=True,
+                       check=False)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert "ImportError: k3client.hf needs transformers >= 5 (found 4.57.1" in last

@@ -5,28 +5,18 @@ huge pages reserved: as root it reserves a few (``vm.nr_hugepages``) for the
 test and gives them back; elsewhere it is skipped with the reason."""
 
 import gc
-import json
 import mmap
 import os
 import signal
 import socket
-import subprocess
-import sys
 
-import numpy as np
 import pytest
-from safetensors import safe_open
 
 import k3client
+from helpers import k3d, reference, verify
 from k3d.arena import hugepages
-from k3d.config import DEFAULT_PATTERN
 
 NR = "/proc/sys/vm/nr_hugepages"
-
-
-def k3d(*args):
-    return subprocess.run([sys.executable, "-m", "k3d.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=60)
 
 
 def test_not_enough_huge_pages_is_one_line(checkpoint, tmp_path):
@@ -79,8 +69,7 @@ def test_serves_from_huge_pages(checkpoint, start_daemon, reserved_hugepages, tm
     assert r.returncode == 0, r.stderr
     free_before = hugepages()[1]
     d = start_daemon(packed, "--hugepages", "--slots", 8, "--read-mode", "direct")
-    with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
-        weight_map = json.load(f)["weight_map"]
+    ref = reference(checkpoint)
     with k3client.connect(d.endpoint, name="huge") as c:
         st = c.status()
         assert st["arena"]["page_bytes"] == page and st["arena"]["slots"] == 8
@@ -89,10 +78,7 @@ def test_serves_from_huge_pages(checkpoint, start_daemon, reserved_hugepages, tm
         for l, e in keys[::3]:                           # more experts than slots: eviction too
             c.begin_token()
             ex = c.fetch(l, [e])[0]
-            for spec in c.layout:
-                name = DEFAULT_PATTERN.format(layer=l, expert=e, name=spec.name)
-                with safe_open(os.path.join(checkpoint, weight_map[name]), "np") as f:
-                    assert np.array_equal(ex.array(spec.name), f.get_tensor(name)), (l, e, spec.name)
+            verify(c, [ex], ref)
         assert c.status()["stats"]["evictions"] > 0
         # the kernel still refuses a writable mapping of the hugetlb memfd
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:

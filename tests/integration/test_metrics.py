@@ -4,8 +4,6 @@ import json
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -14,14 +12,14 @@ import urllib.request
 import pytest
 
 import k3client
+from helpers import k3ctl, k3d
 
 prometheus_client = pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 
 def k3ctl_json(endpoint):
-    r = subprocess.run([sys.executable, "-m", "k3d.ctl", "status", "--endpoint", endpoint, "--json"],
-                       check=False, capture_output=True, text=True, timeout=30)
+    r = k3ctl("status", "--endpoint", endpoint, "--json")
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -61,7 +59,7 @@ def test_scrape_equals_status(checkpoint, start_daemon):
     a = st["arena"]
     assert m[("k3d_arena_slots", ())] == a["slots"]
     assert m[("k3d_arena_used_slots", ())] == a["used"]
-    assert m[("k3d_arena_pinned_slots", ())] == a["pinned"] == 2
+    assert m[("k3d_arena_pinned_slots", ())] == a["pinned"] == 3   # + the prediction, held until the next token
     assert m[("k3d_clients", ())] == 1          # status by k3ctl does not attach
     lat = st["fetch_seconds"]
     for result in ("hit", "miss", "waited"):
@@ -77,9 +75,8 @@ def test_metrics_port_in_use_is_one_line(checkpoint, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "k3d.cli", "start", "--source", checkpoint, "--arena", "4MiB",
-                            "--endpoint", f"ipc://{tmp_path}/k.sock", "--metrics", f"127.0.0.1:{port}"],
-                           check=False, capture_output=True, text=True, timeout=60)
+        r = k3d("start", "--source", checkpoint, "--arena", "4MiB",
+                "--endpoint", f"ipc://{tmp_path}/k.sock", "--metrics", f"127.0.0.1:{port}")
     assert r.returncode == 1
     assert r.stderr.strip().count("\n") == 0, r.stderr
     assert f"--metrics 127.0.0.1:{port}: cannot listen" in r.stderr
@@ -87,9 +84,8 @@ def test_metrics_port_in_use_is_one_line(checkpoint, tmp_path):
 
 @pytest.mark.parametrize("value", ["9484", "host:port", "127.0.0.1:70000"])
 def test_bad_metrics_address_is_one_line(checkpoint, tmp_path, value):
-    r = subprocess.run([sys.executable, "-m", "k3d.cli", "start", "--source", checkpoint, "--arena", "4MiB",
-                        "--endpoint", f"ipc://{tmp_path}/k.sock", "--metrics", value],
-                       check=False, capture_output=True, text=True, timeout=60)
+    r = k3d("start", "--source", checkpoint, "--arena", "4MiB", "--endpoint", f"ipc://{tmp_path}/k.sock",
+            "--metrics", value)
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "HOST:PORT" in r.stderr
 
 

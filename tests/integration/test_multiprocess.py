@@ -10,16 +10,16 @@ import os
 import random
 import subprocess
 import sys
-import time
 
 import k3client
+from helpers import TESTS, poll_for
 
 WORKER = r"""
-import json, os, sys, numpy as np, k3client
-from safetensors import safe_open
+import json, sys, numpy as np, k3client
 endpoint, ckpt, seed, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-wm = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
-files = {f: safe_open(os.path.join(ckpt, f), "np") for f in set(wm.values())}
+sys.path.insert(0, sys.argv[5])
+from helpers import reference
+ref = reference(ckpt)
 rng = np.random.default_rng(seed)
 keys = wrong = 0
 with k3client.connect(endpoint, name=f"w{seed}") as c:
@@ -31,8 +31,7 @@ with k3client.connect(endpoint, name=f"w{seed}") as c:
             for ex in c.fetch(layer, experts, predicted=pred):
                 keys += 1
                 for spec in c.layout:
-                    name = f"model.layers.{ex.layer}.mlp.experts.{ex.expert}.{spec.name}"
-                    if not np.array_equal(ex.array(spec.name), files[wm[name]].get_tensor(name)):
+                    if not np.array_equal(ex.array(spec.name), ref.expert(ex.layer, ex.expert, spec.name)):
                         wrong += 1
 print(json.dumps({"keys": keys, "wrong": wrong}))
 """
@@ -43,7 +42,7 @@ def test_four_processes_share_one_arena_and_read_correct_bytes(checkpoint, start
     seed = int(os.environ.get("K3D_TEST_SEED", random.randrange(1 << 30)))
     print(f"seed {seed} (rerun with K3D_TEST_SEED={seed})")
     d = start_daemon(checkpoint, "--slots", "52", "--readers", "3")
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, d.endpoint, checkpoint, str(seed + i), "25"],
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, d.endpoint, checkpoint, str(seed + i), "25", TESTS],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
     results = []
     for p in procs:
@@ -52,14 +51,13 @@ def test_four_processes_share_one_arena_and_read_correct_bytes(checkpoint, start
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert sum(r["wrong"] for r in results) == 0
     total = sum(r["keys"] for r in results)
-    deadline = time.monotonic() + 5
     with k3client.connect(d.endpoint, name="check") as c:
-        while True:
+        def only_the_checker():          # the workers' sessions end (bye, or reaped)
             st = c.status()
-            if [x["name"] for x in st["clients"]] == ["check"] or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    assert [x["name"] for x in st["clients"]] == ["check"]
+            return st if [x["name"] for x in st["clients"]] == ["check"] else None
+
+        st = poll_for(only_the_checker, 5, lambda: f"only the checker attached: {c.status()['clients']}",
+                      interval=0.05)
     s = st["stats"]
     assert s["hits"] + s["misses"] == total
     assert st["arena"]["pinned"] == 0 and s["errors"] == 0

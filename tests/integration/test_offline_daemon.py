@@ -7,10 +7,10 @@ import sys
 
 import numpy as np
 import pytest
-from faulty_http import FaultyServer
 from safetensors import safe_open
 
 import k3client
+from faulty_http import FaultyServer
 from k3d.config import DEFAULT_PATTERN
 from k3d.demo.synthetic import write_checkpoint
 

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import k3client
-from k3client.protocol import unpack
 from conftest import SCRATCH
+from k3client.protocol import unpack
 
 OTHER = "k3dtest-other"
 

@@ -12,7 +12,7 @@ runs the same loop for 100 cycles; test_faults re-issues a fetch parked on a
 slow read across a kill -9.
 """
 
-import json
+import functools
 import os
 import random
 import signal
@@ -22,17 +22,11 @@ import time
 
 import numpy as np
 import pytest
-from safetensors import safe_open
+import zmq
 
 import k3client
-import zmq
 from conftest import SCRATCH
-
-
-def reference(ckpt):
-    wm = json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
-    files = {f: safe_open(os.path.join(ckpt, f), "np") for f in set(wm.values())}
-    return lambda name: files[wm[name]].get_tensor(name)
+from helpers import poll_for, reference
 
 
 def arena_mappings() -> int:
@@ -58,6 +52,11 @@ class Survivor(threading.Thread):
         self.error = None
         self.ready = threading.Event()
 
+    def served_since(self, t: float) -> bool:
+        """A fetch completed after ``t``; raises the client's error if it has one."""
+        assert self.error is None, self.error
+        return bool(self.ok_times) and self.ok_times[-1] > t
+
     def run(self):
         try:
             with k3client.connect(self.endpoint, name="survivor", reconnect_timeout=self.reconnect_timeout) as c:
@@ -70,9 +69,8 @@ class Survivor(threading.Thread):
                     for ex in exs:
                         self.keys += 1
                         for spec in c.layout:
-                            name = f"model.layers.{ex.layer}.mlp.experts.{ex.expert}.{spec.name}"
-                            if not np.array_equal(ex.array(spec.name), self.ref(name)):
-                                self.wrong += 1
+                            want = self.ref.expert(ex.layer, ex.expert, spec.name)
+                            self.wrong += not np.array_equal(ex.array(spec.name), want)
                     del exs
                     self.ok_times.append(time.monotonic())
                 self.restarts = c.restarts
@@ -99,10 +97,7 @@ def test_kill9_restart_cycles_client_survives(checkpoint, start_daemon):
         d.proc.wait(10)
         d = start_daemon(checkpoint, "--slots", "24", endpoint=endpoint)
         t_ready = time.monotonic()
-        while not (w.ok_times and w.ok_times[-1] > t_ready):
-            assert w.error is None, w.error
-            assert time.monotonic() - t_ready < 5, "client not served within 5 s of the restart"
-            time.sleep(0.01)
+        poll_for(functools.partial(w.served_since, t_ready), 5, "the client to be served within 5 s of the restart")
         resume.append(w.ok_times[-1] - t_ready)
     w.stop.set()
     w.join(30)

@@ -10,21 +10,19 @@ import time
 import pytest
 
 import k3client
+from helpers import poll_for, run_module
 
 LINE = re.compile(r"^starting: (opening the source|sizing the arena|collapsing the arena into huge pages|"
                   r"pre-faulting the arena)( [\d.]+/[\d.]+ (GiB|MiB) \(\d+ %\)(, ~\d+ s left)?)?$")
 
 
 def k3ctl(*args):
-    return subprocess.run([sys.executable, "-m", "k3d.ctl", "status", *args], check=False, capture_output=True,
-                          text=True, timeout=30)
+    """``k3ctl status ARGS``."""
+    return run_module("k3d.ctl", "status", *args, timeout=30)
 
 
 def wait_for(pred, what, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
+    poll_for(pred, timeout, what, interval=0.02)
 
 
 def test_status_and_clients_while_starting(checkpoint, start_daemon):

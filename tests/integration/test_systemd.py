@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -18,18 +17,17 @@ import time
 import pytest
 
 import k3client
-from k3d.service import units
-from k3d.config import Config
 from conftest import SCRATCH
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT, k3d, poll_for
+from k3d.config import Config
+from k3d.service import units
 
 
 # -- units ---------------------------------------------------------------------
 def test_repo_unit_files_are_the_embedded_ones():
     """systemd/* are what `k3d install-unit --exec /usr/local/bin/k3d --arena 512MiB` writes."""
     for name in units.FILES:
-        with open(os.path.join(REPO, "systemd", name)) as f:
+        with open(os.path.join(ROOT, "systemd", name)) as f:
             assert f.read() == units.render(name, units.EXAMPLE_EXEC, Config().arena), name
 
 
@@ -55,38 +53,34 @@ def test_unit_settings(name):
         assert "Environment=K3D_ENDPOINT=ipc:///run/k3d/%i/k3d.sock" in lines
 
 
-def k3d_cli(*args):
-    return subprocess.run([sys.executable, "-m", "k3d.cli", *args], capture_output=True, text=True, timeout=60)
-
-
 def test_install_unit_print_and_dest(tmp_path):
     cfg = tmp_path / "k3d.toml"
     cfg.write_text('arena = "4GiB"\nsource = "/srv/model"\n')
-    r = k3d_cli("install-unit", "--print", "--config", str(cfg), "--exec", "/opt/k3d/bin/k3d")
+    r = k3d("install-unit", "--print", "--config", str(cfg), "--exec", "/opt/k3d/bin/k3d")
     assert r.returncode == 0, r.stderr
     assert "# ---- k3d.service" in r.stdout and "# ---- k3d@.service" in r.stdout
     assert f"MemoryMax={4 * 1024 + 2048}M" in r.stdout
     assert "ExecStart=/opt/k3d/bin/k3d start --config /etc/k3d/%i.toml" in r.stdout
     assert not list(tmp_path.glob("*.service"))
     dest = tmp_path / "units"
-    r = k3d_cli("install-unit", "--dest", str(dest), "--arena", "1GiB", "--config", "/nonexistent")
+    r = k3d("install-unit", "--dest", str(dest), "--arena", "1GiB", "--config", "/nonexistent")
     assert r.returncode == 1 and "--config /nonexistent: no such file" in r.stderr   # a typo is not ignored
-    r = k3d_cli("install-unit", "--dest", str(dest), "--arena", "1GiB")
+    r = k3d("install-unit", "--dest", str(dest), "--arena", "1GiB")
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(dest)) == sorted(units.FILES)
     text = (dest / "k3d.service").read_text()
     assert f"MemoryMax={1024 + 2048}M" in text
     cfg.write_text('slots = 2000\nsource = "/srv/model"\n')   # sized by slots: MemoryMax needs --arena
-    r = k3d_cli("install-unit", "--print", "--config", str(cfg))
+    r = k3d("install-unit", "--print", "--config", str(cfg))
     assert r.returncode == 1 and "sizes the arena by slots (2000); MemoryMax needs bytes: pass --arena" in r.stderr
-    r = k3d_cli("install-unit", "--print", "--config", str(cfg), "--arena", "8GiB", "--exec", "/root/venv/bin/k3d")
+    r = k3d("install-unit", "--print", "--config", str(cfg), "--arena", "8GiB", "--exec", "/root/venv/bin/k3d")
     assert r.returncode == 0 and f"MemoryMax={8 * 1024 + 2048}M" in r.stdout
     if os.stat("/root").st_mode & 0o001 == 0:
         assert "warning: ExecStart /root/venv/bin/k3d is under /root, which other users cannot enter" in r.stderr
     assert (os.stat(dest / "k3d.service").st_mode & 0o777) == 0o644
     # the default ExecStart is this installation's k3d (or python -m k3d.cli)
     assert f"ExecStart={units.default_exec()} start" in text
-    r = k3d_cli("install-unit", "--print", "--arena", "lots")
+    r = k3d("install-unit", "--print", "--arena", "lots")
     assert r.returncode == 1 and "not a size" in r.stderr
 
 
@@ -134,13 +128,10 @@ class NotifySocket:
         return [(t, l) for t, m in self.got for l in m.split("\n") if l.startswith(prefix)]
 
     def wait_for(self, prefix, timeout=10, after=0.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            hits = [x for x in self.lines(prefix) if x[0] > after]
-            if hits:
-                return hits[0]
-            time.sleep(0.01)
-        raise AssertionError(f"no {prefix} in {timeout}s; got {self.got}")
+        """The first (arrival time, line) starting with ``prefix`` that arrived after ``after``."""
+        hits = poll_for(lambda: [x for x in self.lines(prefix) if x[0] > after], timeout,
+                        lambda: f"{prefix}; got {self.got}")
+        return hits[0]
 
     def close(self):
         self._stop = True
@@ -169,8 +160,12 @@ def test_notify_ready_status_watchdog_stopping(checkpoint, start_daemon):
         assert any("hit rate" in l for l in status), status
         with k3client.connect(endpoint, name="n") as c:
             c.fetch(0, [1, 2])
-        time.sleep(2.0)
-        pings = [t for t, _ in n.lines("WATCHDOG=1") if t > t_ready]
+
+        def pings_since_ready():                 # seven pings: six gaps (~2 s at 0.3 s each)
+            pings = [t for t, _ in n.lines("WATCHDOG=1") if t > t_ready]
+            return pings if len(pings) >= 7 else None
+
+        pings = poll_for(pings_since_ready, 10, lambda: f"seven watchdog pings after READY: {n.got}")
         gaps = sorted(b - a for a, b in zip(pings, pings[1:]))
         assert len(gaps) >= 2, pings
         median = gaps[len(gaps) // 2]
@@ -205,10 +200,7 @@ def test_no_notify_socket_is_a_no_op_and_abstract_socket_works(checkpoint, start
 
 # -- SIGHUP reload -------------------------------------------------------------------
 def wait_log(d, text, timeout=5):
-    deadline = time.monotonic() + timeout
-    while text not in d.log():
-        assert time.monotonic() < deadline, f"{text!r} not in log:\n{d.log()}"
-        time.sleep(0.02)
+    poll_for(lambda: text in d.log(), timeout, lambda: f"{text!r} in the log:\n{d.log()}", interval=0.02)
 
 
 def test_sighup_reloads_live_settings(checkpoint, start_daemon, tmp_path):

@@ -5,20 +5,19 @@ not ``deny``); elsewhere those tests are skipped with the reason.  Physical
 contiguity is checked from /proc/self/pagemap, which shows frame numbers to
 root only (skipped otherwise)."""
 
-import json
 import mmap
 import os
 import struct
 
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 import k3client
-from k3d.config import DEFAULT_PATTERN, ConfigError, resolve
-from k3d.ctl import render
 import k3d.thp as thp
+from helpers import reference, verify
 from k3d.arena import Arena, memfd_bytes
+from k3d.config import ConfigError, resolve
+from k3d.ctl import render
 from k3d.thp import collapse, pmd_bytes, region_bytes
 
 PMD = pmd_bytes()
@@ -125,14 +124,10 @@ def test_daemon_arena_in_transparent_huge_pages(checkpoint, start_daemon):
         if a["thp_bytes"] < len(c._mm):
             pytest.skip(f"the kernel collapsed {a['thp_bytes'] >> 20} of {len(c._mm) >> 20} MiB (memory fragmented)")
         assert "(100% in transparent huge pages)" in render(c.status())
-        with open(os.path.join(checkpoint, "model.safetensors.index.json")) as f:
-            weight_map = json.load(f)["weight_map"]
+        ref = reference(checkpoint)
         for l, e in [(0, 1), (1, 2), (3, 15)]:
             ex = c.fetch(l, [e])[0]
-            for spec in c.layout:
-                name = DEFAULT_PATTERN.format(layer=l, expert=e, name=spec.name)
-                with safe_open(os.path.join(checkpoint, weight_map[name]), "np") as f:
-                    assert np.array_equal(ex.array(spec.name), f.get_tensor(name))
+            verify(c, [ex], ref)
             del ex
             c.begin_token()
     assert d.stop() == 0

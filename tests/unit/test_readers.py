@@ -1,31 +1,38 @@
-"""Component: the reader pool's queues, completion reports and shutdown."""
+"""Unit: the reader pool's queues, completion reports and shutdown."""
 
+import contextlib
+import queue
 import threading
-import time
 
+from helpers import poll_for
 from k3d.reads.pool import Job, ReaderPool
 
 
 class Gate:
-    """A source whose reads record their order and wait on a gate."""
+    """A source whose reads record their order and wait on a gate; ``entered`` is set once a
+    reader is inside ``read``."""
 
     def __init__(self):
-        self.gate = threading.Event()
+        self.gate, self.entered = threading.Event(), threading.Event()
         self.order = []
 
     def read(self, extents, dest):
+        self.entered.set()
         self.gate.wait(10)
         self.order.append(extents)
         return 1
 
 
 def drain(pool, n, timeout=5):
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        try:
+    """The next ``n`` completion reports."""
+    out = []
+
+    def got_n():
+        with contextlib.suppress(queue.Empty):
             out.append(pool.done.get(timeout=0.1))
-        except Exception:
-            pass
+        return len(out) >= n
+
+    poll_for(got_n, timeout, lambda: f"{n} completion reports, got {out}", interval=0)
     return out
 
 
@@ -33,7 +40,7 @@ def test_urgent_before_background_and_promote():
     src = Gate()
     pool = ReaderPool(1)
     pool.submit([Job(0, 0, "first", None, src)], urgent=True)     # occupies the only reader
-    time.sleep(0.1)
+    assert src.entered.wait(5)
     pool.submit([Job(1, 0, "bg-1", None, src), Job(2, 0, "bg-2", None, src)], urgent=False)
     pool.submit([Job(3, 0, "urgent", None, src)], urgent=True)
     taken = pool.take_background(2)                              # a client now waits on load 2
@@ -63,7 +70,7 @@ def test_stop_cancels_queued_and_keeps_eventfd_while_a_reader_is_stuck():
     src = Gate()
     pool = ReaderPool(1)
     pool.submit([Job(0, 0, "stuck", None, src), Job(1, 0, "queued", None, src)], urgent=True)
-    time.sleep(0.1)
+    assert src.entered.wait(5)
     assert pool.stop(timeout=0.2) is False          # the reader is still inside read()
     assert pool.wake_fd is not None and pool.alive() == 1
     cancelled = drain(pool, 1)

@@ -41,10 +41,8 @@ from dataclasses import dataclass, field
 
 from ..base import Extent, SourceError
 from ..gguf import GGUFSource, parse_gguf
-from ..packed import MAX_HEADER as PACK_MAX_HEADER
-from ..packed import PackedSource
-from ..safetensors import MAX_HEADER as ST_MAX_HEADER
-from ..safetensors import SafetensorsSource
+from ..packed import MAX_HEADER as PACK_MAX_HEADER, PackedSource
+from ..safetensors import MAX_HEADER as ST_MAX_HEADER, SafetensorsSource
 
 INDEX_NAME = "model.safetensors.index.json"
 HEAD_PROBE = 1 << 16          # first header fetch; more only if the header says so

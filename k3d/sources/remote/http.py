@@ -196,7 +196,8 @@ class HttpSource(RemoteSource):
                                   f"{resp.getheader('Content-Length', '?')} bytes); refusing a whole-file download")
             if st == 412:
                 raise SourceError(f"origin changed: {url} no longer matches "
-                                  f"{'ETag ' + repr(v['etag']) if v.get('etag') else 'its Last-Modified'} seen at start "
+                                  f"{'ETag ' + repr(v['etag']) if v.get('etag') else 'its Last-Modified'} "
+                                  "seen at start "
                                   "(412 Precondition Failed); restart k3d to serve the new version")
             if st in RETRY_STATUS:
                 raise Retryable(f"HTTP {st} {resp.reason}")

@@ -1,0 +1,141 @@
+"""Helpers every test layer shares: a CLI runner, ``poll_for``, and reference expert bytes.
+
+``tests/`` is on ``sys.path`` (pytest's rootdir-relative conftest puts it there), so a
+test in ``unit/``, ``component/`` or ``integration/`` writes ``from helpers import ...``.
+A worker script started as a subprocess adds ``TESTS`` to its own path first.
+
+- ``k3d(*args)`` / ``k3ctl(*args)`` run the real CLI (``python -m k3d.cli`` or
+  ``python -m k3d.ctl``) in a subprocess and return the ``CompletedProcess`` with
+  text stdout/stderr: what a user at a shell gets.
+- ``poll_for(cond, timeout, what)`` waits for a condition instead of sleeping a fixed
+  time: it returns the first truthy value of ``cond()`` and fails with ``what`` (a
+  string, or a callable giving one, e.g. a daemon's log) when ``timeout`` passes first.
+  An exception ``cond`` raises (a daemon that exited) ends the wait at once.
+- ``reference(ckpt)`` reads a checkpoint's tensors with ``safetensors.safe_open``, the
+  reference reader every served byte is compared with; ``expert_bytes`` assembles from
+  it one expert's image as a slot holds it (tensors at their layout offsets), and
+  ``verify`` compares fetched experts tensor by tensor, ``Reference.check`` an
+expert image a source read into a buffer.
+
+No state is shared between tests: each makes its own objects (a ``Reference`` is
+read-only once built, so threads of one test may share it).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+
+from k3d.config import DEFAULT_PATTERN
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+# -- the CLI, as a user runs it ------------------------------------------------------
+def run_module(module: str, *args, timeout: float = 60, cwd: str = ROOT, **kw) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` from the repository root (so it imports this tree), with captured
+    text output; ``kw`` (``env``, ``input``, ...) goes to ``subprocess.run``."""
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, **kw)
+
+
+def k3d(*args, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """``k3d ARGS`` (``python -m k3d.cli``)."""
+    return run_module("k3d.cli", *args, timeout=timeout, **kw)
+
+
+def k3ctl(*args, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+    """``k3ctl ARGS`` (``python -m k3d.ctl``)."""
+    return run_module("k3d.ctl", *args, timeout=timeout, **kw)
+
+
+# -- waiting for a condition ---------------------------------------------------------
+def poll_for(cond: Callable[[], Any], timeout: float = 5.0, what: str | Callable[[], str] = "condition",
+             interval: float = 0.01) -> Any:
+    """Call ``cond()`` until it is truthy and return that value; AssertionError after ``timeout`` s.
+
+    ``what`` names the condition in the failure message (a callable is called only then,
+    so it may read a log).  The condition is checked once more at the deadline, so a slow
+    machine that wakes late still sees the state it waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            value = cond()
+            if value:
+                return value
+            raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
+        time.sleep(interval)
+
+
+# -- reference bytes -----------------------------------------------------------------
+class Reference:
+    """A checkpoint's tensors as ``safetensors.safe_open`` reads them, loaded once (a test
+    may rewrite or cut the files afterwards; the reference keeps the original bytes).
+
+    ``tensors`` maps tensor name -> array; where the checkpoint has an index, its
+    ``weight_map`` decides which shard a name comes from (a stale copy elsewhere is ignored)."""
+
+    def __init__(self, ckpt, framework: str = "np"):
+        ckpt = str(ckpt)
+        index = os.path.join(ckpt, "model.safetensors.index.json")
+        weight_map = None
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        self.tensors: dict[str, Any] = {}
+        for path in sorted(glob.glob(os.path.join(ckpt, "*.safetensors"))):
+            with safe_open(path, framework) as st:
+                for name in st.keys():
+                    if weight_map is None or weight_map.get(name) == os.path.basename(path):
+                        self.tensors[name] = st.get_tensor(name)
+
+    def __call__(self, name: str):
+        return self.tensors[name]
+
+    def expert(self, layer: int, expert: int, name: str, pattern: str = DEFAULT_PATTERN):
+        """One tensor of expert (layer, expert): ``name`` is the layout's part, e.g. ``w1.weight_packed``."""
+        return self.tensors[pattern.format(layer=layer, expert=expert, name=name)]
+
+    def check(self, src, key: tuple[int, int], slot: bytes, pattern: str = DEFAULT_PATTERN) -> None:
+        """``slot`` (an expert image read by source ``src``) holds every layout tensor at its offset."""
+        for spec in src.layout:
+            want = self.expert(*key, spec.name, pattern)
+            got = np.frombuffer(slot, np.uint8, spec.nbytes, spec.offset)
+            assert got.tobytes() == want.tobytes(), f"wrong bytes in {key} {spec.name}"
+
+
+def reference(ckpt, framework: str = "np") -> Reference:
+    """``ref(tensor_name)`` -> the tensor from the checkpoint's own shards, via safe_open."""
+    return Reference(ckpt, framework)
+
+
+def expert_bytes(ref: Reference, layout, key: tuple[int, int], pattern: str = DEFAULT_PATTERN) -> bytes:
+    """Expert ``key``'s image as a slot holds it: every layout tensor at its offset, zeros between."""
+    end = max((spec.offset + spec.nbytes for spec in layout), default=0)
+    buf = bytearray(end)
+    for spec in layout:
+        data = np.ascontiguousarray(ref.expert(*key, spec.name, pattern)).tobytes()
+        assert len(data) == spec.nbytes, (key, spec)
+        buf[spec.offset:spec.offset + spec.nbytes] = data
+    return bytes(buf)
+
+
+def verify(client, experts, ref: Reference, pattern: str = DEFAULT_PATTERN) -> None:
+    """Every tensor of every fetched expert equals the reference, byte for byte."""
+    for ex in experts:
+        for spec in client.layout:
+            got, want = ex.array(spec.name), ref.expert(ex.layer, ex.expert, spec.name, pattern)
+            assert got.shape == want.shape and got.tobytes() == want.tobytes(), (ex.layer, ex.expert, spec.name)
