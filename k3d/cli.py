@@ -1,8 +1,9 @@
 """``k3d``: start the daemon, pack a checkpoint, install the systemd units, or run the demo.
 
-Runs in the process's main thread; each subcommand's module is imported only when
-that subcommand runs (``pack``, ``install-unit``, ``demo``, and ``start``'s
-``k3d.service.daemon``), so ``k3d --help`` stays light.  ``start`` resolves the
+Runs in the process's main thread.  ``k3d.service.units`` (which adds its own
+``install-unit`` parser) is imported up front; the other subcommands' modules only
+when they run (``k3d.pack``, ``k3d.demo``, ``start``'s ``k3d.service.daemon``), so
+``k3d --help`` stays light.  ``start`` resolves the
 config here (``k3d.config.resolve``, the one reader of the environment) and hands
 it to ``k3d.service.daemon.run``, which serves in this same thread.
 
