@@ -1,4 +1,6 @@
-"""Counters (``total``-style, only grow) and the reader throughput window.
+"""Counters (``total``-style, only grow), per-client prediction counts
+(``PredictionStats``: precision, timeliness of fetched keys) and the reader
+throughput window.
 
 Naming follows memcached/Redis: counters are monotonic totals, gauges
 (``used``, ``pinned``, ``loading``) are computed from state when status is asked.
