@@ -21,6 +21,7 @@ import sys
 from . import __version__
 from .config import DEFAULT_PATTERN, Config, ConfigError, format_size, resolve
 from .ctl import parse_args
+from .policy import POLICIES
 from .reads.plan import COLD_READERS
 from .service import units
 
@@ -65,6 +66,9 @@ def _start_parser(sub):
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
                    help="leave the arena in 4 KiB pages (default: collapse it into transparent huge pages)")
+    p.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default {D.policy})")
+    p.add_argument("--state-dir", dest="state_dir",
+                   help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")
     p.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (needs pip install 'k3d[metrics]')")
     return p
@@ -86,6 +90,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _start_parser(sub)
     _pack_parser(sub)
+    from . import replay_cli  # the CLI dispatching a subcommand's module
+    replay_cli.add_parser(sub)
     units.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
     d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default %(default)s)")
@@ -104,6 +110,8 @@ def main(argv=None) -> int:
             return run_hf_demo(clients=args.clients, tokens=min(args.tokens, 32))
         from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+    if args.cmd == "replay":
+        return replay_cli.main(args)
     if args.cmd == "install-unit":
         return units.main(args)
     if args.cmd == "pack":
