@@ -131,8 +131,6 @@ def run_hf_demo(clients: int = 3, tokens: int = 16, family: str = "qwen3_moe", h
         arena = max(1 << 20, int(ebytes * arena_fraction))
         cmd = [sys.executable, "-m", "k3d.cli", "start", "--source", path, "--endpoint", endpoint,
                "--arena", str(arena)]
-        if family in hf_models.PATTERNS:
-            cmd += ["--pattern", hf_models.PATTERNS[family]]
         with open(os.path.join(tmp, "daemon.log"), "w+") as log:
             daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             try:
