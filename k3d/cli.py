@@ -1,8 +1,10 @@
 """``k3d``: start the daemon, pack a checkpoint, install the systemd units, or run the demo.
 
 Runs in the process's main thread; each subcommand's module is imported only when
-that subcommand runs (``pack``, ``install-unit``, ``demo``, and ``start``'s
-``k3d.service.daemon``), so ``k3d --help`` stays light.  ``start`` resolves the
+that subcommand runs (``pack``, ``demo``, and ``start``'s ``k3d.service.daemon``),
+so ``k3d --help`` stays light; ``install-unit``'s module (standard library only)
+is imported with this one, as it builds that subcommand's parser.  Every default
+in ``start``'s help is read from ``Config`` (``D``), where it is written once.  ``start`` resolves the
 config here (``k3d.config.resolve``, the one reader of the environment) and hands
 it to ``k3d.service.daemon.run``, which serves in this same thread.
 
