@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..layout import TensorSpec
+
 PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(.+)$")
 
 
@@ -52,19 +54,23 @@ def local_layers(keys_by_layer: dict[int, list[tuple[str, str, tuple]]]) -> dict
 
 
 def _daemon_layout(client, layer: int) -> list:
+    """The layout the daemon serves for ``layer``: per layer where it says so, else the one layout."""
     per_layer = getattr(client, "layouts", None)
     if isinstance(per_layer, dict) and layer in per_layer:
         return per_layer[layer]
+    for group in (client.model or {}).get("layouts") or ():     # [[layers], [spec wire...], types]
+        if layer in group[0]:
+            return [TensorSpec.from_wire(w) for w in group[1]]
     return client.layout
 
 
-def _served_layers(model: dict) -> tuple[list[int] | None, int, int | None]:
-    """(layers if listed else None, first..last span check values, expert count or None)."""
-    layers = model.get("layers") or []
+def _served_layers(model: dict) -> tuple[list[int] | None, list[int], int | None]:
+    """(every layer served, if the daemon lists them; else None), [first, last], experts per layer."""
+    layers = list(model.get("layers") or [])
     experts = model.get("experts") or []
-    full = model.get("layers_served") or model.get("layer_list")
-    n_experts = (experts[-1] - experts[0] + 1) if len(experts) >= 1 else None
-    return (list(full) if full else None), layers, n_experts
+    listed = "experts_per_layer" in model          # daemons that recognise families list every layer
+    per_layer = model.get("experts_per_layer") or ((experts[-1] - experts[0] + 1) if experts else None)
+    return (layers if listed else None), layers[:1] + layers[-1:], per_layer
 
 
 def _fmt(specs) -> str:

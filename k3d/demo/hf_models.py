@@ -37,12 +37,15 @@ FAMILIES = {
                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
     "gpt_oss": {"intermediate_size": "inter", "num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16,
                     "sliding_window": 16},
+    "olmoe": {"intermediate_size": "inter", "num_experts": 8, "num_experts_per_tok": 2},
+    "phimoe": {"intermediate_size": "inter", "num_local_experts": 8, "num_experts_per_tok": 2},
     "granitemoe": {"intermediate_size": "inter", "num_local_experts": 8, "num_experts_per_tok": 2},
 }
 COMMON = {"vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
               "tie_word_embeddings": False}
 # the --pattern a daemon needs for families it cannot recognise by itself (before issue 11's rules)
-PATTERNS = {"mixtral": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}"}
+PATTERNS = {"mixtral": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}",
+            "phimoe": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}"}
 
 
 def config(family: str, hidden: int = 64, inter: int = 32, layers: int = 3, experts: int | None = None):
