@@ -78,14 +78,18 @@ class Cache:
         self.parked.park(s, rid, keys, plan.slots, plan.waiting, t0, result)
         return None
 
-    def predict(self, s: Session, keys, pin_quota: int) -> int:
-        """Start background reads of ``keys`` not resident; returns how many started."""
+    def predict(self, s: Session, keys, pin_quota: int, trace=None) -> int:
+        """Start background reads of ``keys`` not resident; returns how many started.
+        ``trace``: the route trace gets the keys as the store gets them (``k3d replay``
+        reproduces the prefetch counters from them)."""
         keys = list(dict.fromkeys(keys))
         if pin_quota:
             room = pin_quota - len(self.store.predictions.get(s.client_id, ()))
             if s.pf_waste > WASTE_LIMIT:
                 room = min(room, 1 - s.pf_started)
             keys = [k for k in keys if k not in self.store.key_slot][:max(0, room)]
+        if trace is not None:
+            trace.predict(time.monotonic(), s.client_id, s.epoch, keys)
         started = self.store.predict(s.client_id, keys)
         s.pf_started += len(started)
         self._start(started, urgent=False)
@@ -104,12 +108,17 @@ class Cache:
     def drop(self, s: Session, reason: str) -> int:
         """``s`` is gone (the caller removes the session).  Returns the pins released."""
         released, _ = self.store.end_epoch(s.client_id, s.holder)
+        self.store.forget_client(s.client_id)
         # Its held-back reads go on as background reads (another client may fetch
         # those keys: that promotes them), never ahead of the urgent reads of others.
         for slot in self.reads.to_background(s.client_id):
             self.store.background(slot)
         self.parked.drop(s, reason)
         return released
+
+    def preload(self, slots: list[int]) -> None:
+        """Warm restart: read ``slots`` (``Store.preload``) BACKGROUND, behind every urgent read."""
+        self._start(slots, urgent=False)
 
     def _start(self, slots: list[int], urgent: bool, owner: int | None = None) -> None:
         key_of = self.store.slot_key

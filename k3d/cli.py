@@ -1,10 +1,10 @@
 """``k3d``: start the daemon, pack a checkpoint, install the systemd units, or run the demo.
 
-Runs in the process's main thread; each subcommand's module is imported only when
-that subcommand runs (``pack``, ``demo``, and ``start``'s ``k3d.service.daemon``),
-so ``k3d --help`` stays light; ``install-unit``'s module (standard library only)
-is imported with this one, as it builds that subcommand's parser.  Every default
-in ``start``'s help is read from ``Config`` (``D``), where it is written once.  ``start`` resolves the
+Runs in the process's main thread.  ``k3d.service.units`` (which adds its own
+``install-unit`` parser) is imported up front; the other subcommands' modules only
+when they run (``k3d.pack``, ``k3d.demo``, ``start``'s ``k3d.service.daemon``), so
+``k3d --help`` stays light.  Every default in ``start``'s help is read from
+``Config`` (``D``), where it is written once.  ``start`` resolves the
 config here (``k3d.config.resolve``, the one reader of the environment) and hands
 it to ``k3d.service.daemon.run``, which serves in this same thread.
 
@@ -20,9 +20,10 @@ import logging
 import os
 import sys
 
-from . import __version__
-from .config import DEFAULT_PATTERN, Config, ConfigError, format_size, resolve
+from . import __version__, inspection
+from .config import Config, ConfigError, format_size, resolve
 from .ctl import parse_args
+from .policy import POLICIES
 from .reads.plan import COLD_READERS
 from .service import units
 
@@ -34,7 +35,8 @@ def _start_parser(sub):
     p.add_argument("--config", help="TOML config file (keys as the long options, e.g. arena = \"8GiB\")")
     p.add_argument("--source", help="checkpoint: safetensors directory/file, .gguf or .k3pack file, "
                    "or an http(s):// or s3:// URL of one")
-    p.add_argument("--pattern", help=f"tensor name pattern with {{layer}}, {{expert}}, {{name}} (default {D.pattern})")
+    p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name} (default: the model "
+                   "family, from config.json or the tensor names)")
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes, rounded down to whole slots "
                    f"(default {format_size(D.arena)})")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
@@ -67,6 +69,9 @@ def _start_parser(sub):
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
                    help="leave the arena in 4 KiB pages (default: collapse it into transparent huge pages)")
+    p.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default {D.policy})")
+    p.add_argument("--state-dir", dest="state_dir",
+                   help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")
     p.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (needs pip install 'k3d[metrics]')")
     return p
@@ -76,7 +81,8 @@ def _pack_parser(sub):
     p = sub.add_parser("pack", help="convert a safetensors directory or GGUF file to the packed format")
     p.add_argument("src", help="safetensors directory/file or .gguf file")
     p.add_argument("out", help="output file (conventionally NAME.k3pack); written atomically")
-    p.add_argument("--pattern", help="safetensors tensor name pattern with {layer}, {expert}, {name}")
+    p.add_argument("--pattern", help="safetensors tensor name pattern with {layer}, {expert}, {name} "
+                   "(default: the model family)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
@@ -88,7 +94,10 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _start_parser(sub)
     _pack_parser(sub)
+    from . import replay_cli  # the CLI dispatching a subcommand's module
+    replay_cli.add_parser(sub)
     units.add_parser(sub)
+    inspection.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
     d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default %(default)s)")
     d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default %(default)s)")
@@ -106,11 +115,15 @@ def main(argv=None) -> int:
             return run_hf_demo(clients=args.clients, tokens=min(args.tokens, 32))
         from .demo.run import run_demo
         return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+    if args.cmd == "replay":
+        return replay_cli.main(args)
     if args.cmd == "install-unit":
         return units.main(args)
+    if args.cmd == "inspect":
+        return inspection.main(args)
     if args.cmd == "pack":
         from .pack import pack_main
-        return pack_main(args.src, args.out, args.pattern or DEFAULT_PATTERN, args.force, args.progress)
+        return pack_main(args.src, args.out, args.pattern, args.force, args.progress)
     cli = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
     try:
         cfg = resolve(cli, os.environ, args.config)

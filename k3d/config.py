@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from k3client.endpoint import default_endpoint
 
 from .metrics import parse_hostport
+from .policy import POLICIES
 
 DEFAULT_PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -37,7 +38,7 @@ class ConfigError(Exception):
 @dataclass(frozen=True)
 class Config:
     source: str | None = None
-    pattern: str = DEFAULT_PATTERN
+    pattern: str | None = None        # None: the family rules (k3d.sources.families) find the experts
     arena: int = 512 * 2**20          # bytes; rounded down to whole slots
     slots: int = 0                    # if > 0, overrides arena
     endpoint: str = ""                # resolved: never empty after resolve()
@@ -54,6 +55,11 @@ class Config:
     disk_cache_size: int = 16 * 2**30 # bytes the disk tier may hold (LRU beyond)
     hugepages: bool = False           # arena in hugetlb pages (vm.nr_hugepages must hold it)
     thp: bool = True                  # without hugepages: collapse the arena into transparent huge pages
+    policy: str = "cycle"             # eviction policy (k3d.policy.POLICIES); "lru" is the seed's
+    state_dir: str = ""               # warm-restart statistics; resolved: $STATE_DIRECTORY (systemd),
+                                      # else $XDG_STATE_HOME/k3d, else ~/.local/state/k3d; "none": off
+    state_every_s: float = 60.0       # seconds between saves of the statistics (and one at shutdown)
+    warm_slots: float = 1.0           # share of the arena pre-loaded from the saved hot set at start
     metrics: str | None = None        # HOST:PORT for Prometheus /metrics; off by default
 
 
@@ -130,6 +136,23 @@ def _bool(value) -> bool:
     raise ValueError("use true or false")
 
 
+def _share(value) -> float:
+    if isinstance(value, bool):
+        raise TypeError("not a number")
+    v = float(value)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError("must be between 0 and 1")
+    return v
+
+
+def default_state_dir(env) -> str:
+    """systemd's StateDirectory= ($STATE_DIRECTORY), else the XDG state directory."""
+    if env.get("STATE_DIRECTORY"):
+        return env["STATE_DIRECTORY"].split(":")[0]
+    base = env.get("XDG_STATE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "k3d")
+
+
 def _string(value) -> str:
     if not isinstance(value, str):
         raise ValueError("must be a string")
@@ -176,6 +199,9 @@ _CONVERTERS = {
     "read_mode": _one_of("buffered", "direct"),
     "endpoint": _endpoint,
     "hugepages": _bool,
+    "policy": _one_of(*sorted(POLICIES)),
+    "state_every_s": _positive,
+    "warm_slots": _share,
     "thp": _bool,
     "metrics": _hostport,
 }
@@ -236,4 +262,6 @@ def resolve(cli: dict, env, config_file: str | None = None) -> Config:
         values["disk_cache"] = os.path.abspath(values["disk_cache"])
     if values.get("trace"):
         values["trace"] = os.path.abspath(values["trace"])
+    state = values.get("state_dir") or default_state_dir(env)
+    values["state_dir"] = "" if state.lower() == "none" else os.path.abspath(state)
     return Config(**values)

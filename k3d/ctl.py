@@ -30,6 +30,7 @@ from k3client.endpoint import (
 )
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 
+from .quality import line as prediction_line
 from .service.starting import describe
 
 
@@ -120,6 +121,13 @@ def render(st: dict) -> str:
         f"errors  {s['errors']} failed reads, {s['bad_requests']} bad requests, {s['cache_full']} cache full, "
         f"{s['clients_dead']} dead clients",
     ]
+    pq = st.get("prediction")
+    if pq:      # prediction quality, in total and per client (k3d.quality)
+        lines.append(f"        {prediction_line(pq['total'])}")
+    w = st.get("warm") or {}
+    if "planned" in w:
+        lines.append(f"warm    {st.get('policy', '')} statistics from {w['state_file']}: pre-loaded {w['ready']} of "
+                     f"{w['planned']} hot experts ({w['percent']:.0f}%{', done' if w['done'] else ''})")
     tiers = m.get("tiers")
     if tiers:
         o = tiers["origin"]
@@ -133,6 +141,9 @@ def render(st: dict) -> str:
     lines.append(f"clients {len(st['clients'])}")
     for c in st["clients"]:
         lines.append(f"  {c['name']:<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  fetches {c['fetches']}")
+        q = (pq or {}).get("clients", {}).get(str(c.get("id")))
+        if q:
+            lines.append(f"    predict {prediction_line(q)}")
     return "\n".join(lines)
 
 

@@ -40,6 +40,10 @@ HELP = {
     "prefetched": "background reads started for predictions",
     "prefetch_hits": "predictions fetched before the predictor's next token",
     "prefetch_unused": "predictions never fetched (demoted or evicted)",
+    "prefetch_unused_bytes": "bytes read for predictions never fetched",
+    "prefetch_refused": "predictions not read: the only victim was expected to be reused sooner",
+    "loading_skips": "victims skipped because still loading (0: the run replays exactly)",
+    "warm_loaded": "reads a warm restart queued for the saved hot set",
     "errors": "failed expert reads",
     "bad_requests": "requests refused as malformed, unknown or out of protocol",
     "cache_full": "fetches refused because every slot was pinned",
@@ -48,7 +52,7 @@ HELP = {
 ARENA_GAUGES = {   # metric name: (status arena field, help)
     "k3d_arena_slots": ("slots", "slots in the arena"),
     "k3d_arena_used_slots": ("used", "slots holding an expert or being read"),
-    "k3d_arena_pinned_slots": ("pinned", "slots pinned by some client's current token"),
+    "k3d_arena_pinned_slots": ("pinned", "slots pinned by some client's current token or outstanding prediction"),
     "k3d_arena_loading_slots": ("loading", "slots being read"),
     "k3d_arena_bytes": ("bytes", "bytes of arena"),
 }

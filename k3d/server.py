@@ -75,10 +75,12 @@ from .cache import Cache
 from .handout import ArenaHandout
 from .latency import FetchLatency
 from .metrics import SnapshotBoard
+from .policy import make as make_policy
 from .sessions import REAP_INTERVAL, Session, Sessions, identify
 from .store import Store
 from .trace import RouteTrace
 from .turns import Turns, cost_of
+from .warm import WarmState
 
 log = logging.getLogger("k3d")
 RECV_BATCH = 256         # requests taken off the socket per loop pass, at most
@@ -96,7 +98,9 @@ class Server:
         self.notifier = notifier
         self.t0 = time.monotonic()
         self.gen = random.getrandbits(62) | 1
-        self.store = Store(arena.slots, cfg.pin_quota)
+        self.store = Store(arena.slots, cfg.pin_quota, make_policy(cfg.policy, 1 + max(l for l, _ in source.keys)),
+                           key_bytes=lambda key: source.expert_bytes)
+        self.warm = WarmState(cfg, source, self.store, self.t0)     # restores the policy's statistics
         self.stats = self.store.stats
         self.latency = FetchLatency()
         self._t_msg = 0.0        # arrival of the request being handled (fetch latency)
@@ -123,6 +127,7 @@ class Server:
         self.replies = wire.Replies(self.sock, self.gen)
         self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency)
         self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
+        self.cache.preload(self.warm.preload(self.store))   # behind every urgent read
 
     # -- loop -----------------------------------------------------------------
     def request_stop(self) -> None:
@@ -193,6 +198,7 @@ class Server:
                     for s, reason in self.sessions.expired(now, self.cfg.lease_s):
                         self._drop(s, reason, dead=True)
                     next_reap = now + REAP_INTERVAL
+                    self.warm.tick(self.store, now)
                 if self.notifier is not None:
                     if now >= next_status:
                         self.notifier.status(self.status_line())
@@ -296,14 +302,14 @@ class Server:
         plan = self.cache.plan(s, keys)
         if self.trace:
             try:
-                self.trace.fetch(time.monotonic(), keys[0][0], [e for _, e in keys], plan.misses,
+                self.trace.fetch(time.monotonic(), s.client_id, s.epoch, keys, plan.misses,
                                  plan.evictions, plan.waited, plan.prefetched_hits, s.pfu)
             except OSError as e:   # a full disk must not fail a fetch that is already planned
                 log.error("route trace %s: %s; tracing stops", self.trace.path, e)
                 self.trace = None
         s.pfu = 0
         if predicted:
-            self.cache.predict(s, predicted, self.cfg.pin_quota)
+            self.cache.predict(s, predicted, self.cfg.pin_quota, self.trace)
         slots = self.cache.answer(s, msg["id"], keys, plan, self._t_msg)
         return DEFERRED if slots is None else {"slots": slots}
 
@@ -319,11 +325,14 @@ class Server:
         share > ``cache.WASTE_LIMIT``) may start one read per token: a flood of
         predictions can neither sweep the cache nor monopolise the readers."""
         s = self.sessions.require(routing, time.monotonic())
-        return {"queued": self.cache.predict(s, self._keys(msg, "keys", unique=False), self.cfg.pin_quota)}
+        return {"queued": self.cache.predict(s, self._keys(msg, "keys", unique=False), self.cfg.pin_quota,
+                                             self.trace)}
 
     def op_begin_token(self, routing, msg, frame):
         """begin_token {} -> {epoch, released}: next epoch; the previous epoch's pins go."""
         s = self.sessions.require(routing, time.monotonic())
+        if self.trace:
+            self.trace.begin(time.monotonic(), s.client_id, s.epoch)
         released = self.cache.end_token(s)
         return {"epoch": s.epoch, "released": released}
 
@@ -350,6 +359,8 @@ class Server:
     # -- clients ----------------------------------------------------------------
     def _drop(self, s: Session, reason: str, dead: bool) -> None:
         self.sessions.remove(s)
+        if self.trace:
+            self.trace.bye(time.monotonic(), s.client_id)
         released = self.cache.drop(s, reason)
         if dead:
             self.turns.forget(s.routing)   # its requests still waiting have no one to answer
@@ -367,6 +378,7 @@ class Server:
 
     # -- shutdown -----------------------------------------------------------------
     def _shutdown(self) -> None:
+        self.warm.save(self.store)
         self.board.close()            # a scrape waiting on the loop gets the last snapshot now
         if self.notifier is not None:
             self.notifier.stopping()

@@ -23,7 +23,11 @@ class Counters:
     prefetched: int = 0         # background reads issued for predictions
     prefetch_hits: int = 0      # predictions fetched before the predictor's next token
     prefetch_unused: int = 0    # predictions never fetched (demoted or evicted)
+    prefetch_unused_bytes: int = 0  # bytes read for predictions never used
+    prefetch_refused: int = 0   # predictions not read: the only victim was expected to be reused sooner
     evictions: int = 0
+    warm_loaded: int = 0        # reads a warm restart queued for the saved hot set
+    loading_skips: int = 0      # the policy's victim was still loading (a run with 0 replays exactly)
     bytes_read: int = 0
     read_seconds: float = 0.0   # summed over reader threads
     errors: int = 0             # failed expert reads
@@ -34,6 +38,36 @@ class Counters:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["read_seconds"] = round(d["read_seconds"], 6)
+        return d
+
+
+@dataclass
+class PredictionStats:
+    """One client's predictions and the timeliness of its fetched keys (status: per client).
+
+    ``ready``/``waited``/``missed`` split the client's fetched keys: resident and
+    read, still being read (a prediction's or another client's read), read on demand."""
+    prefetched: int = 0         # background reads this client's predictions started
+    prefetch_hits: int = 0      # of those, fetched (by anyone) before its next token
+    prefetch_unused: int = 0    # of those, not fetched by then
+    unused_bytes: int = 0       # bytes read for the unused ones
+    refused: int = 0            # predictions not read (no slot worth evicting)
+    ready: int = 0
+    waited: int = 0
+    missed: int = 0
+
+    @property
+    def precision(self) -> float | None:
+        return self.prefetch_hits / self.prefetched if self.prefetched else None
+
+    def confidence(self) -> float:
+        """Precision with a uniform prior (Laplace): what a new prediction is worth."""
+        return (self.prefetch_hits + 1) / (self.prefetch_hits + self.prefetch_unused + 2)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        p = self.precision
+        d["precision"] = None if p is None else round(p, 4)
         return d
 
 

@@ -8,7 +8,9 @@ sections may be added, existing fields keep their meaning):
 - ``stats``: the monotonic counters (``stats.Counters``);
 - ``fetch_seconds``: the fetch latency histogram by result (``latency.py``);
 - ``readers``: threads, queued parts, held-back parts, throughput;
-- ``clients``: one entry per attached session.
+- ``clients``: one entry per attached session;
+- ``policy`` (its name), ``prediction`` (quality in total and per client id:
+  ``quality.py``), ``warm`` (the state file and the warm restart's pre-load progress).
 
 Pure reads of the server's state: called on the server thread (``op_status``,
 the loop's systemd status), never changes anything.
@@ -21,6 +23,7 @@ import os
 from k3client.protocol import PROTOCOL_VERSION
 
 from . import __version__
+from .quality import section as prediction_section
 
 
 def build(srv, now: float) -> dict:
@@ -41,6 +44,9 @@ def build(srv, now: float) -> dict:
                   "page_bytes": srv.arena.page_bytes,
                   "thp_bytes": srv.arena.thp_bytes, **srv.store.gauges()},
         "stats": st.as_dict(),
+        "policy": srv.cfg.policy,
+        "prediction": prediction_section(srv.store, [s.client_id for s in srv.sessions]),
+        "warm": srv.warm.status(srv.store),
         "fetch_seconds": srv.latency.as_dict(),
         "readers": {"threads": srv.reads.threads, "queued_urgent": urgent,
                     "queued_background": background,

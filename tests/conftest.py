@@ -25,6 +25,8 @@ from k3d.demo.synthetic import write_checkpoint
 # other-user permission tests can reach the sockets inside.
 SCRATCH = tempfile.mkdtemp(prefix="k3d-tests-", dir="/tmp")
 os.chmod(SCRATCH, 0o755)
+# Daemons keep warm-restart state under $XDG_STATE_HOME/k3d: the tests' stays in SCRATCH.
+os.environ.setdefault("XDG_STATE_HOME", os.path.join(SCRATCH, "state"))
 
 
 def pytest_sessionfinish(session, exitstatus):

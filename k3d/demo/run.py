@@ -5,7 +5,7 @@
 2. Starts a real daemon (``k3d start``) with an arena that holds ~40% of the
    experts, so the LRU, predictions and evictions all matter.
 3. Runs ``clients`` model processes (``k3d.demo.worker``) that share it over many
-   tokens with skewed routing and next-layer predictions; each verifies every
+   tokens with realistic routing and gate-ahead predictions; each verifies every
    byte it reads.
 4. Prints hit rate, waits, prefetch use, bytes read and per-process RSS/PSS,
    then stops the daemon with SIGTERM and checks it exited 0 and left nothing.
@@ -119,8 +119,12 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
                   f"{r['p50_us']:7.0f}us {r['p99_us']:7.0f}us  {r['rss'] / 2**20:7.1f}  {r['pss'] / 2**20:7.1f}")
         print(f"\ncache: hit rate {100 * st['hits'] / max(total, 1):.1f}% ({st['hits']} hits / {st['misses']} misses), "
               f"{st['waited']} waited on a read in flight, {st['evictions']} evictions")
-        print(f"predictions: {st['prefetched']} prefetched, {st['prefetch_hits']} used, "
-              f"{st['prefetch_unused']} unused")
+        pq = status.get("prediction", {}).get("total", {})
+        prec = pq.get("precision")
+        print(f"predictions (gate-ahead, not right by construction): {st['prefetched']} prefetched, "
+              f"{st['prefetch_hits']} used, {st['prefetch_unused']} unused"
+              + (f", precision {100 * prec:.1f}%" if prec is not None else "")
+              + (f"; fetched keys ready {pq['ready']}, waited {pq['waited']}, missed {pq['missed']}" if pq else ""))
         model_bytes = len(digests) * arena["expert_bytes"]
         print(f"reads: {st['bytes_read'] / 2**20:.1f} MiB read from the checkpoint, "
               f"{st['bytes_read'] / model_bytes:.1f}x its {model_bytes / 2**20:.1f} MiB of experts; "

@@ -1,9 +1,11 @@
-"""One model process of ``k3d demo``: imports only k3client (never daemon code).
+"""One model process of ``k3d demo``: imports k3client and the demo's router, never daemon code.
 
-Routes tokens through ``layers`` MoE layers with skewed (Zipf-like) routing that
-all processes share, predicts the next layer's experts (right most of the
-time, as a real router predictor would be), and verifies every fetched expert
-against the digest the parent computed from the checkpoint with the
+Routes tokens through ``layers`` MoE layers with ``k3d.demo.routing.SyntheticRouter``
+(one model shared by all processes, each its own text): routing with the shared
+Mixtral trace's statistics (reuse ~1.4x chance, nearly flat popularity), and
+gate-ahead predictions of the next layer's experts from the current hidden state,
+right only as often as a real gate-ahead predictor is.  Verifies every fetched
+expert against the digest the parent computed from the checkpoint with the
 safetensors library.  Prints one JSON line of results.  A process of its own,
 one thread (plus the client's lease thread).
 """
@@ -20,16 +22,7 @@ import numpy as np
 import psutil
 
 import k3client
-
-
-def popularity(layers: int, experts: int, seed: int) -> np.ndarray:
-    """Per-layer expert probabilities: Zipf over a per-layer permutation (shared by all)."""
-    rng = np.random.default_rng(seed)
-    ranks = 1.0 / np.arange(1, experts + 1) ** 1.1
-    probs = np.empty((layers, experts))
-    for layer in range(layers):
-        probs[layer, rng.permutation(experts)] = ranks / ranks.sum()
-    return probs
+from k3d.demo.routing import SyntheticRouter
 
 
 def main(argv=None) -> int:
@@ -46,19 +39,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with open(args.digests) as f:
         digests = json.load(f)
-    probs = popularity(args.layers, args.experts, args.route_seed)
-    rng = np.random.default_rng(args.seed)
+    router = SyntheticRouter(args.layers, args.experts, args.topk, seed=args.route_seed, stream=args.seed)
     lat, checked, wrong = [], 0, 0
     with k3client.connect(args.endpoint, name=args.name) as c:
         for _ in range(args.tokens):
             c.begin_token()
-            route = [rng.choice(args.experts, args.topk, replace=False, p=probs[l]) for l in range(args.layers)]
+            route, ahead = router.token()
             for layer in range(args.layers):
-                predicted = None
-                if layer + 1 < args.layers:
-                    guess = [int(e) if rng.random() < 0.75 else int(rng.integers(args.experts))
-                             for e in route[layer + 1]]
-                    predicted = [(layer + 1, e) for e in dict.fromkeys(guess)]
+                predicted = [(layer + 1, e) for e in ahead[layer]] or None
                 t0 = time.perf_counter()
                 got = c.fetch(layer, route[layer], predicted=predicted)
                 lat.append(time.perf_counter() - t0)

@@ -19,7 +19,9 @@ Why the settings are what they are (each pitfall was checked):
   the ``k3d@MODEL`` instances have their sockets below it, in ``/run/k3d/MODEL``.
 - Paths the daemon writes (``trace``, ``disk_cache``) must be under the
   StateDirectory ``/var/lib/k3d`` (or its private /tmp): the rest of the file
-  system is read-only to it (``ProtectSystem=strict``).
+  system is read-only to it (``ProtectSystem=strict``).  The warm-restart
+  statistics go there by default: systemd sets ``$STATE_DIRECTORY`` and
+  ``k3d.config`` prefers it to the XDG state directory.
 - ``RemoveIPC=yes`` and ``DynamicUser=yes`` delete the user's POSIX shared
   memory and IPC objects when the unit stops: both stay off, with a fixed user.
 - The hardening keeps /dev/shm writable (``ProtectSystem=strict`` leaves /dev
@@ -111,6 +113,7 @@ RuntimeDirectory=k3d
 RuntimeDirectoryMode=0750
 # Kept when this unit stops: k3d@MODEL instances have their sockets below it.
 RuntimeDirectoryPreserve=yes
+# The policy's statistics (warm restart) live in $STATE_DIRECTORY, which k3d reads.
 StateDirectory=k3d
 StateDirectoryMode=0750
 {common}
@@ -134,6 +137,7 @@ ExecStart={exec} start --config /etc/k3d/%i.toml
 Environment=K3D_ENDPOINT=ipc:///run/k3d/%i/k3d.sock
 RuntimeDirectory=k3d/%i
 RuntimeDirectoryMode=0750
+# The policy's statistics (warm restart) live in $STATE_DIRECTORY, which k3d reads.
 StateDirectory=k3d/%i
 StateDirectoryMode=0750
 {common}

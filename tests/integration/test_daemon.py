@@ -198,11 +198,14 @@ def test_route_trace_survives_kill9(checkpoint, start_daemon, tmp_path):
         c.fetch(2, [4])
     d.stop(signal.SIGKILL)
     lines = [l.split() for l in trace.read_text().splitlines()]
-    assert len(lines) == 3
-    assert lines[0][1:] == ["L2", "n=2", "miss=2", "evict=0", "wait=0", "pf=0", "pfu=0", "4,6"]
-    assert 0 < int(lines[0][0]) <= int(lines[1][0]) <= int(lines[2][0])
-    assert lines[1][1:4] == ["L3", "n=1", "miss=0"] and lines[1][6:] == ["pf=1", "pfu=0", "1"]
-    assert lines[2][1:] == ["L2", "n=1", "miss=0", "evict=0", "wait=0", "pf=0", "pfu=1", "4"]
+    # fetch, its predictions, fetch, begin, fetch, bye: client 1, epochs 0 then 1
+    assert [l[1:3] for l in lines] == [["c=1", "t=0"]] * 4 + [["c=1", "t=1"], ["c=1", "bye"]]
+    assert lines[0][3:] == ["L2", "n=2", "miss=2", "evict=0", "wait=0", "pf=0", "pfu=0", "4", "6"]
+    assert lines[1][3:] == ["predict", "3:1", "3:2"]
+    assert 0 < int(lines[0][0]) <= int(lines[2][0]) <= int(lines[4][0])
+    assert lines[2][3:6] == ["L3", "n=1", "miss=0"] and lines[2][8:] == ["pf=1", "pfu=0", "1"]
+    assert lines[3][3:] == ["begin"]
+    assert lines[4][3:] == ["L2", "n=1", "miss=0", "evict=0", "wait=0", "pf=0", "pfu=1", "4"]
 
 
 def test_demo_runs_and_verifies():

@@ -1,0 +1,97 @@
+"""Policy figures for README: LRU, the default (cycle) and Belady's OPT on real and
+generated routing, plus replay speed on a ~10^6-access trace.
+
+Generated traces come from ``k3d.demo.routing.SyntheticRouter`` with other statistics
+than the shared Mixtral trace (more experts, top-6/8, other skew and reuse); sizes are
+fractions of the model's experts (never below one token's pins).  Everything goes
+through ``k3d.replay.run`` (the daemon's Store and policy classes).
+
+    python bench/policy_replay.py [--speed] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from k3d.demo.routing import routes, statistics  # noqa: E402
+from k3d.replay import layers_of, min_slots, run  # noqa: E402
+from k3d.trace import read  # noqa: E402
+
+SHARED = "/work/shared/traces/mixtral8x7b-gsm8k.trace"
+TRACES = {   # name: (tokens, router arguments)
+    "mixtral-like L32 E8 k2": (400, dict(layers=32, experts=8, topk=2, seed=3)),
+    "olmoe-like L16 E64 k8, rho 0.3": (300, dict(layers=16, experts=64, topk=8, seed=4, rho=0.3)),
+    "L24 E64 k8": (200, dict(layers=24, experts=64, topk=8, seed=4)),
+    "dsv2lite-like L26 E64 k6, flat": (200, dict(layers=26, experts=64, topk=6, seed=6, skew=0.2, rho=0.5)),
+    "qwen3-like L48 E128 k8, skewed, high reuse": (150, dict(layers=48, experts=128, topk=8, seed=5, skew=1.0,
+                                                             rho=0.9)),
+}
+FRACTIONS = (0.25, 0.3, 0.4, 0.5, 0.6, 0.75)
+
+
+def write_trace(path: str, tokens: int, predict: bool = False, **kw) -> dict:
+    r, p = routes(tokens, **kw)
+    with open(path, "w") as f:
+        for t in range(tokens):
+            for layer in range(r.shape[1]):
+                f.write(f"{t} c=1 t={t} L{layer} n={r.shape[2]} " + " ".join(map(str, r[t, layer])) + "\n")
+                if predict and layer + 1 < r.shape[1]:
+                    f.write(f"{t} c=1 t={t} predict " + " ".join(f"{layer + 1}:{e}" for e in p[t, layer]) + "\n")
+            f.write(f"{t} c=1 t={t} begin\n")
+    return statistics(r, kw["experts"])
+
+
+def table(name: str, events, experts: int) -> None:
+    L = layers_of(events)
+    floor = min_slots(events)
+    sizes = sorted({max(floor, int(f * L * experts)) for f in FRACTIONS})
+    print(f"\n{name}: {L} layers x {experts} experts, one token pins up to {floor}")
+    print(f"{'slots':>6} {'lru':>7} {'cycle':>7} {'opt':>7} {'cycle-lru':>10}")
+    for s in sizes:
+        r = {p: 100 * run(events, p, s, predictions=False, layers=L).hit_rate for p in ("lru", "cycle", "opt")}
+        print(f"{s:>6} {r['lru']:6.1f}% {r['cycle']:6.1f}% {r['opt']:6.1f}% {r['cycle'] - r['lru']:+9.1f}",
+              flush=True)
+
+
+def speed(tmp: str) -> None:
+    path = os.path.join(tmp, "big.trace")
+    write_trace(path, 4000, layers=32, experts=64, topk=8, seed=9)      # 1,024,000 accesses
+    t0 = time.perf_counter()
+    events = read(path)
+    parse_s = time.perf_counter() - t0
+    n = sum(len(e.keys) for e in events if e.kind == "fetch")
+    print(f"\nspeed: {n} accesses, parsed in {parse_s:.1f}s")
+    for p in ("lru", "cycle", "opt"):
+        t0 = time.perf_counter()
+        r = run(events, p, 1024, predictions=False)
+        dt = time.perf_counter() - t0
+        print(f"  {p:<6} 1024 slots: {dt:5.1f}s ({n / dt / 1e3:.0f}k accesses/s), hit rate {100 * r.hit_rate:.1f}%",
+              flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--speed", action="store_true", help="only the ~10^6-access speed run")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.speed:
+            speed(tmp)
+            return 0
+        if os.path.exists(SHARED):
+            table("shared Mixtral-8x7B GSM8K trace", read(SHARED), 8)
+        for name, (tokens, kw) in TRACES.items():
+            path = os.path.join(tmp, "t.trace")
+            st = write_trace(path, tokens, **kw)
+            print(f"\n[{name}] reuse {st['reuse_ratio']:.2f}x chance, busiest expert {st['busiest_vs_mean']:.2f}x mean")
+            table(name, read(path), kw["experts"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

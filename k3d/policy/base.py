@@ -1,0 +1,91 @@
+"""Pin bookkeeping shared by every policy, and the policy protocol the store calls.
+
+A policy is pure: plain integers and tuples, no I/O, clock, threads or randomness,
+so the same request sequence gives the same victims (``k3d replay`` relies on it).
+The policy *chooses*; the store *evicts* (as in Plasma).  Slots are integers,
+keys ``(layer, expert)``, holders any hashable (the store uses ``(client, epoch)``
+and ``("predict", client)``).
+
+The protocol (the store is the only caller, always on the server thread)::
+
+    insert(slot, key, predicted=False)  key requested now (a miss, or a prediction):
+                                        it enters the order at request time, even
+                                        though its read has not finished
+    touch(slot, key)                    key requested now and resident (a hit)
+    demote(slot)                        an unused prediction: next victim unless pinned
+    remove(slot)                        the store evicted or dropped the slot
+    victim(exclude=())                  the slot to evict, or None
+    evictable(exclude=())               how many slots victim() could return
+    admits(key, slot, confidence)       may a background read of ``key`` evict ``slot``?
+    ranking(slot_key)                   keys hottest first (a warm restart pre-loads them)
+    export() / restore(state)           the statistics a warm restart keeps (JSON-able)
+
+State here: ``_pins`` (holder -> set of slots) and ``_holders`` (slot -> set of
+holders), the same relation seen from both sides (``check_pins``).  A pinned slot is
+never returned by ``victim``.  Pins may be taken on slots whose read is still in
+flight: a fetch pins a loading slot so that once ready it cannot be evicted before
+the client's next epoch.
+"""
+
+from __future__ import annotations
+
+
+class PinTable:
+    def __init__(self):
+        self._pins: dict[object, set[int]] = {}
+        self._holders: dict[int, set] = {}
+
+    def pin(self, slot: int, holder) -> bool:
+        """Pin ``slot`` for ``holder``; False if the holder already had it."""
+        held = self._pins.setdefault(holder, set())
+        if slot in held:
+            return False
+        held.add(slot)
+        hs = self._holders.get(slot)
+        if hs is None:
+            self._holders[slot] = {holder}
+            self._pinned(slot)
+        else:
+            hs.add(holder)
+        return True
+
+    def release(self, holder) -> list[int]:
+        """Drop every pin of ``holder``; returns the slots it held, sorted."""
+        held = self._pins.pop(holder, set())
+        for slot in held:
+            hs = self._holders[slot]
+            hs.discard(holder)
+            if not hs:
+                del self._holders[slot]
+                self._unpinned(slot)
+        return sorted(held)
+
+    def _unpinned(self, slot: int) -> None:
+        """Hook: ``slot`` lost its last pin (a policy with an index re-files it)."""
+
+    def _pinned(self, slot: int) -> None:
+        """Hook: ``slot`` got its first pin."""
+
+    def _forget_pins(self, slot: int) -> None:
+        for holder in self._holders.pop(slot, ()):
+            held = self._pins[holder]
+            held.discard(slot)
+            if not held:
+                del self._pins[holder]
+
+    def pinned(self, slot: int) -> bool:
+        return slot in self._holders
+
+    def held(self, holder) -> set[int]:
+        return self._pins.get(holder, set())
+
+    def pinned_count(self) -> int:
+        return len(self._holders)
+
+    def check_pins(self) -> None:
+        seen: dict[int, set] = {}
+        for holder, held in self._pins.items():
+            assert held, f"empty pin set kept for {holder!r}"
+            for s in held:
+                seen.setdefault(s, set()).add(holder)
+        assert seen == self._holders, (seen, self._holders)

@@ -1,0 +1,181 @@
+"""Warm restart: the policy's statistics survive a restart; the hot set is pre-loaded.
+
+File: ``<state_dir>/state-<id>.json``, ``id`` a hash of the endpoint (one daemon per
+endpoint, so instances sharing a state directory never read each other's)::
+
+    {"format": "k3d-policy-state", "version": 1, "model": FINGERPRINT, "policy": NAME,
+     "saved_unix": T, "hot": [[layer, expert], ...],      # hottest first
+     "policy_state": {...}}                               # the policy's own export()
+
+``FINGERPRINT`` names the checkpoint and its layout (source kind, path, keys, layout
+names and sizes): a file written for another checkpoint or layout is *foreign*.
+
+Writes are atomic (a temporary file in the same directory, fsynced, renamed over
+the old one): a crash leaves the old file or the new one, never half of one.  The
+server thread calls ``save`` at shutdown and every ``state_every_s`` seconds.
+
+On start ``load`` returns the saved state, or None with one log line when the file
+is missing, unreadable, corrupt, of another format or version, or foreign: a bad
+state file never stops a start.  ``Warmup`` then queues BACKGROUND reads of the
+hottest keys into free slots (behind every client's urgent read, never evicting)
+and reports its progress for status.
+
+Owned by the server thread; no locking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+
+log = logging.getLogger("k3d")
+
+FORMAT, VERSION = "k3d-policy-state", 1
+
+
+def state_path(state_dir: str, endpoint: str) -> str:
+    return os.path.join(state_dir, f"state-{hashlib.sha1(endpoint.encode()).hexdigest()[:12]}.json")
+
+
+def fingerprint(source) -> str:
+    """What makes saved keys mean the same experts: checkpoint, keys and layout."""
+    desc = source.describe()
+    layout = [(t.name, t.nbytes) for t in source.layout]
+    text = json.dumps([desc.get("kind"), desc.get("path"), sorted(source.keys), layout], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def save(path: str, source_print: str, policy_name: str, hot: list, policy_state: dict) -> None:
+    """Write the state atomically (tmp + fsync + rename); OSError is the caller's to log."""
+    d = os.path.dirname(path)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    doc = {"format": FORMAT, "version": VERSION, "model": source_print, "policy": policy_name,
+           "saved_unix": round(time.time(), 3), "hot": [list(k) for k in hot], "policy_state": policy_state}
+    fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:                                   # the rename itself survives a crash
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def load(path: str, source_print: str, known_keys) -> dict | None:
+    """The saved state if it is ours and sound; else None, with one log line saying why."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        log.info("warm restart: no state file %s; starting cold", path)
+        return None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        log.warning("warm restart: ignoring unreadable or corrupt state file %s (%s); starting cold", path, e)
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        log.warning("warm restart: ignoring %s: not a k3d policy state of version %d; starting cold", path, VERSION)
+        return None
+    if doc.get("model") != source_print:
+        log.warning("warm restart: ignoring %s: written for another checkpoint or layout; starting cold", path)
+        return None
+    hot = doc.get("hot")
+    try:
+        keys = [(int(l), int(e)) for l, e in hot]
+    except (TypeError, ValueError):
+        log.warning("warm restart: ignoring %s: its hot set is malformed; starting cold", path)
+        return None
+    doc["hot"] = [k for k in keys if k in known_keys]
+    if not isinstance(doc.get("policy_state"), dict):
+        doc["policy_state"] = {}
+    return doc
+
+
+class Warmup:
+    """Pre-loading of the saved hot set; ``planned`` (slot, key) pairs, progress on demand."""
+
+    def __init__(self, planned: list[tuple[int, tuple]], saved: int):
+        self.planned = planned
+        self.saved = saved
+
+    def progress(self, store) -> dict:
+        ready = loading = 0
+        for s, key in self.planned:
+            if store.slot_key[s] == key:
+                if s in store.loads:
+                    loading += 1
+                else:
+                    ready += 1
+        done = len(self.planned) - loading
+        return {"saved": self.saved, "planned": len(self.planned), "ready": ready, "loading": loading,
+                "done": loading == 0, "percent": round(100 * done / len(self.planned), 1) if self.planned else 100.0}
+
+
+class WarmState:
+    """The server's handle: restore at start, pre-load plan, periodic and final saves.
+
+    ``state_dir == ""`` turns it all off.  Every failure is a log line, never an
+    exception out of here (a full disk must not stop a serving daemon)."""
+
+    def __init__(self, cfg, source, store, now: float):
+        self.enabled = bool(cfg.state_dir)
+        self.path = state_path(cfg.state_dir, cfg.endpoint) if self.enabled else ""
+        self.every = cfg.state_every_s
+        self.next_save = now + self.every
+        self.policy_name = cfg.policy
+        self.share = cfg.warm_slots
+        self.print = fingerprint(source) if self.enabled else ""
+        self.warmup: Warmup | None = None
+        self._doc = load(self.path, self.print, source.keys) if self.enabled else None
+        if self._doc is not None and self._doc.get("policy") == cfg.policy:
+            try:
+                store.policy.restore(self._doc["policy_state"])
+            except ValueError as e:
+                log.warning("warm restart: ignoring the saved %s statistics in %s: %s", cfg.policy, self.path, e)
+
+    def preload(self, store) -> list[int]:
+        """Slots to read BACKGROUND now: the saved hot set, into free slots only."""
+        if self._doc is None:
+            return []
+        hot = self._doc["hot"][:int(self.share * store.slots)]
+        slots = store.preload(hot)
+        self.warmup = Warmup([(s, store.slot_key[s]) for s in slots], len(self._doc["hot"]))
+        log.info("warm restart: pre-loading %d of %d saved hot experts from %s in the background",
+                 len(slots), len(self._doc["hot"]), self.path)
+        self._doc = None
+        return slots
+
+    def tick(self, store, now: float) -> None:
+        if self.enabled and now >= self.next_save:
+            self.next_save = now + self.every
+            self.save(store)
+
+    def save(self, store) -> None:
+        if not self.enabled:
+            return
+        try:
+            save(self.path, self.print, self.policy_name, store.ranking()[:store.slots], store.policy.export())
+        except OSError as e:
+            log.error("warm restart: cannot write %s: %s", self.path, e)
+
+    def status(self, store) -> dict:
+        d = {"state_file": self.path or None}
+        if self.warmup is not None:
+            d.update(self.warmup.progress(store))
+        return d
