@@ -68,7 +68,9 @@ def _start_parser(sub):
     p.add_argument("--hugepages", action="store_const", const=True, default=None,
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
-                   help="leave the arena in 4 KiB pages (default: collapse it into transparent huge pages)")
+                   help="skip the huge-page collapse: ready sooner, but O_DIRECT and disk reads into the arena "
+                   "slower (default: collapse the arena into 2 MiB transparent huge pages at start; "
+                   "bench/startup.py measures both)")
     p.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default {D.policy})")
     p.add_argument("--state-dir", dest="state_dir",
                    help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")
