@@ -3,7 +3,8 @@
 Runs in the process's main thread.  ``k3d.service.units`` (which adds its own
 ``install-unit`` parser) is imported up front; the other subcommands' modules only
 when they run (``k3d.pack``, ``k3d.demo``, ``start``'s ``k3d.service.daemon``), so
-``k3d --help`` stays light.  ``start`` resolves the
+``k3d --help`` stays light.  Every default in ``start``'s help is read from
+``Config`` (``D``), where it is written once.  ``start`` resolves the
 config here (``k3d.config.resolve``, the one reader of the environment) and hands
 it to ``k3d.service.daemon.run``, which serves in this same thread.
 
