@@ -1,4 +1,7 @@
-"""Pure parts of k3client.hf: the fingerprint, the standard-loop check, lazy tensors, the arena address."""
+"""Pure parts of k3client.hf: the fingerprint, the standard-loop check, lazy tensors, the arena address.
+
+Pure, but importing k3client.hf imports torch and transformers (seconds of CPU before
+the first test), so they live beside the other hf tests rather than in tests/unit."""
 
 import mmap
 import os
