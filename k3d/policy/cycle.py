@@ -198,9 +198,8 @@ class CyclePolicy(PinTable):
         return best
 
     def evictable(self, exclude=()) -> int:
-        held = self._holders
-        return (len(self._key) - sum(1 for s in held if s in self._key)
-                - sum(1 for s in exclude if s in self._key and s not in held))
+        held = self._holders              # every pinned slot is resident (``check``)
+        return len(self._key) - len(held) - sum(1 for s in exclude if s in self._key and s not in held)
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         return self.score(self._key[slot]) > self.score(key, p=confidence)
