@@ -41,7 +41,7 @@ import zmq
 
 from . import errors
 from .endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
-from .layout import DTYPES, TensorSpec, numpy_dtype
+from .layout import DTYPES, TensorSpec, layout_bytes, layouts_from_wire, numpy_dtype
 from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 
 _UNSET = object()
@@ -77,17 +77,18 @@ class Expert:
         return f"Expert(layer={self.layer}, expert={self.expert}, slot={self.slot})"
 
     def _spec(self, name: str) -> TensorSpec:
+        specs = self._client._specs_of(self.layer)
         try:
-            return self._client._specs[name]
+            return specs[name]
         except KeyError:
-            raise KeyError(f"no tensor {name!r} in the layout; have {sorted(self._client._specs)}") from None
+            raise KeyError(f"no tensor {name!r} in layer {self.layer}'s layout; have {sorted(specs)}") from None
 
     def memory(self) -> memoryview:
-        """Read-only view of the whole expert span in its slot."""
+        """Read-only view of the whole expert span in its slot (its layer's layout)."""
         mm = self._mapping()
         c = self._client
         base = self.slot * c.slot_bytes
-        return memoryview(mm)[base:base + c.expert_bytes]
+        return memoryview(mm)[base:base + layout_bytes(c.layout_of(self.layer))]
 
     def array(self, name: str) -> np.ndarray:
         """Read-only numpy view of one tensor, no copy.
@@ -136,6 +137,7 @@ class Client:
         self.restarts = 0                            # re-attachments so far
         self.gen = None
         self.layout = None
+        self.layouts: dict[int, list[TensorSpec]] = {}   # every layer's layout when layers differ, else {}
         self._ids = itertools.count(1)
         self._mm = None
         self._ctx = zmq.Context()
@@ -205,7 +207,9 @@ class Client:
             raise errors.DaemonNotRunning(
                 f"k3d daemon not running at {self.endpoint}: no answer in {connect_timeout:g}s") from None
         layout = [TensorSpec.from_wire(w) for w in h["layout"]]
-        if self.layout is not None and (layout != self.layout or h["expert_bytes"] != self.expert_bytes):
+        layouts = layouts_from_wire(h["model"].get("layouts"))
+        if self.layout is not None and (layout != self.layout or h["expert_bytes"] != self.expert_bytes
+                                        or layouts != self.layouts):
             raise _LayoutChanged(
                 f"the daemon at {self.endpoint} came back serving a different expert layout "
                 f"({h['model'].get('path')}); connect again")
@@ -216,6 +220,8 @@ class Client:
         self._lease = (self.client_id, self.gen)
         self.layout = layout
         self._specs = {s.name: s for s in self.layout}
+        self.layouts = layouts
+        self._layer_specs = {l: {s.name: s for s in lay} for l, lay in layouts.items()}
         self.model = h["model"]
         self.slots = h["slots"]
         self.slot_bytes = h["slot_bytes"]
@@ -360,6 +366,14 @@ class Client:
             return reply
 
     # -- public API ---------------------------------------------------------
+    def layout_of(self, layer: int) -> list[TensorSpec]:
+        """Layer ``layer``'s expert layout: ``layout`` unless the model's layers differ
+        (``layouts`` then holds every layer's; ``Expert.array`` uses its own layer's)."""
+        return self.layouts.get(layer, self.layout)
+
+    def _specs_of(self, layer: int) -> dict[str, TensorSpec]:
+        return self._layer_specs.get(layer, self._specs)
+
     def begin_token(self) -> int:
         """Start the next epoch; the previous epoch's pins (and views) are released."""
         return self._call("begin_token")["epoch"]

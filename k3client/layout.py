@@ -2,8 +2,12 @@
 
 A slot holds one expert: every tensor of the layout at ``offset`` (64-byte
 aligned, in sorted name order), ``nbytes`` long.  The layout is the same for
-every expert of a model, so a client computes a tensor's address as
-``slot * slot_bytes + spec.offset`` with no per-expert metadata.
+every expert of a layer, so a client computes a tensor's address as
+``slot * slot_bytes + spec.offset`` with no per-expert metadata.  Layers may
+have different layouts (a GGUF Q4_K_M mix gives some layers' ``ffn_down_exps``
+Q6_K, others Q4_K): the daemon then sends ``model.layouts`` =
+``[[[layers...], [TensorSpec wire...], {name: tensor type}], ...]`` and every slot
+is sized to the largest expert (``layouts_from_wire`` reads it).
 
 Dtype names are the safetensors ones (``U8``, ``F16``, ``BF16`` ...).  numpy has
 no bfloat16 (or fp8): ``numpy_dtype`` returns the same-width unsigned integer for
@@ -79,6 +83,16 @@ def build_layout(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> list[T
         specs.append(TensorSpec(name, dtype, tuple(shape), off, nbytes))
         off = align(off + nbytes, TENSOR_ALIGN)
     return specs
+
+
+def layouts_from_wire(groups) -> dict[int, list[TensorSpec]]:
+    """{layer: layout} from ``model.layouts`` (empty when every layer has the one ``layout``)."""
+    out: dict[int, list[TensorSpec]] = {}
+    for layers, wire, *_types in groups or []:
+        layout = [TensorSpec.from_wire(w) for w in wire]
+        for layer in layers:
+            out[int(layer)] = layout
+    return out
 
 
 def layout_bytes(layout: list[TensorSpec]) -> int:

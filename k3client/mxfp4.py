@@ -4,13 +4,20 @@ MXFP4 (OCP Microscaling v1.0): blocks of 32 FP4 E2M1 values sharing one E8M0
 scale; value = FP4_E2M1[nibble] * 2^(scale - 127).  E8M0 0xFF is NaN: such a
 block is rejected (ValueError naming the tensor and block), never decoded.
 
-Two byte layouts (which one a served model uses is in its ``tensor_format``:
-``ggml:MXFP4`` for GGUF sources; OCP tensors come in ``*.weight_packed`` +
-``*.weight_scale`` pairs)::
+Three byte layouts (which one a served model uses is its ``tensor_format``:
+``ocp:MXFP4`` for ``*.weight_packed`` + ``*.weight_scale`` pairs, ``gpt-oss:MXFP4``
+for openai/gpt-oss's ``*_blocks`` + ``*_scales``, ``ggml:MXFP4`` for GGUF)::
 
-    layout="ocp"   (OCP / gpt-oss / compressed-tensors)
+    layout="ocp"   (OCP / compressed-tensors)
         packed  uint8 [..., K/2]    byte j = element 2j (low nibble) | element 2j+1 (high nibble)
         scales  uint8 [..., K/32]   E8M0, one per 32 consecutive elements
+    layout="gpt-oss"  (openai/gpt-oss as shipped: ``gate_up_proj_blocks [E, 2I, G, 16]``)
+        packed  uint8 [..., G, 16]  the OCP bytes with the blocks as their own axis
+        scales  uint8 [..., G]      E8M0, one per block; K = 32 G.  The result is
+                                    [..., K]: for an expert's gate_up_proj that is
+                                    [2I, H], the transpose of the bf16 checkpoint's
+                                    gate_up_proj[e] [H, 2I] (transformers transposes
+                                    when it dequantizes)
     layout="ggml"  (GGML type 39, ``block_mxfp4``)
         packed  uint8 [..., (K/32) * 17]  per block: 1 byte E8M0, then 16 bytes qs;
                                           element i = qs[i] & 0xF, element 16+i = qs[i] >> 4
@@ -60,10 +67,16 @@ def _nan_error(name: str, flat_index: int, per_row: int) -> ValueError:
                       f"(row {row}, block {col} of the row); the tensor is corrupt or not MXFP4")
 
 
+LAYOUTS = ("ocp", "gpt-oss", "ggml")
+
+
 def dequantize(packed, scales=None, layout: str = "ocp", name: str = "tensor", dtype=None):
-    """Decode MXFP4 ``packed`` bytes (and ``scales`` for ``layout="ocp"``) to floats."""
+    """Decode MXFP4 ``packed`` bytes (and ``scales`` for ``ocp`` / ``gpt-oss``) to floats."""
+    if layout == "gpt-oss":
+        packed, scales = _flatten_blocks(packed, scales, name)
+        layout = "ocp"
     if layout not in _LUT:
-        raise ValueError(f"{name}: unknown MXFP4 layout {layout!r} (use 'ocp' or 'ggml')")
+        raise ValueError(f"{name}: unknown MXFP4 layout {layout!r} (use one of {', '.join(LAYOUTS)})")
     if _is_torch(packed):
         return _dequantize_torch(packed, scales, layout, name, dtype)
     packed = np.asarray(packed)
@@ -91,6 +104,19 @@ def dequantize(packed, scales=None, layout: str = "ocp", name: str = "tensor", d
             out = vals * _SCALE[e][..., None]
     out = out.reshape(out.shape[:-2] + (out.shape[-2] * BLOCK,))
     return out if dtype is None else out.astype(dtype)
+
+
+def _flatten_blocks(blocks, scales, name):
+    """gpt-oss ``[..., G, 16]`` blocks as the OCP ``[..., 16 G]`` bytes they are (a view, no copy)."""
+    if scales is None:
+        raise ValueError(f"{name}: layout 'gpt-oss' needs the E8M0 scales tensor (*_scales)")
+    if not _is_torch(blocks):
+        blocks = np.asarray(blocks)
+    bshape, sshape = tuple(blocks.shape), tuple(scales.shape)
+    if len(bshape) < 2 or bshape[-1] != BLOCK // 2 or bshape[:-1] != sshape:
+        raise ValueError(f"{name}: blocks shape {list(bshape)} and scale shape {list(sshape)} do not match "
+                         f"(need blocks [..., G, 16] with scales [..., G])")
+    return blocks.reshape(bshape[:-2] + (bshape[-2] * (BLOCK // 2),)), scales
 
 
 def _check_ocp(name, pshape, sshape, sdtype) -> None:

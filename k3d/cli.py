@@ -18,8 +18,8 @@ import logging
 import os
 import sys
 
-from . import __version__
-from .config import DEFAULT_PATTERN, Config, ConfigError, format_size, resolve
+from . import __version__, inspection
+from .config import Config, ConfigError, format_size, resolve
 from .ctl import parse_args
 from .policy import POLICIES
 from .reads.plan import COLD_READERS
@@ -33,7 +33,8 @@ def _start_parser(sub):
     p.add_argument("--config", help="TOML config file (keys as the long options, e.g. arena = \"8GiB\")")
     p.add_argument("--source", help="checkpoint: safetensors directory/file, .gguf or .k3pack file, "
                    "or an http(s):// or s3:// URL of one")
-    p.add_argument("--pattern", help=f"tensor name pattern with {{layer}}, {{expert}}, {{name}} (default {D.pattern})")
+    p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name} (default: the model "
+                   "family, from config.json or the tensor names)")
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes, rounded down to whole slots "
                    f"(default {format_size(D.arena)})")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
@@ -78,7 +79,8 @@ def _pack_parser(sub):
     p = sub.add_parser("pack", help="convert a safetensors directory or GGUF file to the packed format")
     p.add_argument("src", help="safetensors directory/file or .gguf file")
     p.add_argument("out", help="output file (conventionally NAME.k3pack); written atomically")
-    p.add_argument("--pattern", help="safetensors tensor name pattern with {layer}, {expert}, {name}")
+    p.add_argument("--pattern", help="safetensors tensor name pattern with {layer}, {expert}, {name} "
+                   "(default: the model family)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
@@ -93,6 +95,7 @@ def main(argv=None) -> int:
     from . import replay_cli  # the CLI dispatching a subcommand's module
     replay_cli.add_parser(sub)
     units.add_parser(sub)
+    inspection.add_parser(sub)
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
     d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default %(default)s)")
     d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default %(default)s)")
@@ -114,9 +117,11 @@ def main(argv=None) -> int:
         return replay_cli.main(args)
     if args.cmd == "install-unit":
         return units.main(args)
+    if args.cmd == "inspect":
+        return inspection.main(args)
     if args.cmd == "pack":
         from .pack import pack_main
-        return pack_main(args.src, args.out, args.pattern or DEFAULT_PATTERN, args.force, args.progress)
+        return pack_main(args.src, args.out, args.pattern, args.force, args.progress)
     cli = {k: v for k, v in vars(args).items() if k not in ("cmd", "config")}
     try:
         cfg = resolve(cli, os.environ, args.config)

@@ -38,7 +38,7 @@ class ConfigError(Exception):
 @dataclass(frozen=True)
 class Config:
     source: str | None = None
-    pattern: str = DEFAULT_PATTERN
+    pattern: str | None = None        # None: the family rules (k3d.sources.families) find the experts
     arena: int = 512 * 2**20          # bytes; rounded down to whole slots
     slots: int = 0                    # if > 0, overrides arena
     endpoint: str = ""                # resolved: never empty after resolve()

@@ -318,8 +318,8 @@ def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop
         raise StartupError(str(e)) from None
     check_stop()
     if cfg.thp and not cfg.hugepages:
-        log.info("arena: %d of %d MiB in 2 MiB huge pages%s, prepared in %.1fs (huge pages cost start-up time and "
-                 "make O_DIRECT/disk reads into the arena faster; --no-thp skips them)",
+        log.info("arena: %d of %d MiB in transparent huge pages%s, prepared in %.1fs (huge pages cost start-up "
+                 "time and make O_DIRECT/disk reads into the arena faster; --no-thp skips them)",
                  arena.thp_bytes >> 20, arena.mapped >> 20, f" ({arena.thp_why})" if arena.thp_why else "",
                  time.monotonic() - t0)
     return arena

@@ -45,8 +45,10 @@ def top_k(path: str) -> int | None:
 def arena_warnings(slots: int, slot_bytes: int, model: dict) -> list[str]:
     """Warnings for an arena of ``slots`` serving ``model`` (a source's ``describe()``)."""
     out = []
-    layers = model["layers"][-1] - model["layers"][0] + 1 if model.get("layers") else 0
-    k = top_k(model["path"]) if not str(model["path"]).startswith(("http://", "https://", "s3://")) else None
+    layers = len(model.get("layers") or [])     # the layers with experts (describe lists each one)
+    k = model.get("top_k")                      # the family's, from config.json or GGUF metadata
+    if not k and not str(model["path"]).startswith(("http://", "https://", "s3://")):
+        k = top_k(model["path"])
     need = layers * (k or 1)
     if slots < need:
         out.append(f"the arena holds {slots} slots but one token pins {need} ({layers} layers x top-{k or 1}"

@@ -10,25 +10,33 @@ File format (little-endian, versions 2 and 3)::
 
 ``ne[0]`` is the innermost (fastest) dimension; numpy order is ``ne`` reversed.
 
-Experts: every tensor ``blk.{L}.ffn_*_exps.*`` (gate/up/down weights, and biases
-where a model has them) is stacked with the expert index outermost
-(``ne[-1] = n_expert``), so expert ``e`` of such a tensor is one slab at
-``data_start + offset + e * slab_bytes``.  Expert ``(L, e)`` is those slabs, one
-extent each, read straight into its slot.  Layout names are the tensor names
-without ``blk.{L}.`` (``ffn_down_exps.weight`` ...).  Plain element types (F32,
-F16, BF16, integers) keep their dtype and per-expert shape; block-quantized
-types (MXFP4, Q8_0, Q4_K ...) are served as raw bytes: dtype ``U8``, shape
-``(rows..., row_bytes)``.  ``tensor_format`` says which: ``ggml:MXFP4`` when all
-expert tensors share one GGML type, else ``ggml:name=TYPE,...``; ``describe()``
-adds ``tensor_types`` {name: "ggml:TYPE"} so a client never guesses.
+Experts: every tensor ``blk.{L}.ffn_*_exps.*`` (gate/up/down weights, fused
+``ffn_gate_up_exps``, and biases where a model has them) is stacked with the
+expert index outermost (``ne[-1] = n_expert``), so expert ``e`` of such a tensor
+is one slab at ``data_start + offset + e * slab_bytes``.  Expert ``(L, e)`` is
+those slabs, one extent each, read straight into its slot.  Layout names are the
+tensor names without ``blk.{L}.`` (``ffn_down_exps.weight`` ...).  Older files
+(Mixtral) keep one tensor per expert, ``blk.{L}.ffn_{gate,up,down}.{E}.weight``:
+layout names ``ffn_gate.weight`` ....  ``*_exps`` tensors that are not stacked
+over the experts (Arctic's ``ffn_norm_exps``, a norm) are left out.
+
+Plain element types (F32, F16, BF16, integers) keep their dtype and per-expert
+shape; block-quantized types (MXFP4, Q8_0, Q4_K ...) are served as raw bytes:
+dtype ``U8``, shape ``(rows..., row_bytes)``.  Types may differ by layer (a
+Q4_K_M / Q5_K_M file gives some layers' ``ffn_down_exps`` Q6_K, others Q4_K):
+each layer then has its own layout (``Source.layouts``) and its own
+``layer_tensor_types`` {name: "ggml:TYPE"}, sent to clients in ``model.layouts``;
+``tensor_types`` is the lowest layer's.  ``tensor_format`` is ``ggml:MXFP4``
+when every expert tensor of every layer has one GGML type, else
+``ggml:name=TYPE|TYPE,...`` (the types each tensor takes, over all layers).
 
 Checks at start-up, each one SourceError line naming the file (and tensor):
 bad magic or version, big-endian files, a header running past the end of the
 file, an unknown GGML type, a row not a whole number of blocks, an offset not
 on the alignment, tensors that overlap or run past the end (a truncated file),
-no expert tensors, stacked tensors with different expert counts, an
-``{arch}.expert_count`` that disagrees, and a layer whose expert tensors differ
-(names, types or shapes) from the first layer's.
+no expert tensors, gate/up/down tensors stacking different expert counts, an
+``{arch}.expert_count`` that disagrees with them (or with a legacy file's
+per-expert tensors), and an expert whose tensors differ from its layer's first.
 
 The GGML type table is ours (the daemon does not import ``gguf``); a test
 checks it against ``gguf.constants.GGML_QUANT_SIZES``.
@@ -39,14 +47,15 @@ preadv) is called by many reader threads at once.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
 import struct
 
-from k3client.layout import build_layout
+from .base import Source, SourceError
 
-from .base import Extent, Source, SourceError
+log = logging.getLogger("k3d")
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -75,6 +84,10 @@ _STRING, _ARRAY = 8, 9
 _MAX_STRING = 1 << 30
 
 EXPERT_RX = re.compile(r"blk\.(\d+)\.(ffn_[A-Za-z0-9_]+_exps\.[A-Za-z0-9_.]+)\Z")
+# older llama.cpp files (Mixtral) keep one tensor per expert: blk.L.ffn_gate.E.weight
+LEGACY_RX = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down|gate_up))\.(\d+)\.([A-Za-z0-9_]+)\Z")
+NOT_EXPERTS = {"ffn_norm_exps"}                 # Arctic: a norm [n_embd], not stacked over experts
+CORE_EXPERTS = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"}
 
 
 class _Header:
@@ -225,69 +238,120 @@ class GGUFSource(Source):
     def __init__(self, path: str):
         super().__init__()
         self.path = path
-        data_start, meta, tensors = parse_gguf(path)
-        layers: dict[int, dict[str, tuple]] = {}
+        _, meta, tensors = parse_gguf(path)
+        arch = meta.get("general.architecture")
+        declared = meta.get(f"{arch}.expert_count") if isinstance(arch, str) else None
+        declared = declared if isinstance(declared, int) and declared > 0 else None
+        stacked, legacy = self._find(tensors)
+        if not stacked and not legacy:
+            first = ", ".join(sorted(tensors)[:5]) or "(none)"
+            raise SourceError(f"{path}: no expert tensors (blk.N.ffn_*_exps.* or blk.N.ffn_gate.E.weight) "
+                              f"in this GGUF file; first tensors: {first}")
+        experts: dict[tuple[int, int], dict[str, tuple]] = {}
+        types: dict[int, dict[str, str]] = {}
+        if stacked:
+            n_expert = self._expert_count(stacked, declared, arch)
+            for layer, per in stacked.items():
+                for name, (gtype, ne, start, _nbytes, tname) in per.items():
+                    if ne[-1] != n_expert:      # not [E, ...]: a norm or a per-layer vector
+                        log.info("%s: %s is %s, not stacked over the %d experts: left out",
+                                 path, tname, list(ne), n_expert)
+                        continue
+                    dtype, shape, size = slab_spec(path, tname, gtype, ne)
+                    types.setdefault(layer, {})[name] = f"ggml:{GGML_TYPES[gtype][0]}"
+                    for e in range(n_expert):
+                        experts.setdefault((layer, e), {})[name] = (dtype, shape, 0, start + e * size, size, tname)
+        for (layer, e), per in legacy.items():
+            for name, (gtype, ne, start, nbytes, tname) in per.items():
+                tn, block, tsize = GGML_TYPES[gtype]
+                inner = tuple(reversed(ne))
+                if tn in ELEMENT_DTYPES:
+                    dtype, shape = ELEMENT_DTYPES[tn], inner
+                else:
+                    dtype, shape = "U8", inner[:-1] + (ne[0] // block * tsize,)
+                if (layer, e) in experts and name in experts[(layer, e)]:
+                    raise SourceError(f"{path}: {tname!r} and a stacked tensor are both layer {layer}'s {name!r}")
+                experts.setdefault((layer, e), {})[name] = (dtype, shape, 0, start, nbytes, tname)
+                types.setdefault(layer, {})[name] = f"ggml:{tn}"
+        if declared is not None and legacy:
+            self._check_legacy_count(experts, declared, arch)
+        if not experts:
+            raise SourceError(f"{path}: no expert tensors stacked over the experts (blk.N.ffn_*_exps.*)")
+        self.set_experts(path, experts)
+        self.layer_tensor_types = {l: dict(sorted(t.items())) for l, t in types.items()}
+        self.tensor_types = self.layer_tensor_types[min(self.layer_tensor_types)]
+        seen: dict[str, set] = {}
+        for t in self.layer_tensor_types.values():
+            for n, ty in t.items():
+                seen.setdefault(n, set()).add(ty.split(":", 1)[1])
+        if len({ty for tys in seen.values() for ty in tys}) == 1:
+            self.tensor_format = "ggml:" + next(iter(next(iter(seen.values()))))
+        else:
+            self.tensor_format = "ggml:" + ",".join(f"{n}={'|'.join(sorted(t))}" for n, t in sorted(seen.items()))
+        used = meta.get(f"{arch}.expert_used_count") if isinstance(arch, str) else None
+        self.family_fields = {
+            "family": arch if isinstance(arch, str) else None,
+            "family_rule": ("gguf blk.{layer}.ffn_*_exps [E, ...]" if stacked else "gguf blk.{layer}.ffn_*.{expert}")
+            + " (general.architecture)",
+            "top_k": used if isinstance(used, int) and used > 0 else None}
+        self.files = [path]
+        self.fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
+
+    def _find(self, tensors):
+        """Stacked ``{layer: {name: tensor}}`` and legacy ``{(layer, e): {name: tensor}}`` expert tensors."""
+        stacked: dict[int, dict[str, tuple]] = {}
+        legacy: dict[tuple[int, int], dict[str, tuple]] = {}
         for tname, (gtype, ne, start, nbytes) in tensors.items():
             m = EXPERT_RX.match(tname)
             if m:
-                per = layers.setdefault(int(m[1]), {})
-                if m[2] in per:                 # blk.1.x and blk.01.x: which one is layer 1?
-                    raise SourceError(f"{path}: tensors {per[m[2]][4]!r} and {tname!r} are both "
-                                      f"layer {int(m[1])}'s {m[2]!r}; remove one")
-                per[m[2]] = (gtype, ne, start, nbytes, tname)
-        if not layers:
-            raise SourceError(f"{path}: no expert tensors (blk.N.ffn_*_exps.*) in this GGUF file")
-        counts = {v[1][-1] for per in layers.values() for v in per.values()}
-        if len(counts) != 1:
-            first = {}
-            for per in layers.values():
-                for v in per.values():
+                if m[2].split(".")[0] in NOT_EXPERTS:
+                    log.info("%s: %s is not an expert tensor: left out", self.path, tname)
+                    continue
+                per, name = stacked.setdefault(int(m[1]), {}), m[2]
+            else:
+                m = LEGACY_RX.match(tname)
+                if not m:
+                    continue
+                per, name = legacy.setdefault((int(m[1]), int(m[3])), {}), f"{m[2]}.{m[4]}"
+            if name in per:                     # blk.1.x and blk.01.x: which one is layer 1?
+                raise SourceError(f"{self.path}: tensors {per[name][4]!r} and {tname!r} are both "
+                                  f"layer {int(m[1])}'s {name!r}; remove one")
+            per[name] = (gtype, ne, start, nbytes, tname)
+        return stacked, legacy
+
+    def _expert_count(self, stacked, declared, arch) -> int:
+        """The experts the gate/up/down tensors stack (their outermost dimension): all must
+        agree, and with ``{arch}.expert_count`` when the file has it."""
+        first: dict[int, str] = {}
+        for per in stacked.values():
+            for name, v in per.items():
+                if name.split(".")[0] in CORE_EXPERTS:
                     first.setdefault(v[1][-1], v[4])
+        if len(first) > 1:
             a, b = sorted(first)[:2]
-            raise SourceError(f"{path}: stacked expert tensors disagree on the expert count: "
+            raise SourceError(f"{self.path}: stacked expert tensors disagree on the expert count: "
                               f"{first[a]!r} has {a}, {first[b]!r} has {b}")
-        n_expert = counts.pop()
-        arch = meta.get("general.architecture")
-        declared = meta.get(f"{arch}.expert_count") if isinstance(arch, str) else None
-        if isinstance(declared, int) and declared != n_expert:
-            raise SourceError(f"{path}: {arch}.expert_count says {declared} but the expert tensors stack {n_expert}")
-        ref_layer = min(layers)
-        ref = {n: (v[0], v[1]) for n, v in layers[ref_layer].items()}
-        for layer in sorted(layers):
-            got = {n: (v[0], v[1]) for n, v in layers[layer].items()}
-            if got != ref:
-                raise SourceError(self._mismatch(layer, ref_layer, ref, got))
-        specs = {n: slab_spec(path, f"blk.{ref_layer}.{n}", g, ne) for n, (g, ne) in ref.items()}
-        self.layout = build_layout([(n, d, s, nb) for n, (d, s, nb) in specs.items()])
-        names = {n: GGML_TYPES[g][0] for n, (g, _) in ref.items()}
-        self.tensor_types = {n: f"ggml:{t}" for n, t in sorted(names.items())}
-        if len(set(names.values())) == 1:
-            self.tensor_format = f"ggml:{next(iter(names.values()))}"
-        else:
-            self.tensor_format = "ggml:" + ",".join(f"{n}={t}" for n, t in sorted(names.items()))
-        self.files = [path]
-        for layer in sorted(layers):
-            per = layers[layer]
-            for e in range(n_expert):
-                self.keys[(layer, e)] = [Extent(0, per[s.name][2] + e * s.nbytes, s.offset, s.nbytes)
-                                         for s in self.layout if s.nbytes]
-        self.fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
+        if declared is not None:
+            if first and next(iter(first)) != declared:
+                n, t = next(iter(first.items()))
+                raise SourceError(f"{self.path}: {arch}.expert_count says {declared} but the expert tensors "
+                                  f"stack {n} ({t!r})")
+            return declared
+        if not first:
+            raise SourceError(f"{self.path}: no ffn_{{gate,up,down,gate_up}}_exps tensor and no "
+                              "{arch}.expert_count: cannot tell how many experts the tensors stack")
+        return next(iter(first))
+
+    def _check_legacy_count(self, experts, declared, arch) -> None:
+        for layer in sorted({l for l, _ in experts}):
+            got = sorted(e for l, e in experts if l == layer)
+            if got != list(range(declared)):
+                raise SourceError(f"{self.path}: {arch}.expert_count says {declared}, but layer {layer} has "
+                                  f"experts {got[0]}-{got[-1]} ({len(got)})")
 
     def describe(self) -> dict:
         d = super().describe()
         d["tensor_types"] = dict(self.tensor_types)
         return d
 
-    def _mismatch(self, layer, ref_layer, ref, got) -> str:
-        missing = sorted(set(ref) - set(got))
-        extra = sorted(set(got) - set(ref))
-        if missing:
-            return f"{self.path}: layer {layer} lacks expert tensor blk.{layer}.{missing[0]} that layer {ref_layer} has"
-        if extra:
-            return f"{self.path}: layer {layer} has expert tensor blk.{layer}.{extra[0]} that layer {ref_layer} lacks"
-        name = next(n for n in sorted(ref) if ref[n] != got[n])
 
-        def fmt(v):
-            return f"{GGML_TYPES[v[0]][0]}{list(v[1])}"
-        return (f"{self.path}: tensor blk.{layer}.{name} is {fmt(got[name])}, "
-                f"but blk.{ref_layer}.{name} is {fmt(ref[name])} (shapes in GGML order)")

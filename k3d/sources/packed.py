@@ -3,7 +3,7 @@
 This module is the format (layout, ``read_header``'s validation) and the
 reader (``PackedSource``); packwrite.py writes packs; ``k3d pack`` is k3d/pack.py.
 
-File layout (format version 1)::
+File layout (format versions 1 and 2)::
 
     offset 0        b"K3DPACK\\n"                        8-byte magic
     offset 8        u64 little-endian N                  JSON header length
@@ -21,7 +21,13 @@ File layout (format version 1)::
               "span": bytes of one expert (layout end), "stride": align(span, 4096),
               "data_offset": ..., "layers": [...], "experts": [...],
               "keys": [[layer, expert], ...], "checksum": "crc32",
-              "checksums": ["%08x" of zlib.crc32 over the expert's stride bytes], ...}
+              "checksums": ["%08x" of zlib.crc32 over the expert's stride bytes],
+              "family": {"family", "family_rule", "top_k"} (optional: the source's family), ...}
+
+Version 2 (written only when layers' layouts differ, e.g. a GGUF Q4_K_M mix) adds
+``"layouts": [[[layers...], layout, {name: tensor type}], ...]`` giving every
+layer's layout; ``layout`` is then the lowest layer's and ``span`` the largest
+layout's bytes.  A layer whose layout is larger than ``span`` is refused by name.
 
 Inside an expert's stride, tensors lie at their layout offsets (the slot
 layout), so one read of ``stride`` bytes fills a slot with no scatter.
@@ -86,7 +92,7 @@ from .checksum import CrcPipeline, crc32_of_parts
 
 MAGIC = b"K3DPACK\n"
 FORMAT = "k3d-pack"
-VERSION = 1
+VERSION = 2                     # written when layers' layouts differ; uniform packs stay version 1
 MAX_HEADER = 1 << 30
 READ_MODES = ("buffered", "direct")
 # Bytes per read request (and checksummed piece).  Measured on this VM's virtio disk
@@ -152,8 +158,8 @@ def read_header(path: str) -> tuple[dict, int]:
         _fail(path, f"header is not valid JSON ({e})")
     if not isinstance(h, dict) or h.get("format") != FORMAT:
         _fail(path, f"header format is not {FORMAT!r}")
-    if h.get("version") != VERSION:
-        _fail(path, f"packed format version {h.get('version')!r} is not supported (this k3d reads {VERSION})")
+    if h.get("version") not in (1, VERSION):
+        _fail(path, f"packed format version {h.get('version')!r} is not supported (this k3d reads 1 and {VERSION})")
     try:
         layout = [_spec(w) for w in h["layout"]]
         span, stride, data_offset = h["span"], h["stride"], h["data_offset"]
@@ -171,17 +177,17 @@ def read_header(path: str) -> tuple[dict, int]:
         _fail(path, f"source {source!r} is not an object of strings")
     if not (isinstance(types, dict) and all(isinstance(v, str) for v in types.values())):
         _fail(path, f"tensor_types {types!r} is not an object of strings")
-    for s in layout:
-        if s.dtype not in DTYPES:
-            _fail(path, f"layout tensor {s.name!r} has unknown dtype {s.dtype!r}")
-        if s.nbytes != math.prod(s.shape) * DTYPES[s.dtype][0]:
-            _fail(path, f"layout tensor {s.name!r} spans {s.nbytes} bytes but {s.dtype}{list(s.shape)} needs "
-                        f"{math.prod(s.shape) * DTYPES[s.dtype][0]}")
-    rebuilt = build_layout([(s.name, s.dtype, s.shape, s.nbytes) for s in layout])
-    if rebuilt != sorted(layout, key=lambda s: s.name) or not layout:
-        _fail(path, "layout offsets are not the slot layout (sorted names, 64-byte aligned)")
-    if span != layout_bytes(layout):
-        _fail(path, f"span {span} is not the layout's {layout_bytes(layout)} bytes")
+    _check_layout(path, layout, "layout")
+    groups = {}
+    if h["version"] == 2:
+        groups = _layer_layouts(path, h.get("layouts"), keys)
+    for layer in sorted(groups):
+        if _count(span) and layout_bytes(groups[layer]) > span:
+            _fail(path, f"layer {layer}'s layout spans {layout_bytes(groups[layer])} bytes, more than the "
+                        f"{span}-byte slot (span) the header gives every expert")
+    sizes = [layout_bytes(layout)] + [layout_bytes(g) for g in groups.values()]
+    if span != max(sizes):
+        _fail(path, f"span {span} is not the layout's {max(sizes)} bytes (the largest layer's)")
     if span == 0:
         _fail(path, "the layout's tensors hold no bytes")
     if stride != align(span, PAGE):
@@ -200,10 +206,43 @@ def read_header(path: str) -> tuple[dict, int]:
     if size != want:
         what = "truncated" if size < want else "has trailing bytes"
         _fail(path, f"{what}: {size} bytes, the header describes {want} ({len(keys)} experts x {stride})")
-    h["_layout"], h["_keys"] = layout, keys
+    h["_layout"], h["_keys"], h["_layouts"] = layout, keys, groups
     if not isinstance(tensor_format, str):
         _fail(path, "tensor_format is not a string")
     return h, size
+
+
+def _check_layout(path: str, layout: list[TensorSpec], what: str) -> None:
+    for s in layout:
+        if s.dtype not in DTYPES:
+            _fail(path, f"{what} tensor {s.name!r} has unknown dtype {s.dtype!r}")
+        if s.nbytes != math.prod(s.shape) * DTYPES[s.dtype][0]:
+            _fail(path, f"{what} tensor {s.name!r} spans {s.nbytes} bytes but {s.dtype}{list(s.shape)} needs "
+                        f"{math.prod(s.shape) * DTYPES[s.dtype][0]}")
+    rebuilt = build_layout([(s.name, s.dtype, s.shape, s.nbytes) for s in layout])
+    if rebuilt != sorted(layout, key=lambda s: s.name) or not layout:
+        _fail(path, f"{what} offsets are not the slot layout (sorted names, 64-byte aligned)")
+
+
+def _layer_layouts(path: str, groups, keys) -> dict[int, list[TensorSpec]]:
+    """Version 2: ``layouts`` = [[[layers], layout, {name: tensor type}], ...] covering every layer."""
+    out: dict[int, list[TensorSpec]] = {}
+    try:
+        for layers, wire, types in groups:
+            layout = [_spec(w) for w in wire]
+            if not (isinstance(types, dict) and all(isinstance(v, str) for v in types.values())):
+                raise ValueError(f"tensor types {types!r} are not an object of strings")
+            for layer in layers:
+                if not _count(layer) or layer in out:
+                    raise ValueError(f"layer {layer!r} is not an integer >= 0 named once")
+                _check_layout(path, layout, f"layer {layer}'s layout")
+                out[layer] = layout
+    except (TypeError, ValueError) as e:
+        _fail(path, f"layouts is not [[layers], layout, tensor types] per layer ({e})")
+    missing = sorted({l for l, _ in keys} - set(out))
+    if missing:
+        _fail(path, f"layouts do not give layer {missing[0]}'s layout")
+    return out
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -222,8 +261,15 @@ class PackedSource(Source):
         h, _ = read_header(path)
         self.header = {k: v for k, v in h.items() if not k.startswith("_")}
         self.layout = h["_layout"]
+        self.layouts = h["_layouts"]
         self.tensor_format = h["tensor_format"]
         self.tensor_types = h.get("tensor_types") or {}
+        for layers, _, types in h.get("layouts") or []:
+            for layer in layers:
+                self.layer_tensor_types[layer] = types
+        fam = h.get("family")
+        self.family_fields = ({k: fam.get(k) for k in ("family", "family_rule", "top_k")}
+                              if isinstance(fam, dict) else {})
         self.stride, self.data_offset = h["stride"], h["data_offset"]
         self._crcs = h["_crcs"]
         self._names = h["_keys"]

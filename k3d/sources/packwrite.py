@@ -73,7 +73,7 @@ class _Progress:
 
 
 def _header_bytes(src: Source, keys, span, stride, data_offset, sums) -> bytes:
-    h = {"format": FORMAT, "version": VERSION, "tensor_format": src.tensor_format,
+    h = {"format": FORMAT, "version": 1 if src.uniform else VERSION, "tensor_format": src.tensor_format,
          "source": {"kind": src.kind, "path": os.path.abspath(src.path)},
          "layout": [s.to_wire() for s in src.layout], "span": span, "stride": stride,
          "data_offset": data_offset,
@@ -82,6 +82,11 @@ def _header_bytes(src: Source, keys, span, stride, data_offset, sums) -> bytes:
     types = getattr(src, "tensor_types", None)
     if types:
         h["tensor_types"] = types
+    if not src.uniform:
+        h["layouts"] = src.layout_groups()
+    d = src.describe()
+    if d.get("family"):
+        h["family"] = {k: d.get(k) for k in ("family", "family_rule", "top_k")}
     return json.dumps(h, separators=(",", ":")).encode()
 
 

@@ -11,15 +11,17 @@ Checks, each a SourceError naming the file and tensor: N <= 100,000,000 and
 known, ``e - b == prod(shape) * itemsize``, offsets are in bounds; the tensors
 cover the data area without holes or overlaps (as the reference requires).
 
-Names map to keys with ``pattern`` (``{layer}``, ``{expert}``, ``{name}``); names
-that do not match (attention, norms, the router) are ignored.  With an index,
+Names map to keys by the model's family (``k3d.sources.families``: config.json
+beside the shards, else the tensor names; stacked tensors are sliced per expert),
+or by ``pattern`` (``{layer}``, ``{expert}``, ``{name}``) when one is given; names
+that are not routed experts (attention, norms, routers, shared experts) are ignored.  With an index,
 a tensor is read from the shard its ``weight_map`` names (a copy elsewhere is
 stale and ignored; a mapped tensor missing from its shard is an error);
 without one, a tensor in two shards is an error, as are two names that map to
-one expert tensor (``layers.1`` and ``layers.01``).  The layout is the
-``{name}`` set of the lowest key (normally (0, 0)) in sorted order; every other
-expert must have the same names, dtypes and shapes, or start-up fails naming
-the first that differs.
+one expert tensor (``layers.1`` and ``layers.01``).  Each layer's layout is the
+tensor set of its lowest expert in sorted name order; every other expert of the
+layer must have the same names, dtypes and shapes, or start-up fails naming the
+first that differs (``Source.set_experts``).
 
 Thread: built on the main thread (headers parsed there); read-only after;
 ``read`` (the base class's preadv) runs on many reader threads at once.
@@ -30,25 +32,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 
-from k3client.layout import DTYPES, build_layout
+from k3client.layout import DTYPES, itemsize
 
-from .base import Extent, Source, SourceError
+from .base import Source, SourceError
+from .families import expert_pieces, no_match_hint, pattern_rule, settle
 
 MAX_HEADER = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
-
-
-def compile_pattern(pattern: str) -> re.Pattern:
-    for field in ("{layer}", "{expert}", "{name}"):
-        if pattern.count(field) != 1:
-            raise SourceError(f"pattern {pattern!r} must contain {field} exactly once")
-    rx = re.escape(pattern)
-    rx = rx.replace(re.escape("{layer}"), r"(?P<layer>\d+)")
-    rx = rx.replace(re.escape("{expert}"), r"(?P<expert>\d+)")
-    rx = rx.replace(re.escape("{name}"), r"(?P<name>.+)")
-    return re.compile(rx + r"\Z")
+CONFIG_NAME = "config.json"
 
 
 def parse_header(path: str, raw_prefix: bytes, file_len: int) -> tuple[int, dict]:
@@ -142,72 +134,89 @@ def index_shards(index: str) -> tuple[list[str], dict[str, str]]:
     return shards, {t: os.path.join(base, n) for t, n in weight_map.items()}
 
 
-def detect_tensor_format(layout) -> str:
-    """``ocp:MXFP4`` when every ``X.weight_packed`` has its E8M0 ``X.weight_scale``.
+def read_config(path: str) -> dict | None:
+    """``config.json`` beside the checkpoint (None if there is none); malformed is a SourceError."""
+    base = path if os.path.isdir(path) else os.path.dirname(path)
+    cfg = os.path.join(base, CONFIG_NAME)
+    if not os.path.isfile(cfg):
+        return None
+    try:
+        with open(cfg, "rb") as f:
+            data = json.loads(f.read(MAX_HEADER))
+    except (OSError, ValueError) as e:
+        raise SourceError(f"{cfg}: not a usable config.json ({e})") from None
+    return data if isinstance(data, dict) else None
 
-    The OCP / gpt-oss / compressed-tensors layout: U8 ``[..., n]`` packed nibbles
-    (two elements a byte) and U8 ``[..., n / 16]`` scales (one per 32 elements).
-    Anything else is ``raw``: the tensors are what their dtypes say."""
+
+def detect_tensor_format(layout) -> str:
+    """Which quantized byte layout the expert tensors use (``k3client.mxfp4`` decodes the MXFP4 ones).
+
+    - ``ocp:MXFP4``: every ``X.weight_packed`` U8 ``[..., n]`` has its E8M0 ``X.weight_scale``
+      U8 ``[..., n / 16]`` (OCP / compressed-tensors);
+    - ``gpt-oss:MXFP4``: every ``X_blocks`` U8 ``[..., G, 16]`` has its E8M0 ``X_scales`` U8
+      ``[..., G]`` (openai/gpt-oss as shipped; decode with ``layout="gpt-oss"``);
+    - ``fp8:E4M3``: F8_E4M3 weights, each ``X.weight`` with ``X.weight_scale_inv`` F32 (one
+      scale per 128 x 128 block; DeepSeek-V3 as shipped);
+    - ``raw``: anything else; the tensors are what their dtypes say."""
     specs = {t.name: t for t in layout}
     packed = [n for n in specs if n.endswith(".weight_packed")]
-    if not packed:
-        return "raw"
-    for name in packed:
-        p, sc = specs[name], specs.get(name[: -len("packed")] + "scale")
-        if (sc is None or p.dtype != "U8" or sc.dtype != "U8" or p.shape[:-1] != sc.shape[:-1]
-                or p.shape[-1] != sc.shape[-1] * 16):
-            return "raw"
-    return "ocp:MXFP4"
+    if packed:
+        for name in packed:
+            p, sc = specs[name], specs.get(name[: -len("packed")] + "scale")
+            if (sc is None or p.dtype != "U8" or sc.dtype != "U8" or p.shape[:-1] != sc.shape[:-1]
+                    or p.shape[-1] != sc.shape[-1] * 16):
+                return "raw"
+        return "ocp:MXFP4"
+    blocks = [n for n in specs if n.endswith("_blocks")]
+    if blocks:
+        for name in blocks:
+            b, sc = specs[name], specs.get(name[: -len("blocks")] + "scales")
+            if (sc is None or b.dtype != "U8" or sc.dtype != "U8" or len(b.shape) < 2 or b.shape[-1] != 16
+                    or b.shape[:-1] != sc.shape):
+                return "raw"
+        return "gpt-oss:MXFP4"
+    fp8 = [n for n, t in specs.items() if t.dtype == "F8_E4M3"]
+    if fp8 and all(n + "_scale_inv" in specs for n in fp8):
+        return "fp8:E4M3"
+    return "raw"
 
 
 class SafetensorsSource(Source):
+    """A safetensors checkpoint; experts found by ``pattern`` if given, else by the family rules."""
+
     kind = "safetensors"
 
-    def __init__(self, path: str, pattern: str):
+    def __init__(self, path: str, pattern: str | None = None):
         super().__init__()
         self.path = path
-        rx = compile_pattern(pattern)
+        if pattern:
+            pattern_rule(pattern)               # a malformed pattern fails before any file is read
+        config = read_config(path)
         shards, owner = shard_files(path)
-        experts: dict[tuple[int, int], dict[str, tuple]] = {}
+        tensors: list[tuple[str, tuple]] = []          # (name, (dtype, shape, file, offset, nbytes))
         for fi, shard in enumerate(shards):
             try:
-                start, tensors = read_header(shard)
+                start, found = read_header(shard)
             except OSError as e:                # a directory named *.safetensors, EIO, EACCES
                 raise SourceError(f"{shard}: cannot read ({e.strerror or e})") from None
             self.files.append(shard)
-            for tname, (dtype, shape, b, e) in tensors.items():
-                m = rx.match(tname)
-                if not m or (owner is not None and owner.get(tname, shard) != shard):
-                    continue                    # not an expert, or a stale copy the index does not use
-                key, name = (int(m["layer"]), int(m["expert"])), m["name"]
-                have = experts.setdefault(key, {})
-                if name in have:
-                    other, other_fi = have[name][5], have[name][2]
-                    raise SourceError(
-                        f"{path}: tensors {other!r} ({os.path.basename(shards[other_fi])}) and {tname!r} "
-                        f"({os.path.basename(shard)}) are both tensor {name!r} of expert (layer {key[0]}, "
-                        f"expert {key[1]}); remove one{' or name one in ' + INDEX_NAME if owner is None else ''}")
-                have[name] = (dtype, shape, fi, start + b, e - b, tname)
+            for tname, (dtype, shape, b, e) in found.items():
+                if owner is not None and owner.get(tname, shard) != shard:
+                    continue                    # a stale copy the index does not use
+                tensors.append((tname, (dtype, shape, fi, start + b, e - b)))
+        self.family = fam = settle(path, config, (n for n, _ in tensors), pattern)
+        hint = "" if owner is not None else " or name one in " + INDEX_NAME
+        experts = expert_pieces(path, fam, tensors, itemsize, [os.path.basename(f) for f in shards], hint)
         if owner is not None:
-            found = {v[5] for per in experts.values() for v in per.values()}
-            lost = sorted(t for t in owner if rx.match(t) and t not in found)
+            have = {n for n, _ in tensors}
+            lost = sorted(t for t in owner if fam.rule.regex.match(t) and t not in have)
             if lost:
                 raise SourceError(f"{path}: the index puts tensor {lost[0]!r} in {os.path.basename(owner[lost[0]])}, "
                                   f"which does not hold it ({len(lost)} such tensor(s))")
         if not experts:
-            raise SourceError(f"{path}: no tensor matches the pattern {pattern!r}")
-        ref_key = min(experts)
-        ref = experts[ref_key]
-        self.layout = build_layout([(n, d, s, nb) for n, (d, s, _, _, nb, _) in ref.items()])
-        want = {n: (d, s) for n, (d, s, *_rest) in ref.items()}
-        for key in sorted(experts):
-            have = experts[key]
-            got = {n: (d, s) for n, (d, s, *_rest) in have.items()}
-            if got != want:
-                raise SourceError(self._mismatch(key, ref_key, want, got))
-            self.keys[key] = [Extent(fi, off, spec.offset, nb)      # an empty tensor: nothing to read
-                              for spec in self.layout
-                              for (_, _, fi, off, nb, _) in [have[spec.name]] if nb]
+            raise SourceError(f"{path}: no tensor matches the pattern {pattern!r}; "
+                              + no_match_hint(n for n, _ in tensors))
+        self.set_experts(path, experts)
         for f in self.files:
             try:
                 self.fds.append(os.open(f, os.O_RDONLY | os.O_CLOEXEC))
@@ -215,16 +224,3 @@ class SafetensorsSource(Source):
                 self.close()                    # the fds opened so far
                 raise SourceError(f"{f}: cannot open ({e.strerror or e})") from None
         self.tensor_format = detect_tensor_format(self.layout)
-
-    @staticmethod
-    def _mismatch(key, ref_key, want, got) -> str:
-        where = f"expert (layer {key[0]}, expert {key[1]})"
-        missing = sorted(set(want) - set(got))
-        extra = sorted(set(got) - set(want))
-        if missing:
-            return f"{where} lacks tensor {missing[0]!r} that expert {ref_key} has"
-        if extra:
-            return f"{where} has tensor {extra[0]!r} that expert {ref_key} lacks"
-        name = next(n for n in sorted(want) if want[n] != got[n])
-        return (f"{where} tensor {name!r} is {got[name][0]}{list(got[name][1])}, "
-                f"expert {ref_key} has {want[name][0]}{list(want[name][1])}")

@@ -152,7 +152,8 @@ def test_truncated_file(mxfp4, tmp_path):
 
 def test_no_expert_tensors(tmp_path):
     p = _write(tmp_path / "dense.gguf", {"blk.0.ffn_gate.weight": _q8((64, 64))})
-    with pytest.raises(SourceError, match=r"no expert tensors \(blk\.N\.ffn_\*_exps\.\*\)"):
+    with pytest.raises(SourceError, match=r"no expert tensors \(blk\.N\.ffn_\*_exps\.\* or "
+                                          r"blk\.N\.ffn_gate\.E\.weight\)"):
         GGUFSource(p)
 
 
@@ -187,22 +188,23 @@ def test_offset_that_lies(tmp_path):
         GGUFSource(p)
 
 
-def test_shapes_differ_between_layers(tmp_path):
-    t = {"blk.0.ffn_up_exps.weight": _q8((4, 8, 64)), "blk.1.ffn_up_exps.weight": _q8((4, 16, 64))}
-    p = _write(tmp_path / "t.gguf", t)
-    with pytest.raises(SourceError, match=r"blk\.1\.ffn_up_exps\.weight is Q8_0\[64, 16, 4\], but "
-                                          r"blk\.0\.ffn_up_exps\.weight is Q8_0\[64, 8, 4\]"):
-        GGUFSource(p)
-    t = {"blk.0.ffn_up_exps.weight": _q8((4, 8, 64)),
-         "blk.1.ffn_up_exps.weight": (np.zeros((4, 8, 64), np.float16), None)}
-    p = _write(tmp_path / "t2.gguf", t)
-    with pytest.raises(SourceError, match=r"blk\.1\.ffn_up_exps\.weight is F16"):
-        GGUFSource(p)
+def test_layers_with_other_types_and_shapes_get_their_own_layout(tmp_path):
+    """Layers may differ (a Q4_K_M mix, a missing bias): each layer is served with its own layout."""
     t = {"blk.0.ffn_up_exps.weight": _q8((4, 8, 64)), "blk.0.ffn_gate_exps.weight": _q8((4, 8, 64)),
-         "blk.1.ffn_up_exps.weight": _q8((4, 8, 64))}
-    p = _write(tmp_path / "t3.gguf", t)
-    with pytest.raises(SourceError, match=r"layer 1 lacks expert tensor blk\.1\.ffn_gate_exps\.weight"):
-        GGUFSource(p)
+         "blk.1.ffn_up_exps.weight": (np.ones((4, 16, 64), np.float16), None)}
+    p = _write(tmp_path / "t.gguf", t)
+    src = GGUFSource(p)
+    try:
+        assert not src.uniform
+        assert [(s.name, s.dtype, s.shape) for s in src.layout_of(0)] == [
+            ("ffn_gate_exps.weight", "U8", (8, 68)), ("ffn_up_exps.weight", "U8", (8, 68))]
+        assert [(s.name, s.dtype, s.shape) for s in src.layout_of(1)] == [("ffn_up_exps.weight", "F16", (16, 64))]
+        assert src.layer_tensor_types == {0: {"ffn_gate_exps.weight": "ggml:Q8_0", "ffn_up_exps.weight": "ggml:Q8_0"},
+                                          1: {"ffn_up_exps.weight": "ggml:F16"}}
+        assert src.tensor_format == "ggml:ffn_gate_exps.weight=Q8_0,ffn_up_exps.weight=F16|Q8_0"
+        assert src.expert_bytes == 16 * 64 * 2
+    finally:
+        src.close()
 
 
 def test_expert_counts_disagree(tmp_path):

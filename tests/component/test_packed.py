@@ -397,7 +397,12 @@ def _rewrite_header(path, edit):
     (lambda h: h["layout"][0].__setitem__(4, 7), r"spans 7 bytes but U8"),
     (lambda h: h["checksums"].pop(), "63 checksums for 64 experts"),
     (lambda h: h["keys"].reverse(), r"keys are not unique and in \(layer, expert\) order"),
-    (lambda h: h.update(version=2), "packed format version 2 is not supported"),
+    (lambda h: h.update(version=3), "packed format version 3 is not supported"),
+    (lambda h: h.update(version=2), "layouts is not"),
+    (lambda h: h.update(version=2, layouts=[[[0, 1, 2], h["layout"], {}]]), "layouts do not give layer 3"),
+    (lambda h: h.update(version=2, layouts=[[sorted({k[0] for k in h["keys"]}), [["w", "U8", [h["span"] + 1], 0,
+                                                                                  h["span"] + 1]], {}]]),
+     r"layer 0's layout spans \d+ bytes, more than the \d+-byte slot"),
     (lambda h: h.update(data_offset=h["data_offset"] + 100), "data offset"),
     (lambda h: h.pop("keys"), "header lacks or mangles a field"),
     # the right values with the wrong JSON types: numbers that are not integers become

@@ -137,3 +137,31 @@ def test_read_only_inputs_and_dtype():
     assert np.array_equal(dequantize(packed, scales, dtype=np.float16), ref.astype(np.float16))
     tb = dequantize(torch.from_numpy(packed.copy()), torch.from_numpy(scales.copy()), dtype=torch.bfloat16)
     assert tb.dtype == torch.bfloat16 and torch.equal(tb.float(), torch.from_numpy(ref))  # exact in bf16
+
+
+# -- gpt-oss as shipped: *_blocks [..., G, 16] + *_scales [..., G] ----------------------------------------
+def test_gpt_oss_layout_equals_transformers():
+    """The gpt-oss layout against transformers' own dequantizer (an independent implementation), and
+    against the element-by-element OCP reference above, for numpy and torch inputs."""
+    transformers_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    rng = np.random.default_rng(21)
+    blocks = rng.integers(0, 256, (3, 8, 4, 16), dtype=np.uint8)       # [E, rows, G, 16]
+    scales = rng.integers(100, 150, (3, 8, 4), dtype=np.uint8)         # [E, rows, G]
+    ref = transformers_mxfp4.convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                        dtype=torch.float32)           # [E, G*32, rows]
+    for e in range(3):
+        ours = dequantize(blocks[e], scales[e], layout="gpt-oss")
+        assert ours.shape == (8, 128)
+        assert np.array_equal(ours, ref[e].T.numpy())        # values (+0/-0 aside, as the OCP table decides)
+        assert np.array_equal(bits(ours), bits(ocp_reference(blocks[e].reshape(8, 64), scales[e])))
+        t = dequantize(torch.from_numpy(blocks[e]), torch.from_numpy(scales[e]), layout="gpt-oss")
+        assert np.array_equal(bits(t), bits(ours))
+
+
+def test_gpt_oss_layout_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"blocks shape \[8, 4, 16\] and scale shape \[8, 3\] do not match"):
+        dequantize(np.zeros((8, 4, 16), np.uint8), np.zeros((8, 3), np.uint8), layout="gpt-oss", name="down")
+    with pytest.raises(ValueError, match="needs the E8M0 scales tensor"):
+        dequantize(np.zeros((8, 4, 16), np.uint8), layout="gpt-oss")
+    with pytest.raises(ValueError, match="unknown MXFP4 layout 'mx' \\(use one of ocp, gpt-oss, ggml\\)"):
+        dequantize(np.zeros((8, 16), np.uint8), np.zeros((8, 1), np.uint8), layout="mx")

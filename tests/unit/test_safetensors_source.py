@@ -53,11 +53,34 @@ def test_expert_with_other_shape_is_named(tmp_path):
 
 
 def test_expert_missing_tensor_is_named(tmp_path):
-    t = {P.format(l=0, e=0, n="a"): np.zeros(4, np.uint8), P.format(l=0, e=0, n="b"): np.zeros(4, np.uint8),
+    """Within a layer every expert has its layer's tensors (layers may differ: see the next test)."""
+    t = {P.format(l=1, e=0, n="a"): np.zeros(4, np.uint8), P.format(l=1, e=0, n="b"): np.zeros(4, np.uint8),
          P.format(l=1, e=3, n="a"): np.zeros(4, np.uint8)}
     _write(tmp_path, t)
-    with pytest.raises(SourceError, match=r"\(layer 1, expert 3\) lacks tensor 'b'"):
+    with pytest.raises(SourceError, match=r"\(layer 1, expert 3\) lacks tensor 'b' that expert \(1, 0\) has"):
         SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+
+
+def test_layers_may_differ(tmp_path):
+    """A mixed checkpoint: each layer its own layout, slots sized to the largest expert."""
+    t = {}
+    for e in range(2):
+        t[P.format(l=0, e=e, n="a")] = np.full(4, e, np.uint8)
+        t[P.format(l=0, e=e, n="b")] = np.full(8, e, np.uint8)
+        t[P.format(l=1, e=e, n="a")] = np.full(100, 10 + e, np.float16)
+    _write(tmp_path, t)
+    src = SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+    try:
+        assert not src.uniform and src.layout == src.layout_of(0)
+        assert [s.name for s in src.layout_of(0)] == ["a", "b"]
+        assert [(s.name, s.dtype, s.shape) for s in src.layout_of(1)] == [("a", "F16", (100,))]
+        assert src.expert_bytes == 200
+        groups = src.describe()["layouts"]
+        assert [g[0] for g in groups] == [[0], [1]]
+        slot = _slot(src, (1, 1))
+        assert np.frombuffer(slot[:200], np.float16).tolist() == [11.0] * 100
+    finally:
+        src.close()
 
 
 def test_no_matching_tensor(tmp_path):

@@ -5,7 +5,7 @@ import json
 from k3d.service.sizing import arena_warnings, top_k
 
 
-def model(path, layers=(0, 3), count=64):
+def model(path, layers=(0, 1, 2, 3), count=64):   # describe() lists every layer served
     return {"path": str(path), "layers": list(layers), "count": count}
 
 

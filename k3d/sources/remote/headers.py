@@ -13,7 +13,9 @@ of the remote file's size whose head holds those bytes (the data area is a
 hole: it takes no disk and reads as zeros).  The local parsers
 (``SafetensorsSource``, ``parse_gguf``/``GGUFSource``, ``PackedSource``)
 validate the image exactly as they would the file and give the layout and
-every expert's extents; they only read header bytes.  Images live in one
+every expert's extents; they only read header bytes.  A safetensors
+checkpoint's ``config.json`` (beside its index or file) is fetched whole into
+the image directory, so the family rules see what they see locally.  Images live in one
 temporary directory, deleted before ``open_catalog`` returns or raises.
 Error messages name the URL, never an image.
 
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from ..base import Extent, SourceError
 from ..gguf import GGUFSource, parse_gguf
 from ..packed import MAX_HEADER as PACK_MAX_HEADER, PackedSource
-from ..safetensors import MAX_HEADER as ST_MAX_HEADER, SafetensorsSource
+from ..safetensors import CONFIG_NAME, MAX_HEADER as ST_MAX_HEADER, SafetensorsSource
 
 INDEX_NAME = "model.safetensors.index.json"
 HEAD_PROBE = 1 << 16          # first header fetch; more only if the header says so
@@ -52,13 +54,27 @@ MAX_HEADER_FETCH = 256 << 20
 
 @dataclass
 class Catalog:
-    """What the headers say: the checkpoint's format, slot layout and every expert's extents."""
+    """What the headers say: the checkpoint's format, slot layouts and every expert's extents."""
     format: str
     layout: list
     keys: dict[tuple[int, int], list[Extent]]
     tensor_format: str
     tensor_types: dict = field(default_factory=dict)
     expected_crc: dict[tuple[int, int], int] = field(default_factory=dict)   # packed: crc32 per expert
+    layouts: dict = field(default_factory=dict)             # layer -> layout (see sources.base)
+    layer_tensor_types: dict = field(default_factory=dict)
+    family: object = None                                   # sources.families.Family
+    family_fields: dict = field(default_factory=dict)       # GGUF / packs: describe()'s family fields
+
+    def layout_of(self, layer: int) -> list:
+        return self.layouts.get(layer, self.layout)
+
+
+def _catalog(fmt: str, src, **kw) -> Catalog:
+    """The catalog of a parsed (closed) header image: everything the local parser found."""
+    return Catalog(fmt, src.layout, src.keys, src.tensor_format, dict(src.tensor_types), layouts=src.layouts,
+                   layer_tensor_types=src.layer_tensor_types, family=src.family,
+                   family_fields=dict(src.family_fields), **kw)
 
 
 def open_catalog(origin, url: str, pattern: str) -> Catalog:
@@ -150,9 +166,15 @@ def _safetensors(images: _Images, index_url, index, pattern: str) -> Catalog:
         target = os.path.join(images.tmp, INDEX_NAME)
         with open(target, "w") as f:
             json.dump({"weight_map": local}, f)
+    # config.json beside the checkpoint names its family (the same rules as a local one)
+    config = origin.get_small(origin.join(index_url or shard_urls[0], CONFIG_NAME))
+    if config is not None:
+        with open(os.path.join(images.tmp, CONFIG_NAME), "wb") as f:
+            f.write(config)
+        images.names[os.path.join(images.tmp, CONFIG_NAME)] = origin.join(index_url or shard_urls[0], CONFIG_NAME)
     st = SafetensorsSource(target, pattern)
     st.close()
-    return Catalog("safetensors", st.layout, st.keys, st.tensor_format)
+    return _catalog("safetensors", st)
 
 
 def _gguf(images: _Images, url: str) -> Catalog:
@@ -179,7 +201,7 @@ def _gguf(images: _Images, url: str) -> Catalog:
         have = more
     g = GGUFSource(path)
     g.close()
-    return Catalog("gguf", g.layout, g.keys, g.tensor_format, dict(g.tensor_types))
+    return _catalog("gguf", g)
 
 
 def _packed(images: _Images, url: str) -> Catalog:
@@ -188,4 +210,4 @@ def _packed(images: _Images, url: str) -> Catalog:
     p = PackedSource(images.write(fi, url, head, "image.k3pack"), "buffered")
     p.close()
     crcs = {(int(k[0]), int(k[1])): int(c, 16) for k, c in zip(p.header["keys"], p.header["checksums"])}
-    return Catalog("packed", p.layout, p.keys, p.tensor_format, dict(p.tensor_types), crcs)
+    return _catalog("packed", p, expected_crc=crcs)

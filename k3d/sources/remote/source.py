@@ -80,6 +80,8 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         cat = self._open(url, pattern, disk_cache)
         self.format, self.layout, self.keys = cat.format, cat.layout, cat.keys
         self.tensor_format, self.tensor_types, self.expected_crc = cat.tensor_format, cat.tensor_types, cat.expected_crc
+        self.layouts, self.layer_tensor_types, self.family = cat.layouts, cat.layer_tensor_types, cat.family
+        self.family_fields = cat.family_fields
         if not self.keys:
             raise SourceError(f"{url}: no experts")
         blind = [f for f, v in zip(self.files, self.validators) if not v.get("etag") and not v.get("last_modified")]

@@ -99,10 +99,9 @@ class Tiers:
         self._files, self._validators = files, validators
         self._fetch_into = fetch_into          # (file, offset, bufs) -> bytes: one checked, retried range
         self._payload = {k: sum(e.length for e in ex) for k, ex in catalog.keys.items()}
-        self._expert_bytes = layout_bytes(catalog.layout)
-        specs = sorted(catalog.layout, key=lambda s: s.offset)
-        # {end of a layout tensor: start of the next one} (the gap between is padding only)
-        self._pad = {a.offset + a.nbytes: b.offset for a, b in itertools.pairwise(specs)}
+        self._expert_bytes = max(layout_bytes(lay) for lay in [catalog.layout, *catalog.layouts.values()])
+        # per layer: {end of a layout tensor: start of the next one} (the gap between is padding only)
+        self._pads = {layer: self._padding(catalog.layout_of(layer)) for layer in {k[0] for k in catalog.keys}}
         self._fp: dict = {}
         self._mu = threading.Lock()
         self._pending: dict[tuple[int, int], Load] = {}
@@ -113,11 +112,16 @@ class Tiers:
             self._writer = threading.Thread(target=self._write_loop, name="k3d-disk-writer", daemon=True)
             self._writer.start()
 
+    @staticmethod
+    def _padding(layout) -> dict[int, int]:
+        specs = sorted(layout, key=lambda s: s.offset)
+        return {a.offset + a.nbytes: b.offset for a, b in itertools.pairwise(specs)}
+
     # -- disk identity ---------------------------------------------------------------------------
     def fingerprint(self, key) -> str:
         fp = self._fp.get(key)
         if fp is None:
-            desc = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.catalog.layout]
+            desc = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.catalog.layout_of(key[0])]
             ex = [[self._files[e.file], e.offset, e.slot_offset, e.length] for e in self.catalog.keys[key]]
             fp = crc32(json.dumps([self.catalog.format, desc, ex]).encode()).to_bytes(4, "big").hex()
             self._fp[key] = fp
@@ -172,7 +176,7 @@ class Tiers:
     def _read_part(self, load: Load, key, extents, slot) -> list | None:
         if load.entry is not None:
             try:
-                return self._disk_part(load, extents, slot)
+                return self._disk_part(load, key, extents, slot)
             except OSError as e:
                 # gone or unreadable (deleted under the daemon, EIO): the index forgets it and
                 # this part comes from the origin; the whole load is still checked against the
@@ -189,7 +193,7 @@ class Tiers:
                     for e in extents]
         return None
 
-    def _disk_part(self, load: Load, extents, slot) -> list:
+    def _disk_part(self, load: Load, key, extents, slot) -> list:
         """Read a part from its disk entry; its crcs are checked against the entry's once
         the load is whole (also when another part fell back to the origin)."""
         fd = os.open(load.entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)   # a FIFO must not block
@@ -198,8 +202,9 @@ class Tiers:
             # the padding between two layout tensors (one ends, the next begins), so a run
             # writes no byte that another part of the load owns
             runs: list[list[int]] = []
+            pad = self._pads[key[0]]
             for e in sorted(extents, key=lambda x: x.slot_offset):
-                if runs and (runs[-1][1] == e.slot_offset or self._pad.get(runs[-1][1]) == e.slot_offset):
+                if runs and (runs[-1][1] == e.slot_offset or pad.get(runs[-1][1]) == e.slot_offset):
                     runs[-1][1] = e.slot_offset + e.length
                 else:
                     runs.append([e.slot_offset, e.slot_offset + e.length])
