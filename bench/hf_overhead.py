@@ -62,8 +62,7 @@ def main() -> int:
     try:
         path = hf_models.write(a.family, os.path.join(tmp, a.family), hidden=a.hidden, inter=a.inter, layers=a.layers)
         ebytes = hf_models.expert_bytes(path)
-        args = ["--pattern", hf_models.PATTERNS[a.family]] if a.family in hf_models.PATTERNS else []
-        with harness.Daemon(path, *args) as d:
+        with harness.Daemon(path) as d:        # the family is recognised from config.json: no --pattern
             eager = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager")
             k3d = load_model(path, endpoint=d.endpoint, predict=not a.no_predict, dtype=torch.bfloat16)
             ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))

@@ -15,8 +15,8 @@ disk).  In one run, interleaved rep by rep in rotating order:
           a time, each expert written to its own file (what a simple lazy
           loader does);
 - k3d:    a real ``k3d start --source http://.../ --http-conns --readers``
-          (arena a quarter of the checkpoint, so a sequential scan misses on
-          every key), one client fetching ``--batch`` keys per fetch;
+          (arena a quarter of the checkpoint and ``--policy lru``, so a sequential
+          scan misses on every key), one client fetching ``--batch`` keys per fetch;
 - disk:   the same with ``--disk-cache`` filled by a first pass: every fetch is a
           disk-tier hit (entry files' page cache dropped before each pass);
 - packed: ``k3d start`` on the local ``.k3pack`` of the same checkpoint
@@ -182,11 +182,14 @@ def main() -> int:
         arena = max(args.batch * 2, len(keys) // 4) * stride
         harness.banner("http_read", f"{ck}: {len(keys)} experts, {total / 1e6:.0f} MB over nginx {base}; "
                                     f"{args.readers} readers/conns, batch {args.batch}, {args.reps} reps")
-        common = ("--arena", arena, *(("--http-conns", given) if given else ()))
+        # --policy lru: every pass is a sequential scan over more keys than slots, which LRU
+        # misses on every key; the default cycle policy keeps some of them resident, and
+        # this bench measures the read paths (origin, disk tier, pack), not the policy
+        common = ("--arena", arena, "--policy", "lru", *(("--http-conns", given) if given else ()))
         specs = {
             "k3d": (base, *common),
             "disk": (base, *common, "--disk-cache", dc, "--disk-cache-size", "4GiB"),
-            "packed": (pack, "--arena", arena, "--read-mode", "buffered"),
+            "packed": (pack, "--arena", arena, "--policy", "lru", "--read-mode", "buffered"),
         }
         daemons, clients = {}, {}
         try:

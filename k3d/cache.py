@@ -2,10 +2,11 @@
 
 The server's handlers validate a request and call one method here; each keeps
 the three in step:
-- ``fetch``: the store plans (hits pinned, misses given slots), the misses'
-  reads start URGENT in the client's fair share, background reads it now waits
-  on are promoted, another client's held-back parts of them go now; the fetch is
-  answered at once (every slot READY) or parked until its reads finish;
+- ``plan`` (a fetch): the store plans (hits pinned, misses given slots), the
+  misses' reads start URGENT in the client's fair share, background reads it
+  now waits on are promoted, another client's held-back parts of them go now;
+- ``answer``: the fetch's slots at once (every slot READY, checked), or None:
+  parked until its reads finish (the server traces and predicts in between);
 - ``predict``: slots for predicted keys, read BACKGROUND, within the client's
   prediction room (pin quota, and the waste throttle below);
 - ``end_token``: the client's pins go, its unused predictions are counted

@@ -1,8 +1,10 @@
 """``k3d``: start the daemon, pack a checkpoint, install the systemd units, or run the demo.
 
-Runs in the process's main thread; each subcommand's module is imported only when
-that subcommand runs (``pack``, ``install-unit``, ``demo``, and ``start``'s
-``k3d.service.daemon``), so ``k3d --help`` stays light.  ``start`` resolves the
+Runs in the process's main thread.  ``k3d.service.units`` (which adds its own
+``install-unit`` parser) is imported up front; the other subcommands' modules only
+when they run (``k3d.pack``, ``k3d.demo``, ``start``'s ``k3d.service.daemon``), so
+``k3d --help`` stays light.  Every default in ``start``'s help is read from
+``Config`` (``D``), where it is written once.  ``start`` resolves the
 config here (``k3d.config.resolve``, the one reader of the environment) and hands
 it to ``k3d.service.daemon.run``, which serves in this same thread.
 
@@ -66,7 +68,9 @@ def _start_parser(sub):
     p.add_argument("--hugepages", action="store_const", const=True, default=None,
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
-                   help="leave the arena in 4 KiB pages (default: collapse it into transparent huge pages)")
+                   help="skip the huge-page collapse: ready sooner, but O_DIRECT and disk reads into the arena "
+                   "slower (default: collapse the arena into 2 MiB transparent huge pages at start; "
+                   "bench/startup.py measures both)")
     p.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default {D.policy})")
     p.add_argument("--state-dir", dest="state_dir",
                    help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")

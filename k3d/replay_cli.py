@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import sys
 
+from . import sharing
 from .config import Config
 from .policy import POLICIES, UnknownPolicy, make
 from .replay import layers_of, min_slots, run
@@ -72,7 +73,6 @@ def main(args) -> int:
                 make(n)                   # UnknownPolicy lists the known ones
         names = [n for n in names if n != "opt"] + ["opt"]
         if args.clients > 1:
-            from . import sharing  # only this mode needs it
             return sharing.main(args, events, names)
         floor = min_slots(events)
         sizes = _sizes(args.slots, args.sweep, floor)

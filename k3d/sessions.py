@@ -48,6 +48,8 @@ def start_ticks(pid: int) -> int | None:
 
 
 class Session:
+    """One attached client: identity (pid + start ticks), epoch, lease, prediction throttle state."""
+
     __slots__ = (
         "alive",
         "client_id",

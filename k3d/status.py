@@ -54,7 +54,7 @@ def build(srv, now: float) -> dict:
                     "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
                     "recent_bps": round(srv.cache.recent.rate(now))},
         "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
-                     "pins": len(srv.store.policy.held(s.holder)), "fetches": s.fetches,
+                     "pins": srv.store.pins(s.holder), "fetches": s.fetches,
                      "idle_s": round(now - s.last_seen, 3)}
                     for s in srv.sessions],
     }

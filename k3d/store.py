@@ -112,6 +112,10 @@ class Store:
         return {"used": self.slots - len(self.free), "pinned": self.policy.pinned_count(),
                 "loading": len(self.loads), "free": len(self.free)}
 
+    def pins(self, holder) -> int:
+        """How many slots ``holder`` (client, epoch) pins now."""
+        return len(self.policy.held(holder))
+
     # -- fetch --------------------------------------------------------------
     def fetch(self, holder, keys: list[tuple[int, int]]) -> FetchPlan:
         """Plan a fetch of distinct, known keys for ``holder`` (client, epoch)."""

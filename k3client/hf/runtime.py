@@ -40,6 +40,10 @@ from .. import errors
 WAIT_STEP_S = 0.002
 
 
+class _StaleSlots(Exception):
+    """A fetch's reply named slots of a daemon that restarted before its views were made."""
+
+
 @dataclass
 class Stats:
     forwards: int = 0
@@ -161,7 +165,7 @@ class Runtime:
                     time.sleep(WAIT_STEP_S)
                     waited += WAIT_STEP_S
                 continue
-            except errors.DaemonRestarted:
+            except _StaleSlots:
                 continue                      # slots named by a daemon that is gone: fetch again
             predicted = None                  # sent once, with the layer's first fetch
             self.held += n
@@ -172,7 +176,10 @@ class Runtime:
         t0 = time.perf_counter()
         fetched = self.client.fetch(ml.layer, group, predicted=predicted)
         # views now: a restart after this leaves them on the old mapping, still correct
-        got = [(ex.expert, {n: ex.tensor(n) for n in ml.names}) for ex in fetched]
+        try:
+            got = [(ex.expert, {n: ex.tensor(n) for n in ml.names}) for ex in fetched]
+        except errors.DaemonRestarted:       # re-attached between the reply and the views
+            raise _StaleSlots() from None
         dt = time.perf_counter() - t0
         st = self.stats
         st.fetches += 1

@@ -124,6 +124,11 @@ def run_hf_demo(clients: int = 3, tokens: int = 16, family: str = "qwen3_moe", h
                 inter: int = 1024, layers: int = 4, arena_fraction: float = 0.5, as_json: bool = False) -> int:
     from k3client import connect
 
+    try:
+        import k3client.hf  # noqa: F401  (transformers >= 5 and torch: the hf extra)
+    except ImportError as e:
+        print(f"k3d demo --hf: {e}", file=sys.stderr)
+        return 1
     with tempfile.TemporaryDirectory(prefix="k3d-hf-demo-") as tmp:
         path = hf_models.write(family, os.path.join(tmp, family), hidden=hidden, inter=inter, layers=layers)
         ebytes = hf_models.expert_bytes(path)
@@ -131,8 +136,6 @@ def run_hf_demo(clients: int = 3, tokens: int = 16, family: str = "qwen3_moe", h
         arena = max(1 << 20, int(ebytes * arena_fraction))
         cmd = [sys.executable, "-m", "k3d.cli", "start", "--source", path, "--endpoint", endpoint,
                "--arena", str(arena)]
-        if family in hf_models.PATTERNS:
-            cmd += ["--pattern", hf_models.PATTERNS[family]]
         with open(os.path.join(tmp, "daemon.log"), "w+") as log:
             daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             try:

@@ -43,9 +43,6 @@ FAMILIES = {
 }
 COMMON = {"vocab_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
               "tie_word_embeddings": False}
-# the --pattern a daemon needs for families it cannot recognise by itself (before issue 11's rules)
-PATTERNS = {"mixtral": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}",
-            "phimoe": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{name}"}
 
 
 def config(family: str, hidden: int = 64, inter: int = 32, layers: int = 3, experts: int | None = None):

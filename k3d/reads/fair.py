@@ -11,6 +11,9 @@ background queue (nobody waits on it; a later fetch of its key promotes it).
 Predicted (background) parts a client starts waiting for are submitted here
 too, so predicting keys and then fetching them is no way around the share.
 
+Driven by ``loads.Loads`` (``start``, ``promote``, ``waited_on``,
+``to_background``, ``cancel_all``, ``reported``), never by the server directly.
+
 State (server thread only, no lock):
 - ``backlog``: client -> deque of its held-back Jobs;
 - ``in_pool``: client -> how many of its metered Jobs are in the pool now;

@@ -12,17 +12,16 @@ The reader calls ``source.read(extents, dest)`` (pread straight into the slot)
 and reports ``Done(load_id, part, nbytes, seconds, error)`` on a SimpleQueue,
 then writes the eventfd so the server loop (which polls it beside the ROUTER
 socket) wakes up.  Readers never touch the store, the policy or any socket:
-the server thread alone owns those, so that state needs no lock.  The pool
-object itself is driven by the server thread (through ``loads.Loads``); its
-queues are shared with the readers under ``_cv``.
+the server thread alone owns those, so that state needs no lock.
 
 Shutdown: ``stop()`` drops queued jobs (reporting each as cancelled) and joins
 the threads after their current part; while a reader is stuck in ``read`` past
 the timeout, ``stop`` returns False and the eventfd stays open for its late report.
 
 Threads: ``submit``, ``take_background``, ``queued`` and ``stop`` are the server
-thread's; the ``k3d-reader-N`` threads only run jobs.  The queues are shared
-between them under ``_cv``; ``done`` and ``wake_fd`` are the one way back.
+thread's (through ``loads.Loads``); the ``k3d-reader-N`` threads only run jobs.
+The queues are shared between them under ``_cv``; ``done`` and ``wake_fd`` are
+the one way back.
 """
 
 from __future__ import annotations

@@ -38,13 +38,18 @@ from .. import __version__
 POLL_MS = 50
 
 
+def percent(done: int, total: int) -> int:
+    """Rounded, but 100 only when done."""
+    return 100 if done >= total else min(99, round(100 * done / total))
+
+
 def describe(p: dict) -> str:
     """``pre-faulting 1.2/4.0 GiB (30 %), ~8 s left`` (the phase alone before progress is known)."""
     line = p["phase"]
     if p.get("total"):
         unit, scale = ("GiB", 2**30) if p["total"] >= 2**30 else ("MiB", 2**20)
         line += (f" {p['done'] / scale:.1f}/{p['total'] / scale:.1f} {unit} "
-                 f"({100 * p['done'] // p['total']} %)")
+                 f"({percent(p['done'], p['total'])} %)")
     if p.get("eta_s") is not None:
         line += f", ~{p['eta_s']:.0f} s left"
     return line

@@ -34,11 +34,8 @@ def checkpoint(family: str, **sizes) -> str:
 
 
 def daemon_args(family: str, arena="8MiB") -> list[str]:
-    args = ["--arena", str(arena)]
-    base = family.replace("_mxfp4", "")
-    if base in hf_models.PATTERNS:
-        args += ["--pattern", hf_models.PATTERNS[base]]
-    return args
+    """``k3d start`` arguments: the daemon recognises every family from config.json (no --pattern)."""
+    return ["--arena", str(arena)]
 
 
 def eager(path: str):

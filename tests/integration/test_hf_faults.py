@@ -5,9 +5,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from hf_common import checkpoint, daemon_args, eager, torch
+
+from helpers import poll_for
 
 
 def test_daemon_restart_mid_forward_is_transparent(start_daemon):
@@ -75,9 +76,7 @@ def test_killed_client_leaves_others_unaffected(start_daemon):
     finally:
         hook.remove()
         model.k3d.client.close()
-    deadline = time.monotonic() + 30
     with k3client.connect(d.endpoint) as c:
-        while any(cl["pid"] == victim.pid for cl in c.status()["clients"]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(cl["pid"] == victim.pid for cl in c.status()["clients"])
+        poll_for(lambda: not any(cl["pid"] == victim.pid for cl in c.status()["clients"]), 30,
+                 lambda: f"the killed client to be reaped: {c.status()['clients']}", interval=0.1)
     assert d.proc.poll() is None and os.path.exists(d.endpoint[len("ipc://"):])

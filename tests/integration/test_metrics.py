@@ -5,14 +5,13 @@ import re
 import signal
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 import k3client
-from helpers import k3ctl, k3d
+from helpers import k3ctl, k3d, poll_for
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -107,8 +106,7 @@ def test_scrapes_during_shutdown_never_hang(checkpoint, start_daemon):
     threads = [threading.Thread(target=scraper) for _ in range(4)]
     for t in threads:
         t.start()
-    while outcomes.count("ok") < 8:
-        time.sleep(0.01)
+    poll_for(lambda: outcomes.count("ok") >= 8, 60, lambda: f"eight good scrapes: {outcomes}")
     assert d.stop(signal.SIGTERM) == 0
     stop.set()
     for t in threads:
@@ -119,15 +117,14 @@ def test_scrapes_during_shutdown_never_hang(checkpoint, start_daemon):
 
 def test_metrics_while_starting(checkpoint, start_daemon):
     d = start_daemon(checkpoint, "--arena", "2GiB", "--metrics", "127.0.0.1:0", wait_ready=False)
-    deadline = time.monotonic() + 60
-    while "metrics at" not in d.log():
-        assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
-        time.sleep(0.02)
+    def logged(text):
+        assert d.proc.poll() is None, d.log()
+        return text in d.log()
+
+    poll_for(lambda: logged("metrics at"), 60, lambda: f"the metrics line:\n{d.log()}", interval=0.02)
     m = scrape(metrics_url(d))
     if m[("k3d_ready", ())] == 0:
         assert 0 <= m[("k3d_startup_progress_ratio", ())] <= 1
-    while "k3d: ready" not in d.log():
-        assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
-        time.sleep(0.05)
+    poll_for(lambda: logged("k3d: ready"), 60, lambda: f"the ready line:\n{d.log()}", interval=0.05)
     m = scrape(metrics_url(d))
     assert m[("k3d_ready", ())] == 1 and ("k3d_hits_total", ()) in m

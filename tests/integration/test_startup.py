@@ -64,7 +64,7 @@ def test_connect_wait_for_a_daemon_not_there_yet(checkpoint, start_daemon, tmp_p
         "import sys, k3client\n"
         f"c = k3client.connect({endpoint!r}, name='waiter', wait=120)\n"
         "print(c.fetch(0, [2])[0].expert)\n")], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    time.sleep(0.5)            # the waiter is already waiting (nothing to observe: no daemon yet)
     d = start_daemon(checkpoint, "--arena", "4MiB", endpoint=endpoint)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0 and out.strip() == "2"

@@ -1,4 +1,8 @@
-"""MXFP4 dequantization: OCP against a hand-written reference, GGML against gguf.quants, bit for bit."""
+"""MXFP4 dequantization: OCP against a hand-written reference, GGML against gguf.quants, bit for bit.
+
+numpy inputs; the same checks with torch tensors, and gpt-oss against transformers' own
+dequantizer (optional extras whose import alone costs seconds), are
+tests/integration/test_mxfp4_torch.py."""
 
 import numpy as np
 import pytest
@@ -6,37 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
 from k3client.mxfp4 import dequantize
-
-# torch is optional (not in the test extra: PyPI's Linux wheels are CUDA builds)
-torch = pytest.importorskip("torch", reason="needs torch; CPU build: "
-                            "pip install torch --index-url https://download.pytorch.org/whl/cpu")
-
-
-def e2m1(nibble: int) -> float:
-    """FP4 E2M1 from its bits, written out from the OCP MX spec (independent of the module's table)."""
-    sign = -1.0 if nibble & 0b1000 else 1.0
-    exp = (nibble >> 1) & 0b11
-    man = nibble & 1
-    mag = man * 0.5 if exp == 0 else (1.0 + man / 2) * 2.0 ** (exp - 1)
-    return sign * mag
-
-
-def ocp_reference(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """Element by element: byte j holds element 2j (low nibble) and 2j+1 (high nibble)."""
-    rows = packed.reshape(-1, packed.shape[-1])
-    srows = scales.reshape(-1, scales.shape[-1])
-    out = np.zeros((rows.shape[0], rows.shape[1] * 2), np.float32)
-    for r in range(rows.shape[0]):
-        for j, byte in enumerate(rows[r]):
-            for k, nib in ((2 * j, int(byte) & 0xF), (2 * j + 1, int(byte) >> 4)):
-                v = e2m1(nib) * 2.0 ** (int(srows[r, k // 32]) - 127)
-                out[r, k] = v if abs(v) <= float(np.finfo(np.float32).max) else np.copysign(np.inf, v)
-    return out.reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
-
-
-def bits(a) -> np.ndarray:
-    a = a.numpy() if isinstance(a, torch.Tensor) else a
-    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+from mxfp4_reference import bits, ocp_reference
 
 
 @pytest.mark.parametrize("shape", [(3, 64), (2, 3, 32), (1, 16)])
@@ -50,8 +24,6 @@ def test_ocp_matches_hand_reference(shape):
     got = dequantize(packed, scales, layout="ocp")
     assert got.dtype == np.float32 and got.shape == ref.shape
     assert np.array_equal(bits(got), bits(ref))     # includes -0.0 for nibble 0b1000
-    gt = dequantize(torch.from_numpy(packed), torch.from_numpy(scales))
-    assert isinstance(gt, torch.Tensor) and np.array_equal(bits(gt), bits(ref))
 
 
 def test_ocp_every_nibble_and_scale():
@@ -71,8 +43,6 @@ def test_ggml_matches_gguf_bit_for_bit():
     ref = gguf_dequantize(data, T.MXFP4)
     got = dequantize(data, layout="ggml")
     assert got.shape == ref.shape and np.array_equal(bits(got), bits(ref))
-    gt = dequantize(torch.from_numpy(data), layout="ggml")
-    assert np.array_equal(bits(gt), bits(ref))
 
 
 def test_ggml_from_gguf_quantizer():
@@ -100,14 +70,10 @@ def test_nan_scale_rejected_naming_block():
     scales[2, 3] = 0xFF
     with pytest.raises(ValueError, match=r"^w1\.weight_scale: E8M0 scale 0xFF \(NaN\) in block 11 \(row 2, block 3"):
         dequantize(packed, scales, name="w1.weight_scale")
-    with pytest.raises(ValueError, match=r"block 11 \(row 2, block 3"):
-        dequantize(torch.from_numpy(packed), torch.from_numpy(scales), name="w1")
     blocks = np.zeros((2, 3 * 17), np.uint8)
     blocks[1, 2 * 17] = 0xFF
     with pytest.raises(ValueError, match=r"^ffn_up_exps\.weight: E8M0 scale 0xFF \(NaN\) in block 5 \(row 1, block 2"):
         dequantize(blocks, layout="ggml", name="ffn_up_exps.weight")
-    with pytest.raises(ValueError, match=r"in block 5"):
-        dequantize(torch.from_numpy(blocks), layout="ggml", name="x")
 
 
 def test_bad_arguments():
@@ -123,8 +89,6 @@ def test_bad_arguments():
         dequantize(np.zeros((4, 64), np.uint8), layout="nv")
     with pytest.raises(ValueError, match=r"scale shape \[\] do not match"):       # a 0-d scale
         dequantize(np.zeros(16, np.uint8), np.array(127, np.uint8))
-    with pytest.raises(ValueError, match=r"scale shape \[\] do not match"):
-        dequantize(torch.zeros(16, dtype=torch.uint8), torch.tensor(127, dtype=torch.uint8))
 
 
 def test_read_only_inputs_and_dtype():
@@ -135,29 +99,9 @@ def test_read_only_inputs_and_dtype():
     scales.flags.writeable = False
     ref = dequantize(packed, scales)
     assert np.array_equal(dequantize(packed, scales, dtype=np.float16), ref.astype(np.float16))
-    tb = dequantize(torch.from_numpy(packed.copy()), torch.from_numpy(scales.copy()), dtype=torch.bfloat16)
-    assert tb.dtype == torch.bfloat16 and torch.equal(tb.float(), torch.from_numpy(ref))  # exact in bf16
 
 
 # -- gpt-oss as shipped: *_blocks [..., G, 16] + *_scales [..., G] ----------------------------------------
-def test_gpt_oss_layout_equals_transformers():
-    """The gpt-oss layout against transformers' own dequantizer (an independent implementation), and
-    against the element-by-element OCP reference above, for numpy and torch inputs."""
-    transformers_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
-    rng = np.random.default_rng(21)
-    blocks = rng.integers(0, 256, (3, 8, 4, 16), dtype=np.uint8)       # [E, rows, G, 16]
-    scales = rng.integers(100, 150, (3, 8, 4), dtype=np.uint8)         # [E, rows, G]
-    ref = transformers_mxfp4.convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
-                                                        dtype=torch.float32)           # [E, G*32, rows]
-    for e in range(3):
-        ours = dequantize(blocks[e], scales[e], layout="gpt-oss")
-        assert ours.shape == (8, 128)
-        assert np.array_equal(ours, ref[e].T.numpy())        # values (+0/-0 aside, as the OCP table decides)
-        assert np.array_equal(bits(ours), bits(ocp_reference(blocks[e].reshape(8, 64), scales[e])))
-        t = dequantize(torch.from_numpy(blocks[e]), torch.from_numpy(scales[e]), layout="gpt-oss")
-        assert np.array_equal(bits(t), bits(ours))
-
-
 def test_gpt_oss_layout_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match=r"blocks shape \[8, 4, 16\] and scale shape \[8, 3\] do not match"):
         dequantize(np.zeros((8, 4, 16), np.uint8), np.zeros((8, 3), np.uint8), layout="gpt-oss", name="down")

@@ -1,17 +1,11 @@
-"""Unit: the route trace format and ``k3d replay`` (pure: no daemon)."""
+"""Unit: the route trace format and ``k3d replay`` on small traces (pure: no daemon).
 
-import json
-from pathlib import Path
+The real routing trace's replays and the CLI are tests/integration/test_replay_trace.py."""
 
 import pytest
 
-from k3d import replay_cli
-from k3d.cli import main as k3d_main
 from k3d.replay import min_slots, run
 from k3d.trace import BEGIN, FETCH, PREDICT, RouteTrace, TraceError, parse
-
-SHARED = "/work/shared/traces/mixtral8x7b-gsm8k.trace"    # the issue's real routing trace
-needs_shared = pytest.mark.skipif(not Path(SHARED).exists(), reason=f"{SHARED} not on this machine")
 
 
 def test_seed_lines_begin_a_token_where_the_layer_does_not_increase():
@@ -65,20 +59,6 @@ def test_min_slots_is_the_largest_token():
     assert run(ev, "lru", 3).cache_full == 1       # the store refuses what cannot be pinned
 
 
-@needs_shared
-def test_shared_trace_figures_and_targets():
-    """The issue's anchors (OPT exactly as measured there) and the default's targets."""
-    ev = parse(Path(SHARED).read_text().splitlines())
-    lru = {s: run(ev, "lru", s).hit_rate for s in (64, 100, 128, 192)}
-    cyc = {s: run(ev, "cycle", s).hit_rate for s in (64, 100, 128, 192)}
-    opt = {s: run(ev, "opt", s).hit_rate for s in (100, 128)}
-    assert round(100 * opt[100], 1) == 67.1 and round(100 * opt[128], 1) == 78.2
-    assert cyc[100] >= lru[100] + 0.06
-    assert cyc[128] >= lru[128] + 0.04
-    assert all(cyc[s] >= lru[s] - 0.01 for s in lru)
-    assert all(cyc[s] <= opt[s] for s in opt)
-
-
 def test_predictions_replayed_through_the_store():
     lines = []
     for t in range(20):
@@ -91,35 +71,3 @@ def test_predictions_replayed_through_the_store():
     with_p = run(ev, "lru", 6)
     assert with_p.prefetched > 0 and with_p.prefetch_hits == with_p.prefetched and with_p.prefetch_unused == 0
     assert run(ev, "lru", 6, predictions=False).prefetched == 0
-
-
-@needs_shared
-def test_cli_json_shape_and_errors(capsys, tmp_path):
-    assert k3d_main(["replay", SHARED, "--slots", "100,128", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["default"] == "cycle" and {"opt", "lru", "cycle"} <= set(out["results"])
-    assert set(out["results"]["lru"]["100"]) >= {"hits", "misses", "evictions", "hit_rate"}
-    assert k3d_main(["replay", SHARED, "--slots", "40"]) == 2
-    assert "needs at least 64 slots" in capsys.readouterr().err
-    assert k3d_main(["replay", SHARED, "--slots", "100", "--policy", "arc"]) == 2
-    assert "known policies: cycle, lru" in capsys.readouterr().err
-    bad = tmp_path / "bad.trace"
-    bad.write_text("1 L0 n=1 1\n2 L1 n=1 zz\n")
-    assert k3d_main(["replay", str(bad), "--slots", "4"]) == 2
-    assert "bad.trace:2: malformed" in capsys.readouterr().err
-
-
-@needs_shared
-def test_cli_sweep_and_plot(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
-    png = tmp_path / "curve.png"
-    assert replay_cli.main(replay_cli.add_parser(_sub()).parse_args(
-        [SHARED, "--slots", "64-70", "--sweep", "--policy", "lru", "--plot", str(png)])) == 0
-    out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["slots", "lru", "opt"] and len(out.splitlines()) == 1 + 7 + 1
-    assert png.read_bytes()[:4] == b"\x89PNG"
-
-
-def _sub():
-    import argparse
-    return argparse.ArgumentParser().add_subparsers()

@@ -221,17 +221,21 @@ class StoreWithQuota(StoreMachine):
     quota = 3
 
 
-_settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
-TestStore = StoreMachine.TestCase
-TestStore.settings = _settings
-TestStoreWithQuota = StoreWithQuota.TestCase
-TestStoreWithQuota.settings = _settings
-
-
 class StoreCycle(StoreMachine):
     policy_name = "cycle"
 
 
+# Budget (the unit layer runs in under 15 s): at most 70 x 50 steps for the plain machine,
+# 60 x 50 for the cycle-policy one and 40 x 50 for the quota one (hypothesis's own
+# bookkeeping, ~0.8 ms a step, is the cost; was 150 x 60 each).  Measured against ten bugs
+# injected into the store (bench/README.md, "the stateful test's budget"): the unit layer
+# still catches every one; the rarest for these machines (the capacity check counting the
+# fetch's own hits as evictable) is also pinned down by test_store.py.  A failure found
+# once is replayed from the example database (.hypothesis/) on later runs.
+_common = dict(stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestStore = StoreMachine.TestCase
+TestStore.settings = settings(max_examples=70, **_common)
+TestStoreWithQuota = StoreWithQuota.TestCase
+TestStoreWithQuota.settings = settings(max_examples=40, **_common)
 TestStoreCycle = StoreCycle.TestCase
-TestStoreCycle.settings = _settings
+TestStoreCycle.settings = settings(max_examples=60, **_common)
