@@ -99,6 +99,13 @@ def render_rates(prev: dict | None, st: dict, dt: float) -> str:
     return line
 
 
+def _layers(layers: list) -> str:
+    """The layers served: ``0-47`` when contiguous, else each one (Jamba: ``1,3,5,7``)."""
+    if layers and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(str(x) for x in layers) or "none"
+
+
 def render(st: dict) -> str:
     if st.get("state") == "starting":
         return render_starting(st)
@@ -108,7 +115,8 @@ def render(st: dict) -> str:
     m = st["model"]
     lines = [
         f"k3d {st['version']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  {st['endpoint']}",
-        f"model   {m['kind']} {m['path']}: {m['count']} experts, layers {m['layers'][0]}-{m['layers'][-1]}",
+        f"model   {m['kind']} {m['path']}:{' ' + m['family'] if m.get('family') else ''} {m['count']} experts, "
+        f"layers {_layers(m['layers'])}",
         f"arena   {_mib(a['bytes'])}: {a['slots']} slots x {_mib(a['slot_bytes'])}"
         f"{_pages(a)}, "
         f"used {a['used']}, pinned {a['pinned']}, loading {a['loading']}",

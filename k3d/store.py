@@ -7,7 +7,7 @@ Slot states and transitions (the server thread is the only caller)::
         ▲                                 │                      │  ▲   │ fetch: touch + pin
         │        complete(error)          │                      │  └───┘
         ├─────────────────────────────────┘                      │
-        │                 evict (LRU, unpinned only)             │
+        │          evict (policy victim: unpinned, READY)        │
         └────────────────────────────────────────────────────────┘
 
 Determinism: the policy hears of a key when it is *requested* (``insert`` for a

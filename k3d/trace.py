@@ -117,7 +117,9 @@ def parse_line(line: str):
     counts: dict[str, int] = {}
     kind, keys = FETCH, []
     for tok in toks[1:]:
-        if tok.startswith("c="):
+        if tok.isdigit() and layer is not None:       # the common case: an expert id
+            keys.append((layer, int(tok)))
+        elif tok.startswith("c="):
             client = int(tok[2:])
         elif tok.startswith("t="):
             epoch = int(tok[2:])

@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 
 import k3client
-from k3d.demo.routing import SyntheticRouter
+from k3d.demo.routing import DEMO, SyntheticRouter
 
 
 def main(argv=None) -> int:
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with open(args.digests) as f:
         digests = json.load(f)
-    router = SyntheticRouter(args.layers, args.experts, args.topk, seed=args.route_seed, stream=args.seed)
+    router = SyntheticRouter(args.layers, args.experts, args.topk, seed=args.route_seed, stream=args.seed, **DEMO)
     lat, checked, wrong = [], 0, 0
     with k3client.connect(args.endpoint, name=args.name) as c:
         for _ in range(args.tokens):

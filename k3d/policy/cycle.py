@@ -54,6 +54,7 @@ class CyclePolicy(PinTable):
         self._picks: dict[int, int] = {}              # layer -> keys used in those visits
         self._experts: dict[int, int] = {}            # layer -> highest expert id + 1 seen
         self._stat: dict[tuple, list] = {}            # key -> [decayed count, visit of last update]
+        self._fwd: dict[tuple, float] = {}            # key -> log count scaled to visit 0 (order in layer)
         self._key: dict[int, tuple] = {}              # resident slot -> key
         self._by_layer: dict[int, set[int]] = {}      # layer -> resident slots
         self._cand: dict[int, int | None] = {}        # layer -> cached candidate (absent: stale)
@@ -76,10 +77,11 @@ class CyclePolicy(PinTable):
         v = self._visits.get(layer, 0)
         st = self._stat.get(key)
         if st is None:
-            self._stat[key] = [1.0, v]
+            st = self._stat[key] = [1.0, v]
         else:
             st[0] = st[0] * self._decay ** (v - st[1]) + 1.0
             st[1] = v
+        self._fwd[key] = math.log(st[0]) - v * self._log_decay
         self._picks[layer] = self._picks.get(layer, 0) + 1
         if expert >= self._experts.get(layer, 0):
             self._experts[layer] = expert + 1
@@ -146,27 +148,21 @@ class CyclePolicy(PinTable):
         p = self.rate(key) if p is None else p
         return self.passed(key[0]), self.distance(key[0]) / max(p, 1e-9)
 
-    def _order_in_layer(self, slot: int) -> tuple[float, int]:
-        """Within one layer: lowest decayed count first (forward-scaled, so the order
-        holds between updates), then lower slot."""
-        st = self._stat.get(self._key[slot])
-        if st is None:
-            return -math.inf, slot
-        return math.log(st[0]) - st[1] * self._log_decay, slot
-
     def _candidate(self, layer: int):
         """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
         try:
             return self._cand[layer]
         except KeyError:
             pass
-        holders = self._holders
-        free = [s for s in self._by_layer.get(layer, ()) if s not in holders]
-        if free:
-            best = min(free, key=self._order_in_layer)
-            cand = (best, max(self.rate(self._key[best]), 1e-9))
-        else:
-            cand = None
+        holders, fwd, key_of = self._holders, self._fwd, self._key
+        best, best_v = None, math.inf
+        for s in self._by_layer.get(layer, ()):
+            if s in holders:
+                continue
+            v = fwd.get(key_of[s], -math.inf)
+            if v < best_v or (v == best_v and s < best):
+                best, best_v = s, v
+        cand = None if best is None else (best, max(self.rate(key_of[best]), 1e-9))
         self._cand[layer] = cand
         return cand
 
@@ -175,16 +171,19 @@ class CyclePolicy(PinTable):
             return self._victim_scan(exclude)
         c, f, L = self._current, self._first, max(self.layers, 1)
         wrapped = f > c
-        best, best_score = None, (False, -1.0, 0)
+        cands, candidate = self._cand, self._candidate
+        best, best_passed, best_v = None, False, -1.0
         for layer in self._by_layer:
-            cand = self._candidate(layer)
+            cand = cands[layer] if layer in cands else candidate(layer)
             if cand is None:
                 continue
-            s, p = cand
             passed = (layer >= f or layer <= c) if wrapped else (f <= layer <= c)
-            sc = (passed, ((layer - c - 1) % L + 1) / p, -s)
-            if sc > best_score:
-                best, best_score = s, sc
+            if best_passed and not passed:
+                continue
+            s, p = cand
+            v = ((layer - c - 1) % L + 1) / p
+            if (passed and not best_passed) or v > best_v or (v == best_v and s < best):
+                best, best_passed, best_v = s, passed, v
         return best
 
     def _victim_scan(self, exclude) -> int | None:
@@ -198,9 +197,8 @@ class CyclePolicy(PinTable):
         return best
 
     def evictable(self, exclude=()) -> int:
-        held = self._holders
-        return (len(self._key) - sum(1 for s in held if s in self._key)
-                - sum(1 for s in exclude if s in self._key and s not in held))
+        held = self._holders              # every pinned slot is resident (``check``)
+        return len(self._key) - len(held) - sum(1 for s in exclude if s in self._key and s not in held)
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         return self.score(self._key[slot]) > self.score(key, p=confidence)
@@ -233,6 +231,8 @@ class CyclePolicy(PinTable):
         for key, st in keys:                  # an update can't be later than its layer's visits
             st[1] = min(st[1], self._visits.get(key[0], 0))
             self._stat[key] = st
+            if st[0] > 0:
+                self._fwd[key] = math.log(st[0]) - st[1] * self._log_decay
         self._cand.clear()
 
     def snapshot(self):

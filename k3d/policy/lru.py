@@ -57,8 +57,10 @@ class LruPolicy(PinTable):
         return None
 
     def evictable(self, exclude=()) -> int:
-        """How many slots could be evicted, not counting ``exclude``."""
-        return sum(1 for s in self._order if s not in self._holders and s not in exclude)
+        """How many slots could be evicted, not counting ``exclude``.  O(pins + exclude):
+        every pinned slot is resident (the store pins only slots it holds; ``check``)."""
+        held, order = self._holders, self._order
+        return len(order) - len(held) - sum(1 for s in exclude if s in order and s not in held)
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         """LRU knows nothing of reuse: a prediction may evict any unpinned slot."""
@@ -84,3 +86,4 @@ class LruPolicy(PinTable):
 
     def check(self) -> None:
         self.check_pins()
+        assert set(self._holders) <= set(self._order), "a pin on a slot the policy does not hold"

@@ -97,8 +97,8 @@ class OptPolicy(PinTable):
         return found
 
     def evictable(self, exclude=()) -> int:
-        return (len(self._due) - sum(1 for s in self._holders if s in self._due)
-                - sum(1 for s in exclude if s in self._due and s not in self._holders))
+        held = self._holders              # every pinned slot is resident
+        return len(self._due) - len(held) - sum(1 for s in exclude if s in self._due and s not in held)
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         return True

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import k3client
+from helpers import k3ctl
 from k3client import mxfp4
 from k3d.sources import SourceError, open_source
 from k3d.sources.safetensors import SafetensorsSource
@@ -182,6 +183,9 @@ def test_start_serves_the_family_without_a_pattern(saved, mt, start_daemon):
                 for spec in c.layout_of(layer):
                     assert ex.array(spec.name).tobytes() == np.ascontiguousarray(
                         want[(layer, ex.expert)][spec.name]).tobytes()
+    r = k3ctl("status", "--endpoint", d.endpoint)
+    layers = {"gpt_oss": "layers 0-1", "jamba": "layers 1,3"}[mt]
+    assert r.returncode == 0 and f": {mt} {2 * tf.E} experts, {layers}" in r.stdout, r.stdout
     assert d.stop() == 0
 
 
@@ -305,3 +309,13 @@ def test_deepseek_v3_fp8_as_shipped(tmp_path):
                 assert bytes(slot[s.offset:s.offset + s.nbytes]) == ref.tobytes()
     finally:
         src.close()
+
+
+def test_two_families_in_one_checkpoint_refused_at_start(tmp_path):
+    save_file({"model.layers.0.mlp.experts.0.gate_proj.weight": np.zeros((4, 4), np.float32),
+               "model.layers.0.feed_forward.experts.gate_up_proj": np.zeros((2, 4, 8), np.float32)},
+              str(tmp_path / "model.safetensors"))
+    r = _k3d("start", "--source", str(tmp_path), "--endpoint", f"ipc://{tmp_path}/k.sock")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert "two families match this checkpoint: experts.mlp" in lines[0] and "stacked.feed_forward" in lines[0]
