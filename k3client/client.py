@@ -33,16 +33,16 @@ import os
 import socket
 import threading
 import time
-import warnings
 import weakref
 
-import numpy as np
 import zmq
 
 from . import errors
 from .endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
-from .layout import DTYPES, TensorSpec, layout_bytes, layouts_from_wire, numpy_dtype
+from .layout import TensorSpec, layouts_from_wire
+from .lease import end_heartbeat, heartbeat
 from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
+from .views import Expert
 
 _UNSET = object()
 
@@ -53,75 +53,6 @@ class _Gone(errors.DaemonRestarted):
 
 class _LayoutChanged(errors.DaemonRestarted):
     """The restarted daemon serves another layout: re-attaching would mislead the caller."""
-
-
-class Expert:
-    """One fetched expert: ``layer``, ``expert``, ``slot``; views into the arena."""
-
-    __slots__ = ("layer", "expert", "slot", "gen", "_client")
-
-    def __init__(self, client: "Client", layer: int, expert: int, slot: int):
-        self.layer, self.expert, self.slot, self._client = layer, expert, slot, client
-        self.gen = client.gen
-
-    def _mapping(self):
-        """The arena this expert's slot number refers to, or DaemonRestarted."""
-        c = self._client
-        if self.gen != c.gen or c._mm is None:
-            raise errors.DaemonRestarted(
-                f"expert (layer {self.layer}, expert {self.expert}) was fetched from a daemon that has "
-                "since restarted (or this client is closed); its slot means nothing now: fetch it again")
-        return c._mm
-
-    def __repr__(self):
-        return f"Expert(layer={self.layer}, expert={self.expert}, slot={self.slot})"
-
-    def _spec(self, name: str) -> TensorSpec:
-        specs = self._client._specs_of(self.layer)
-        try:
-            return specs[name]
-        except KeyError:
-            raise KeyError(f"no tensor {name!r} in layer {self.layer}'s layout; have {sorted(specs)}") from None
-
-    def memory(self) -> memoryview:
-        """Read-only view of the whole expert span in its slot (its layer's layout)."""
-        mm = self._mapping()
-        c = self._client
-        base = self.slot * c.slot_bytes
-        return memoryview(mm)[base:base + layout_bytes(c.layout_of(self.layer))]
-
-    def array(self, name: str) -> np.ndarray:
-        """Read-only numpy view of one tensor, no copy.
-
-        numpy has no bfloat16 or fp8: those types come back as the unsigned
-        integer of the same width (BF16 -> ``uint16``, F8_* -> ``uint8``) holding the raw
-        bits; ``tensor()`` gives the real dtype, or ``arr.view(ml_dtypes.bfloat16)``."""
-        mm = self._mapping()
-        spec = self._spec(name)
-        dt = numpy_dtype(spec.dtype)
-        off = self.slot * self._client.slot_bytes + spec.offset
-        return np.frombuffer(mm, dtype=dt, count=spec.nbytes // dt.itemsize,
-                             offset=off).reshape(spec.shape)
-
-    def tensor(self, name: str):
-        """torch view of one tensor, no copy, in its real dtype (needs torch). Do not write to it."""
-        try:
-            import torch  # optional: k3client itself needs only numpy, pyzmq and msgpack
-        except ImportError:
-            raise ImportError("Expert.tensor() needs torch: pip install torch --index-url "
-                              "https://download.pytorch.org/whl/cpu (CPU build; or your CUDA build); "
-                              "Expert.array() works without it") from None
-
-        mm = self._mapping()
-        spec = self._spec(name)
-        tdt = getattr(torch, DTYPES[spec.dtype][2])
-        off = self.slot * self._client.slot_bytes + spec.offset
-        with warnings.catch_warnings():
-            # torch warns that the buffer is not writable; that is the point.
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(mm, dtype=tdt,
-                                 count=spec.nbytes // DTYPES[spec.dtype][0], offset=off)
-        return t.view(spec.shape)
 
 
 class Client:
@@ -154,11 +85,11 @@ class Client:
             # The lease thread holds only a weak reference: a Client dropped without
             # close() (and with no Expert left) stops heartbeating, so its pins expire.
             self._hb_thread = threading.Thread(
-                target=_heartbeat, name="k3client-lease", daemon=True,
+                target=heartbeat, name="k3client-lease", daemon=True,
                 args=(weakref.ref(self), self._ctx, self.endpoint, max(0.2, self.lease_s / 4),
                       self._hb_stop, self._hb_wake))
             self._hb_thread.start()
-            weakref.finalize(self, _end_heartbeat, self._hb_stop, self._hb_wake)
+            weakref.finalize(self, end_heartbeat, self._hb_stop, self._hb_wake)
         except BaseException:
             self._teardown()
             raise
@@ -410,7 +341,7 @@ class Client:
         self.gen = None
 
     def _teardown(self):
-        _end_heartbeat(self._hb_stop, self._hb_wake)
+        end_heartbeat(self._hb_stop, self._hb_wake)
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
         self._disconnect()
@@ -421,47 +352,6 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _end_heartbeat(stop: threading.Event, wake: threading.Event) -> None:
-    stop.set()
-    wake.set()
-
-
-def _heartbeat(client_ref, ctx, endpoint: str, period: float, stop: threading.Event,
-               wake: threading.Event) -> None:
-    """Lease thread: renew the client's lease every quarter lease while it exists.
-
-    The period follows the lease of the daemon attached now (a restarted daemon may
-    have a shorter one; ``wake`` is set at every attach, so the first beat to it goes
-    out at once).  While no daemon listens a beat is skipped, never queued
-    (IMMEDIATE): a queue would fill in a long outage and end the thread."""
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.IMMEDIATE, 1)
-    s.connect(endpoint)
-    try:
-        while True:
-            wake.wait(period)
-            wake.clear()
-            if stop.is_set():
-                return
-            client = client_ref()
-            if client is None:
-                return
-            # gen: a heartbeat queued across a restart must not renew a stranger
-            client_id, gen = client._lease
-            period = max(0.2, client.lease_s / 4)
-            del client
-            try:
-                s.send(pack({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 0,
-                             "client_id": client_id, "gen": gen}), zmq.NOBLOCK)
-            except zmq.Again:       # no daemon connected right now: the next beat tries again
-                pass
-    except zmq.ZMQError:            # the context was terminated: the client is gone
-        pass
-    finally:
-        s.close(0)
 
 
 def connect(endpoint: str | None = None, name: str | None = None, **kw) -> Client:

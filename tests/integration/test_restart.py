@@ -199,7 +199,7 @@ def test_heartbeats_follow_the_lease_of_the_daemon_that_came_back(checkpoint, st
 def test_lease_thread_outlives_a_full_send_queue():
     """While no daemon listens, beats are skipped, not queued: a full queue (here after one
     message) must not end the lease thread, or the client would never heartbeat again."""
-    from k3client.client import _heartbeat
+    from k3client.lease import heartbeat as _heartbeat
 
     class Idle:
         _lease, lease_s = (1, 1), 0.8       # beats every 0.2 s

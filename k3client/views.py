@@ -1,0 +1,90 @@
+"""Zero-copy views of one fetched expert in the shared arena.
+
+Memory layout: slot ``s`` of the arena starts at ``s * slot_bytes``; a tensor of
+the expert's layer layout lies at ``spec.offset`` inside it, ``spec.nbytes`` long
+(``k3client.layout``).  The mapping is PROT_READ over a sealed memfd, so every
+view is read-only.
+
+Thread: an ``Expert`` belongs to its ``Client``'s thread.  Caller's obligation: a
+view is valid until the client's next ``begin_token()`` (the daemon keeps the
+slot pinned until then) or ``close()``; an ``Expert`` bound to an older daemon
+generation raises ``DaemonRestarted`` instead of building a view.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from . import errors
+from .layout import DTYPES, TensorSpec, layout_bytes, numpy_dtype
+
+
+class Expert:
+    """One fetched expert: ``layer``, ``expert``, ``slot``; views into the arena."""
+
+    __slots__ = ("layer", "expert", "slot", "gen", "_client")
+
+    def __init__(self, client, layer: int, expert: int, slot: int):
+        self.layer, self.expert, self.slot, self._client = layer, expert, slot, client
+        self.gen = client.gen
+
+    def _mapping(self):
+        """The arena this expert's slot number refers to, or DaemonRestarted."""
+        c = self._client
+        if self.gen != c.gen or c._mm is None:
+            raise errors.DaemonRestarted(
+                f"expert (layer {self.layer}, expert {self.expert}) was fetched from a daemon that has "
+                "since restarted (or this client is closed); its slot means nothing now: fetch it again")
+        return c._mm
+
+    def __repr__(self):
+        return f"Expert(layer={self.layer}, expert={self.expert}, slot={self.slot})"
+
+    def _spec(self, name: str) -> TensorSpec:
+        specs = self._client._specs_of(self.layer)
+        try:
+            return specs[name]
+        except KeyError:
+            raise KeyError(f"no tensor {name!r} in layer {self.layer}'s layout; have {sorted(specs)}") from None
+
+    def memory(self) -> memoryview:
+        """Read-only view of the whole expert span in its slot (its layer's layout)."""
+        mm = self._mapping()
+        c = self._client
+        base = self.slot * c.slot_bytes
+        return memoryview(mm)[base:base + layout_bytes(c.layout_of(self.layer))]
+
+    def array(self, name: str) -> np.ndarray:
+        """Read-only numpy view of one tensor, no copy.
+
+        numpy has no bfloat16 or fp8: those types come back as the unsigned
+        integer of the same width (BF16 -> ``uint16``, F8_* -> ``uint8``) holding the raw
+        bits; ``tensor()`` gives the real dtype, or ``arr.view(ml_dtypes.bfloat16)``."""
+        mm = self._mapping()
+        spec = self._spec(name)
+        dt = numpy_dtype(spec.dtype)
+        off = self.slot * self._client.slot_bytes + spec.offset
+        return np.frombuffer(mm, dtype=dt, count=spec.nbytes // dt.itemsize,
+                             offset=off).reshape(spec.shape)
+
+    def tensor(self, name: str):
+        """torch view of one tensor, no copy, in its real dtype (needs torch). Do not write to it."""
+        try:
+            import torch  # optional: k3client itself needs only numpy, pyzmq and msgpack
+        except ImportError:
+            raise ImportError("Expert.tensor() needs torch: pip install torch --index-url "
+                              "https://download.pytorch.org/whl/cpu (CPU build; or your CUDA build); "
+                              "Expert.array() works without it") from None
+
+        mm = self._mapping()
+        spec = self._spec(name)
+        tdt = getattr(torch, DTYPES[spec.dtype][2])
+        off = self.slot * self._client.slot_bytes + spec.offset
+        with warnings.catch_warnings():
+            # torch warns that the buffer is not writable; that is the point.
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(mm, dtype=tdt,
+                                 count=spec.nbytes // DTYPES[spec.dtype][0], offset=off)
+        return t.view(spec.shape)
