@@ -23,7 +23,7 @@ from k3d.demo.routing import routes, statistics  # noqa: E402
 from k3d.replay import layers_of, min_slots, run  # noqa: E402
 from k3d.trace import read  # noqa: E402
 
-SHARED = "/work/shared/traces/mixtral8x7b-gsm8k.trace"
+SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces", "mixtral8x7b-gsm8k.trace")
 TRACES = {   # name: (tokens, router arguments)
     "mixtral-like L32 E8 k2": (400, dict(layers=32, experts=8, topk=2, seed=3)),
     "olmoe-like L16 E64 k8, rho 0.3": (300, dict(layers=16, experts=64, topk=8, seed=4, rho=0.3)),

@@ -1,4 +1,4 @@
-"""Integration: ``k3d replay`` on the real routing trace (Mixtral-8x7B GSM8K, ../shared/traces).
+"""Integration: ``k3d replay`` on the real routing trace (Mixtral-8x7B GSM8K, traces/ in the repository).
 
 The whole trace through the daemon's own store and policies, several arena sizes each,
 and the CLI end to end (JSON, errors, a sweep with a plot): real data, so seconds of CPU,
@@ -16,11 +16,10 @@ from k3d.cli import main as k3d_main
 from k3d.replay import run
 from k3d.trace import parse
 
-SHARED = "/work/shared/traces/mixtral8x7b-gsm8k.trace"    # the issue's real routing trace
-needs_shared = pytest.mark.skipif(not Path(SHARED).exists(), reason=f"{SHARED} not on this machine")
+# real routing (Mixtral-8x7B decoding GSM8K), shipped in the repository
+SHARED = str(Path(__file__).resolve().parents[2] / "traces" / "mixtral8x7b-gsm8k.trace")
 
 
-@needs_shared
 def test_shared_trace_figures_and_targets():
     """The issue's anchors (OPT exactly as measured there) and the default's targets."""
     ev = parse(Path(SHARED).read_text().splitlines())
@@ -34,7 +33,6 @@ def test_shared_trace_figures_and_targets():
     assert all(cyc[s] <= opt[s] for s in opt)
 
 
-@needs_shared
 def test_cli_json_shape_and_errors(capsys, tmp_path):
     assert k3d_main(["replay", SHARED, "--slots", "100,128", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -50,7 +48,6 @@ def test_cli_json_shape_and_errors(capsys, tmp_path):
     assert "bad.trace:2: malformed" in capsys.readouterr().err
 
 
-@needs_shared
 def test_cli_sweep_and_plot(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "curve.png"
