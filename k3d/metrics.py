@@ -168,6 +168,9 @@ def families(st: dict):
                                         text, value=d[field])
 
 
+REQUEST_TIMEOUT_S = 5.0   # a connection that sends no request is dropped after this
+
+
 class _Collector:
     def __init__(self, board: SnapshotBoard):
         self.board = board
@@ -195,6 +198,12 @@ class Exporter:
         except OSError as e:
             raise RuntimeError(f"--metrics {hostport}: cannot listen ({e.strerror}); "
                                "pick another port or stop what uses it") from None
+        # A scrape in flight at shutdown must end with a whole response, not be cut off when the
+        # process exits under a daemon thread: make request threads joinable (server_close joins
+        # them) and bound how long a silent connection can hold one.
+        self._server.daemon_threads = False
+        self._server.block_on_close = True
+        self._server.RequestHandlerClass.timeout = REQUEST_TIMEOUT_S
         self.address = f"{host}:{self._server.server_port}"
 
     def stop(self) -> None:
