@@ -23,6 +23,7 @@ read-only once built, so threads of one test may share it).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -139,3 +140,28 @@ def verify(client, experts, ref: Reference, pattern: str = DEFAULT_PATTERN) -> N
         for spec in client.layout:
             got, want = ex.array(spec.name), ref.expert(ex.layer, ex.expert, spec.name, pattern)
             assert got.shape == want.shape and got.tobytes() == want.tobytes(), (ex.layer, ex.expert, spec.name)
+
+
+@contextlib.contextmanager
+def moto_s3():
+    """A real S3 API (moto's threaded server) on loopback, with the AWS_* environment boto3
+    and the daemon read pointed at it for the duration; yields the env dict (for subprocesses)."""
+    from moto import server as moto_server  # test extra; imported here so helpers load without it
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()

@@ -33,3 +33,14 @@ def bits(a) -> np.ndarray:
     """The float32 bit patterns of a numpy array or a (CPU) torch tensor, for bit-exact compares."""
     a = a.numpy() if hasattr(a, "numpy") and not isinstance(a, np.ndarray) else a
     return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+def random_ocp(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Packed OCP bytes and E8M0 scales of ``shape`` (seeded by it), the first scales set to
+    subnormal and extreme values."""
+    rng = np.random.default_rng(sum(shape))
+    packed = rng.integers(0, 256, shape, dtype=np.uint8)
+    scales = rng.integers(0, 255, shape[:-1] + (shape[-1] // 16,), dtype=np.uint8)
+    flat = scales.reshape(-1)
+    flat[:3] = [0, 1, 254][:flat.size]
+    return packed, scales

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as T
 from test_gguf_mixes import _raw, _write
 
 from faulty_http import FaultyServer
+from helpers import moto_s3
 from k3d.pack import pack_main
 from k3d.sources import open_source
 from k3d.sources.remote.http import HttpSource
@@ -82,17 +83,9 @@ def test_http_serves_families_and_mixes_as_local(origin, what):
 
 def test_s3_serves_a_stacked_family(origin):
     boto3 = pytest.importorskip("boto3")
-    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("moto.server")
     _, root = origin
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with moto_s3():
         client = boto3.client("s3")
         client.create_bucket(Bucket="fam")
         for f in os.listdir(root / "gpt_oss"):
@@ -105,13 +98,6 @@ def test_s3_serves_a_stacked_family(origin):
         finally:
             remote.close()
             local.close()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 @pytest.mark.parametrize("what", ["gpt_oss", "jamba", "mix.gguf"])

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 boto3 = pytest.importorskip("boto3", reason="S3 tests need boto3 (pip install 'moto[server]' boto3)")
-moto_server = pytest.importorskip("moto.server", reason="S3 tests need moto's server (pip install 'moto[server]')")
+pytest.importorskip("moto.server", reason="S3 tests need moto's server (pip install 'moto[server]')")
 
 import k3client  # noqa: E402
-from helpers import Reference  # noqa: E402
+from helpers import Reference, moto_s3  # noqa: E402
 from k3d.config import DEFAULT_PATTERN  # noqa: E402
 from k3d.demo.synthetic import write_checkpoint  # noqa: E402
 from k3d.reads.plan import split_extents  # noqa: E402
@@ -28,30 +28,14 @@ BUCKET = "k3d-models"
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    root = tmp_path_factory.mktemp("s3src")
-    ck = write_checkpoint(str(root / "ck"), layers=2, experts=4, shards=2, seed=41)
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    for f in os.listdir(ck):
-        client.upload_file(os.path.join(ck, f), BUCKET, f"models/ck/{f}")
-    try:
+    with moto_s3() as env:
+        root = tmp_path_factory.mktemp("s3src")
+        ck = write_checkpoint(str(root / "ck"), layers=2, experts=4, shards=2, seed=41)
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        for f in os.listdir(ck):
+            client.upload_file(os.path.join(ck, f), BUCKET, f"models/ck/{f}")
         yield client, env, Reference(ck), ck
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
-
 
 def read_expert(src, key, parts=2):
     slot = memoryview(bytearray(src.expert_bytes))

@@ -95,7 +95,7 @@ def test_fetch_returns_correct_bytes_zero_copy(server):
         with pytest.raises(ValueError):
             a[0, 0] = 1
         try:
-            import torch  # noqa: F401  (optional: not in the test extra, see pyproject.toml)
+            import torch  # noqa: F401  (optional for k3d: this test runs without it)
         except ImportError:
             pass
         else:

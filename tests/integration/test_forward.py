@@ -16,7 +16,7 @@ from helpers import k3d, reference
 from k3client.mxfp4 import dequantize
 from k3d.demo.synthetic import write_synthetic_gguf
 
-# torch is optional (not in the test extra: PyPI's Linux wheels are CUDA builds)
+# torch is optional for k3d; the test extra installs it (the CPU build, via the README's index)
 torch = pytest.importorskip("torch", reason="needs torch; CPU build: "
                             "pip install torch --index-url https://download.pytorch.org/whl/cpu")
 F = torch.nn.functional

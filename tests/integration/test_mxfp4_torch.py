@@ -12,20 +12,16 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from k3client.mxfp4 import dequantize
-from mxfp4_reference import bits, ocp_reference
+from mxfp4_reference import bits, ocp_reference, random_ocp
 
-# torch is optional (not in the test extra: PyPI's Linux wheels are CUDA builds)
+# torch is optional for k3d; the test extra installs it (the CPU build, via the README's index)
 torch = pytest.importorskip("torch", reason="needs torch; CPU build: "
                             "pip install torch --index-url https://download.pytorch.org/whl/cpu")
 
 
 @pytest.mark.parametrize("shape", [(3, 64), (2, 3, 32), (1, 16)])
 def test_ocp_matches_hand_reference(shape):
-    rng = np.random.default_rng(sum(shape))
-    packed = rng.integers(0, 256, shape, dtype=np.uint8)
-    scales = rng.integers(0, 255, shape[:-1] + (shape[-1] // 16,), dtype=np.uint8)
-    flat = scales.reshape(-1)
-    flat[:3] = [0, 1, 254][:flat.size]             # subnormal and extreme scales
+    packed, scales = random_ocp(shape)
     ref = ocp_reference(packed, scales)
     gt = dequantize(torch.from_numpy(packed), torch.from_numpy(scales))
     assert isinstance(gt, torch.Tensor) and np.array_equal(bits(gt), bits(ref))

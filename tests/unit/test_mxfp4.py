@@ -10,16 +10,12 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
 from k3client.mxfp4 import dequantize
-from mxfp4_reference import bits, ocp_reference
+from mxfp4_reference import bits, ocp_reference, random_ocp
 
 
 @pytest.mark.parametrize("shape", [(3, 64), (2, 3, 32), (1, 16)])
 def test_ocp_matches_hand_reference(shape):
-    rng = np.random.default_rng(sum(shape))
-    packed = rng.integers(0, 256, shape, dtype=np.uint8)
-    scales = rng.integers(0, 255, shape[:-1] + (shape[-1] // 16,), dtype=np.uint8)
-    flat = scales.reshape(-1)
-    flat[:3] = [0, 1, 254][:flat.size]             # subnormal and extreme scales
+    packed, scales = random_ocp(shape)
     ref = ocp_reference(packed, scales)
     got = dequantize(packed, scales, layout="ocp")
     assert got.dtype == np.float32 and got.shape == ref.shape
