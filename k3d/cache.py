@@ -13,7 +13,8 @@ the three in step:
   and demoted, and its prediction-waste share moves;
 - ``drop``: a client leaves or dies: pins released, held-back reads go on as
   background reads, a fetch it waits on is answered NotAttached;
-- ``apply_done``: every read part reported since the last call is counted;
+- ``apply_done``: every read part reported since the last call is counted
+  (and its reader CPU handed to ``charge``, for the client it was read for);
   a finished load makes its slot READY (or FREE on error) and answers waiters;
 - ``shut_down``: cancel queued reads, wait for running ones, answer every
   parked fetch.
@@ -48,8 +49,11 @@ WASTE_LIMIT = 0.9        # share of unused predictions above which a client is t
 
 
 class Cache:
-    def __init__(self, store: Store, source, arena, readers: int, replies, latency: FetchLatency):
+    def __init__(self, store: Store, source, arena, readers: int, replies, latency: FetchLatency,
+                 charge=None):
+        """``charge(client_id, cpu_seconds)``: told the readers' CPU spent for each client."""
         self.store, self.stats = store, store.stats
+        self.charge = charge
         self.latency = latency
         self.recent = Throughput()
         self.reads = Loads(readers, source, arena)
@@ -92,7 +96,7 @@ class Cache:
             trace.predict(time.monotonic(), s.client_id, s.epoch, keys)
         started = self.store.predict(s.client_id, keys)
         s.pf_started += len(started)
-        self._start(started, urgent=False)
+        self._start(started, urgent=False, owner=s.client_id)
         return len(started)
 
     def end_token(self, s: Session) -> int:
@@ -133,6 +137,8 @@ class Cache:
             self.stats.bytes_read += d.nbytes
             self.stats.read_seconds += d.seconds
             self.recent.add(now, d.nbytes)
+            if d.owner is not None and self.charge is not None:
+                self.charge(d.owner, d.cpu)
             if load is not None:
                 self._finished(load, draining)
 

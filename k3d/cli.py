@@ -49,6 +49,10 @@ def _start_parser(sub):
                    help=f"seconds a silent client keeps its pins (default {D.lease_s:g})")
     p.add_argument("--pin-quota", dest="pin_quota", type=int,
                    help=f"slots one client may pin per token (0: no limit; default {D.pin_quota})")
+    p.add_argument("--max-share", dest="max_share", type=float,
+                   help="while several clients are active, one may use this many times the others' average "
+                   "of the daemon's CPU; a client over it waits before its next request is served "
+                   f"(0: off; default {D.max_share:g})")
     p.add_argument("--log-level", dest="log_level", help=f"debug, info, warning, error (default {D.log_level})")
     p.add_argument("--read-mode", dest="read_mode",
                    help="packed files: buffered (page cache, dropped after reading) or direct (O_DIRECT); "

@@ -46,6 +46,8 @@ class Config:
     trace: str | None = None
     lease_s: float = 10.0             # a client silent this long loses its pins
     pin_quota: int = 0                # slots one client may pin per token; 0 = no limit
+    max_share: float = 2.0            # with others active, a client may use this many times their
+                                      # average of the daemon's CPU, else it is paced (k3d/pacing.py); 0 = off
     log_level: str = "info"
     read_mode: str = "buffered"       # packed sources: buffered | direct (O_DIRECT)
     http_conns: int = 4               # remote sources: persistent connections per host
@@ -145,6 +147,16 @@ def _share(value) -> float:
     return v
 
 
+def _max_share(value) -> float:
+    """0 (pacing off) or a factor from 1 to 100: under 1 would pace every client above average."""
+    if isinstance(value, bool):
+        raise TypeError("not a number")
+    v = float(value)
+    if not (v == 0 or 1 <= v <= 100):
+        raise ValueError("must be 0 (off) or between 1 and 100")
+    return v
+
+
 def default_state_dir(env) -> str:
     """systemd's StateDirectory= ($STATE_DIRECTORY), else the XDG state directory."""
     if env.get("STATE_DIRECTORY"):
@@ -190,6 +202,7 @@ _CONVERTERS = {
     "disk_cache_size": _size,
     "slots": _int_in(0),
     "pin_quota": _int_in(0),
+    "max_share": _max_share,
     "readers": _readers,
     "http_conns": _int_in(1, 256),
     "http_retries": _int_in(0, 20),

@@ -146,13 +146,23 @@ def render(st: dict) -> str:
         if d:
             lines.append(f"disk    {d['dir']}: {d['hits']} hits, {d['entries']} entries, "
                          f"{_mib(d['bytes'])} of {_mib(d['limit'])}, {d['corrupt']} corrupt")
-    lines.append(f"clients {len(st['clients'])}")
+    paced = f" ({s['paced']} holds of clients over their CPU share, {s['paced_seconds']:.1f}s)" if s.get("paced") else ""
+    lines.append(f"clients {len(st['clients'])}{paced}")
     for c in st["clients"]:
-        lines.append(f"  {c['name']:<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  fetches {c['fetches']}")
+        lines.append(f"  {c['name']:<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  fetches {c['fetches']}"
+                     f"{_cpu(c)}")
         q = (pq or {}).get("clients", {}).get(str(c.get("id")))
         if q:
             lines.append(f"    predict {prediction_line(q)}")
     return "\n".join(lines)
+
+
+def _cpu(c: dict) -> str:
+    """A client's share of the daemon's recent CPU, and its holds when it went far over it."""
+    if "cpu_share" not in c:        # a daemon older than pacing
+        return ""
+    held = f", held back {c['paced']}x for {c['paced_s']:.1f}s" if c.get("paced") else ""
+    return f"  cpu {100 * c['cpu_share']:.0f}%{held}"
 
 
 def _failure(args, endpoint: str, message: str) -> None:

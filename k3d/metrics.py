@@ -48,6 +48,8 @@ HELP = {
     "bad_requests": "requests refused as malformed, unknown or out of protocol",
     "cache_full": "fetches refused because every slot was pinned",
     "clients_dead": "clients dropped because they exited or went silent",
+    "paced": "times a client using far more than its share of the daemon's CPU was held back",
+    "paced_seconds": "seconds clients were held back for using far more than their CPU share",
 }
 ARENA_GAUGES = {   # metric name: (status arena field, help)
     "k3d_arena_slots": ("slots", "slots in the arena"),

@@ -1,7 +1,7 @@
 """SIGHUP: which settings a running daemon may change, and how they are applied.
 
 ``LIVE`` settings change at once (log level, lease for new clients, pin quota,
-route trace: always reopened, so that logrotate's move starts a new file);
+the pacing share, route trace: always reopened, so that logrotate's move starts a new file);
 every other changed field is kept until a restart, with one warning naming
 them.  A trace that cannot be opened keeps the old one (an error line).
 
@@ -17,14 +17,14 @@ from .trace import RouteTrace
 
 log = logging.getLogger("k3d")
 
-LIVE = ("log_level", "lease_s", "pin_quota", "trace")   # what SIGHUP may change
+LIVE = ("log_level", "lease_s", "pin_quota", "max_share", "trace")   # what SIGHUP may change
 
 
 def apply(cur, new, trace: RouteTrace | None, t0: float):
     """Apply ``new``'s LIVE settings over the running config ``cur``.
 
     Returns (the config now running, the route trace now open or None); closes
-    ``trace`` when it is replaced.  The caller applies ``pin_quota`` to its store."""
+    ``trace`` when it is replaced.  The caller applies ``pin_quota`` to its store and ``max_share`` to its pacer."""
     fixed = [f.name for f in dataclasses.fields(cur)
              if f.name not in LIVE and getattr(cur, f.name) != getattr(new, f.name)]
     opened = trace

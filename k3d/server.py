@@ -43,6 +43,10 @@ per turn, a request costing by its size), so a client flooding big requests
 cannot make the others wait behind all of them.  Fair share of the readers: a
 client's urgent reads go through its fair share (``reads/fair.py``), so one
 client's huge cold fetch cannot put every other client's miss behind all of it.
+Fair share of the CPU: every request's loop time and every read's reader time
+is charged to its client (thread CPU time); a client using far more than the
+others while they are active is held back before its next request
+(``pacing.py``), so a client sending as fast as it is answered sleeps instead.
 
 Access (``access.py``): both sockets are created mode 0660 in a 0750 directory, and every
 peer is checked again from its kernel credentials (ZeroMQ ``Peer-Address`` on
@@ -75,6 +79,7 @@ from .cache import Cache
 from .handout import ArenaHandout
 from .latency import FetchLatency
 from .metrics import SnapshotBoard
+from .pacing import Pacer
 from .policy import make as make_policy
 from .sessions import REAP_INTERVAL, Session, Sessions, identify
 from .store import Store
@@ -105,6 +110,7 @@ class Server:
         self.latency = FetchLatency()
         self._t_msg = 0.0        # arrival of the request being handled (fetch latency)
         self.turns = Turns()     # requests received, waiting their client's turn (k3d/turns.py)
+        self.pacer = Pacer(cfg.max_share)   # each client's CPU use; holds back one far over its share
         # /metrics reads status through this board, never the store (k3d/metrics.py)
         self.board = board or SnapshotBoard()
         self.board.wake = self._wake
@@ -125,7 +131,7 @@ class Server:
         with private_umask():
             self.handout.bind()
         self.replies = wire.Replies(self.sock, self.gen)
-        self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency)
+        self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency, self._charge)
         self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
         self.cache.preload(self.warm.preload(self.store))   # behind every urgent read
 
@@ -164,6 +170,7 @@ class Server:
         """Apply the ``reload.LIVE`` settings of ``new``; log the rest as needing a restart."""
         self.cfg, self.trace = reload.apply(self.cfg, new, self.trace, self.t0)
         self.store.pin_quota = self.cfg.pin_quota
+        self.pacer.share = self.cfg.max_share
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -175,7 +182,7 @@ class Server:
         try:
             while not self._stop:
                 try:
-                    events = dict(poller.poll(0 if self.turns.waiting else 100))
+                    events = dict(poller.poll(self._poll_ms()))
                 except zmq.ZMQError as e:
                     if e.errno == zmq.EINTR:
                         continue
@@ -190,7 +197,7 @@ class Server:
                 if self.sock in events:
                     self._recv_waiting()
                 if self.turns.waiting:
-                    self._serve_one()
+                    self._serve_one(time.monotonic())
                 if self.handout.fileno() in events:
                     self.handout.serve()
                 now = time.monotonic()
@@ -224,11 +231,48 @@ class Server:
             if not self.sock.get(zmq.EVENTS) & zmq.POLLIN:
                 return
 
-    def _serve_one(self) -> None:
+    def _poll_ms(self) -> int:
+        """0 while a request may be served now; until the first held client's release
+        while only held ones wait (``pacing``); else 100 ms (housekeeping)."""
+        if not self.turns.waiting:
+            return 100
+        now = time.monotonic()
+        if self.turns.ready(now):
+            return 0
+        release = self.turns.next_release()
+        return 100 if release is None else max(1, min(100, int((release - now) * 1000) + 1))
+
+    def _serve_one(self, now: float) -> None:
         """Handle the next request in turn (one per loop pass: finished reads and new
-        requests are taken in between)."""
-        self._t_msg, frames = self.turns.pop()
-        self._handle(frames[0].bytes, frames[1:])
+        requests are taken in between); its loop CPU is charged to its client."""
+        item = self.turns.pop(now)
+        if item is None:                       # only held clients' requests wait
+            return
+        self._t_msg, frames = item
+        routing = frames[0].bytes
+        cpu = time.thread_time()
+        self._handle(routing, frames[1:])
+        s = self.sessions.get(routing)
+        if s is not None:
+            self._charge(s.client_id, time.thread_time() - cpu)
+
+    def _charge(self, client_id: int, cpu: float) -> None:
+        """``cpu`` seconds were spent for ``client_id`` (here or by a reader); hold it back
+        while it is far over its share (``pacing.py``)."""
+        now = time.monotonic()
+        self.pacer.charge(client_id, cpu, now)
+        wait = self.pacer.delay(client_id, now)
+        s = self.sessions.by_id.get(client_id)
+        if not wait or s is None or now + wait <= s.held_until:
+            return
+        added = now + wait - max(now, s.held_until)
+        if s.held_until <= now:
+            s.paced += 1
+            self.stats.paced += 1
+        s.held_until = now + wait
+        s.paced_s += added
+        self.stats.paced_seconds += added
+        self.turns.hold(s.routing, s.held_until)
 
     # -- dispatch: the one place that turns exceptions into error replies ---
     def _handle(self, routing: bytes, frames) -> None:
@@ -359,6 +403,8 @@ class Server:
     # -- clients ----------------------------------------------------------------
     def _drop(self, s: Session, reason: str, dead: bool) -> None:
         self.sessions.remove(s)
+        self.pacer.forget(s.client_id, time.monotonic())
+        self.turns.release(s.routing)
         if self.trace:
             self.trace.bye(time.monotonic(), s.client_id)
         released = self.cache.drop(s, reason)

@@ -55,9 +55,12 @@ class Session:
         "client_id",
         "epoch",
         "fetches",
+        "held_until",
         "last_seen",
         "lease_s",
         "name",
+        "paced",
+        "paced_s",
         "pf_started",
         "pf_waste",
         "pfu",
@@ -76,6 +79,8 @@ class Session:
         # Background reads this client started this epoch, and the moving share
         # of its predictions nobody fetched (the quota's prediction throttle).
         self.pf_started, self.pf_waste = 0, 0.0
+        # Pacing (k3d/pacing.py): held back until ``held_until``; how often, for how long in all.
+        self.held_until, self.paced, self.paced_s = 0.0, 0, 0.0
 
     @property
     def holder(self):

@@ -36,10 +36,13 @@ class Counters:
     bad_requests: int = 0
     cache_full: int = 0
     clients_dead: int = 0
+    paced: int = 0              # times a client over its CPU share was held back (k3d/pacing.py)
+    paced_seconds: float = 0.0  # seconds clients were held back, summed
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["read_seconds"] = round(d["read_seconds"], 6)
+        d["paced_seconds"] = round(d["paced_seconds"], 6)
         return d
 
 

@@ -8,7 +8,8 @@ sections may be added, existing fields keep their meaning):
 - ``stats``: the monotonic counters (``stats.Counters``);
 - ``fetch_seconds``: the fetch latency histogram by result (``latency.py``);
 - ``readers``: threads, queued parts, held-back parts, throughput;
-- ``clients``: one entry per attached session;
+- ``clients``: one entry per attached session, with its recent CPU share of the
+  daemon (``cpu_share``) and how often and how long it was held back (``pacing.py``);
 - ``policy`` (its name), ``prediction`` (quality in total and per client id:
   ``quality.py``), ``warm`` (the state file and the warm restart's pre-load progress).
 
@@ -30,6 +31,7 @@ def build(srv, now: float) -> dict:
     """The status dict (``op_status``, ``k3ctl status --json``)."""
     st = srv.stats
     urgent, background = srv.reads.queued()
+    total_cpu = srv.pacer.total(now)
     return {
         "state": "serving",
         "version": __version__,
@@ -55,7 +57,9 @@ def build(srv, now: float) -> dict:
                     "recent_bps": round(srv.cache.recent.rate(now))},
         "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
                      "pins": srv.store.pins(s.holder), "fetches": s.fetches,
-                     "idle_s": round(now - s.last_seen, 3)}
+                     "idle_s": round(now - s.last_seen, 3),
+                     "cpu_share": round(srv.pacer.usage(s.client_id, now) / total_cpu, 4) if total_cpu else 0.0,
+                     "paced": s.paced, "paced_s": round(s.paced_s, 3)}
                     for s in srv.sessions],
     }
 

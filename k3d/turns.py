@@ -14,7 +14,12 @@ client's queue empties (DRR's rule: idle clients do not hoard credit).
 ZeroMQ's ROUTER already fair-queues *messages* between peers; this adds
 *cost*, and lets the loop see every waiting request before it chooses.
 
-Pure data structure, owned by the server thread; no sockets, no clock.
+A client may be held until a given time (``hold``: ``pacing.py`` decided it
+used far more than its share): its requests stay queued, in order, and ``pop``
+passes it by until then; ``next_release`` says when the loop should look again.
+
+Pure data structure, owned by the server thread; no sockets.  The clock is the
+caller's: ``pop`` and ``next_release`` take ``now`` (monotonic seconds).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Turns:
         self._credit: dict[bytes, int] = {}
         self._ring: deque[bytes] = deque()    # clients with requests waiting, in turn order
         self._turn_open = False               # the ring's head has been given this turn's quantum
+        self._held: dict[bytes, float] = {}   # client -> not served before this time
         self.waiting = 0
 
     def __len__(self) -> int:
@@ -51,10 +57,36 @@ class Turns:
         q.append((cost, item))
         self.waiting += 1
 
-    def pop(self):
-        """The next request to serve (FIFO within a client), or None if none waits."""
-        while self._ring:
+    def hold(self, client: bytes, until: float) -> None:
+        """Serve none of ``client``'s requests before ``until`` (its next ones included)."""
+        self._held[client] = until
+
+    def release(self, client: bytes) -> None:
+        """Lift ``client``'s hold (it left; a new session may reuse its routing id)."""
+        self._held.pop(client, None)
+
+    def next_release(self) -> float | None:
+        """When the earliest held client with requests waiting may be served (None: none)."""
+        times = [t for c, t in self._held.items() if c in self._queues]
+        return min(times) if times else None
+
+    def ready(self, now: float) -> bool:
+        """Whether a request waits that ``pop(now)`` would return."""
+        return any(self._held.get(c, 0.0) <= now for c in self._ring)
+
+    def pop(self, now: float = 0.0):
+        """The next request to serve (FIFO within a client), or None if none may be served now."""
+        passed = 0
+        while self._ring and passed <= len(self._ring):
             client = self._ring[0]
+            until = self._held.get(client)
+            if until is not None:
+                if until > now:                # held: keeps its place, earns no credit
+                    self._ring.rotate(-1)
+                    self._turn_open = False
+                    passed += 1
+                    continue
+                del self._held[client]
             q = self._queues[client]
             if not self._turn_open:
                 self._credit[client] += self.quantum
@@ -75,6 +107,7 @@ class Turns:
 
     def forget(self, client: bytes) -> int:
         """Drop a client's waiting requests (it left); returns how many."""
+        self._held.pop(client, None)
         q = self._queues.pop(client, None)
         if q is None:
             return 0

@@ -9,7 +9,8 @@ module touches: the loads in flight (by token, and by slot for the one load a
 LOADING slot has), the parts still out and the first error of each.
 
 What the server asks (its whole vocabulary):
-- ``start(slots_keys, urgent, owner)``: read these keys into these slots;
+- ``start(slots_keys, urgent, owner)``: read these keys into these slots for
+  ``owner`` (its reports name it, so the server can charge it the readers' CPU);
   urgent reads with an owner go through that client's fair share (``fair``);
 - ``promote(slot, client)``: a client now waits on a background read: its
   parts not yet started go urgent, metered for that client;
@@ -96,7 +97,7 @@ class Loads:
             load.parts_left = len(groups)
             self._by_id[load.id] = self._by_slot[slot] = load
             loads.append(load)
-            jobs.extend(Job(load.id, i, g, load.dest, self.source) for i, g in enumerate(groups))
+            jobs.extend(Job(load.id, i, g, load.dest, self.source, owner) for i, g in enumerate(groups))
         if owner is None or not urgent:
             self.pool.submit(jobs, urgent)
         else:
@@ -106,6 +107,8 @@ class Loads:
     def promote(self, slot: int, client: int) -> None:
         """``client`` waits on slot's background read: its queued parts go urgent, in its share."""
         taken = self.pool.take_background(self._by_slot[slot].id)
+        for j in taken:
+            j.owner = client
         if taken:
             self.fair.submit(taken, client)
 

@@ -6,10 +6,13 @@ a client is blocked on.  ``take_background(load_id)`` hands back a load's
 not-yet-started background parts when a client starts waiting for a predicted
 key; ``loads.Loads`` re-submits them urgent, through the client's fair share.
 
-A job is one part of one expert's read: ``Job(load_id, part, extents, dest, source)``;
-``load_id`` is the load's token (``loads.Load.id``), not a slot number.
+A job is one part of one expert's read: ``Job(load_id, part, extents, dest, source, owner)``;
+``load_id`` is the load's token (``loads.Load.id``), not a slot number; ``owner``
+the client the read is done for (None: nobody's, e.g. a warm restart's preload).
 The reader calls ``source.read(extents, dest)`` (pread straight into the slot)
-and reports ``Done(load_id, part, nbytes, seconds, error)`` on a SimpleQueue,
+and reports ``Done(load_id, part, nbytes, seconds, error, owner, cpu)`` on a
+SimpleQueue (``cpu``: the reader thread's CPU seconds for it, which the
+server charges to ``owner``: ``pacing.py``),
 then writes the eventfd so the server loop (which polls it beside the ROUTER
 socket) wakes up.  Readers never touch the store, the policy or any socket:
 the server thread alone owns those, so that state needs no lock.
@@ -41,6 +44,7 @@ class Job:
     extents: list
     dest: memoryview
     source: object
+    owner: int | None = None
 
 
 @dataclass
@@ -50,6 +54,8 @@ class Done:
     nbytes: int
     seconds: float
     error: str | None
+    owner: int | None = None
+    cpu: float = 0.0
 
 
 class ReaderPool:
@@ -103,13 +109,14 @@ class ReaderPool:
                 if self._stopping:
                     return
                 job = self._urgent.popleft() if self._urgent else self._background.popleft()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 n = job.source.read(job.extents, job.dest)
                 err = None
             except Exception as e:  # any failure becomes the load's error, never a crash
                 n, err = 0, f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)
-            self._report(Done(job.load_id, job.part, n, time.perf_counter() - t0, err))
+            self._report(Done(job.load_id, job.part, n, time.perf_counter() - t0, err, job.owner,
+                              time.thread_time() - c0))
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Cancel queued jobs, wait up to ``timeout`` (in all) for running ones.

@@ -94,3 +94,14 @@ def test_cli_arena_beats_slots_from_file_or_env(tmp_path):
     assert resolve({"arena": "1GiB"}, {"K3D_SLOTS": "7"}).slots == 0
     assert resolve({}, {}, str(f)).slots == 10                      # no --arena: the file's slots
     assert resolve({"arena": "1GiB", "slots": 3}, {}, str(f)).slots == 3
+
+
+@pytest.mark.parametrize("value,ok", [("0", 0.0), ("2", 2.0), ("1.5", 1.5), ("0.5", None), ("inf", None),
+                                      ("nan", None), ("true", None), ("-1", None)])
+def test_max_share_is_off_or_a_factor_from_1(value, ok):
+    if ok is None:
+        with pytest.raises(ConfigError, match="max_share"):
+            resolve({}, {"K3D_MAX_SHARE": value})
+    else:
+        assert resolve({}, {"K3D_MAX_SHARE": value}).max_share == ok
+    assert resolve({}, {}).max_share == 2.0

@@ -65,3 +65,61 @@ def test_everything_pushed_comes_out_once_in_client_order(pushes):
     for client in range(6):
         mine = [n for c, n in out if c == client]
         assert mine == sorted(mine)
+
+
+# -- holds (k3d/pacing.py decides them) -------------------------------------------------
+def test_a_held_client_keeps_its_requests_in_order_and_is_passed_by():
+    t = Turns()
+    t.push(b"a", "a0", 1)
+    t.push(b"a", "a1", 1)
+    t.push(b"b", "b0", 1)
+    t.hold(b"a", until=5.0)
+    assert t.ready(1.0)
+    assert t.pop(1.0) == "b0"
+    assert not t.ready(1.0) and t.pop(1.0) is None and len(t) == 2
+    assert t.next_release() == 5.0
+    assert t.pop(5.0) == "a0" and t.pop(5.0) == "a1"
+    assert t.next_release() is None and len(t) == 0
+
+
+def test_a_hold_covers_requests_that_arrive_later_and_release_lifts_it():
+    t = Turns()
+    t.hold(b"a", until=9.0)
+    assert t.next_release() is None          # nothing of a's waits yet
+    t.push(b"a", "a0", 1)
+    assert t.pop(2.0) is None and t.next_release() == 9.0
+    t.release(b"a")
+    assert t.pop(2.0) == "a0"
+
+
+def test_forget_drops_the_hold_with_the_requests():
+    t = Turns()
+    t.push(b"a", "a0", 1)
+    t.hold(b"a", until=9.0)
+    assert t.forget(b"a") == 1
+    t.push(b"a", "new", 1)
+    assert t.pop(0.0) == "new"
+
+
+@given(st.lists(st.tuples(st.sampled_from([b"a", b"b", b"c"]), st.integers(1, MAX_COST)), max_size=40),
+       st.sets(st.sampled_from([b"a", b"b", b"c"])))
+def test_holds_delay_but_never_lose_or_reorder(pushes, held):
+    t = Turns()
+    for i, (c, cost) in enumerate(pushes):
+        t.push(c, (c, i), cost)
+    for c in held:
+        t.hold(c, until=10.0)
+    early = drain_at(t, 1.0)
+    assert all(c not in held for c, _ in early)
+    late = drain_at(t, 10.0)
+    assert sorted(early + late) == sorted((c, i) for i, (c, _) in enumerate(pushes))
+    for c in (b"a", b"b", b"c"):
+        mine = [i for cc, i in early + late if cc == c]
+        assert mine == sorted(mine)
+
+
+def drain_at(t, now):
+    out = []
+    while (item := t.pop(now)) is not None:
+        out.append(item)
+    return out

@@ -1,0 +1,95 @@
+"""Fair share of the daemon's CPU between clients: a client far over its share waits.
+
+Why: ``turns`` orders the requests that are waiting, but the clients are
+synchronous (one request out at a time), so the loop is rarely backlogged and
+a client that sends as fast as it is answered is served as fast as it sends.
+On a host whose cores are busy with the model processes, everything the daemon
+does for such a client (its loop time, its reads, its own process waking up
+again) is CPU taken from the others, and their latency grows with it.  Pacing
+delays that client's next request, so it sleeps in ``recv`` instead.
+
+Accounting: each client is charged the CPU seconds spent for it, measured on
+the thread that spent them (``time.thread_time``): the server loop's handling
+of its requests and the reader threads' reads for its loads.  Usage decays
+exponentially with time constant ``TAU`` seconds, so ``usage / TAU`` is a
+moving CPU rate.  Because every client's usage decays alike, the total decays
+alike too and is kept in one number (exact, O(1) per charge).
+
+Rule: while ``n`` clients are active (charged within ``2 * TAU``), a client may
+use at most ``share`` times the average of the others: its usage ``u`` is held
+to ``cap = share * others / (n - share)``, the fixed point of
+``u <= share * (u + others) / n``.  A client under ``FLOOR`` (a CPU rate) is
+never paced, nor is anyone while ``n <= share`` (alone, or with one other at
+the default share 2): pacing only protects many clients from one.  Over its
+cap, a client waits until its usage has decayed to the cap:
+``TAU * ln(u / cap)``, at most ``MAX_DELAY``.
+
+Pure: no clock, no threads; the server thread passes ``now`` (monotonic
+seconds) and owns the object.
+"""
+
+from __future__ import annotations
+
+import math
+
+TAU = 1.0            # seconds: the usage memory
+FLOOR = 0.01         # CPU seconds per second a client may always use (1 % of a core)
+MAX_DELAY = 0.5      # seconds: the longest one wait (client timeouts are far longer)
+ACTIVE = 2 * TAU     # a client charged within this long counts as active
+
+
+class Pacer:
+    def __init__(self, share: float, tau: float = TAU, floor: float = FLOOR, max_delay: float = MAX_DELAY):
+        """``share``: how many times the others' average one client may use; 0 turns pacing off."""
+        self.share, self.tau, self.max_delay = share, tau, max_delay
+        self.floor = floor * tau                       # in usage units (CPU seconds, decayed)
+        self._usage: dict[int, list[float]] = {}        # client -> [usage, as of when]
+        self._total = 0.0
+        self._t_total = 0.0
+
+    def _decay(self, value: float, since: float, now: float) -> float:
+        return value * math.exp(-(now - since) / self.tau) if now > since else value
+
+    def usage(self, client: int, now: float) -> float:
+        """The client's decayed CPU usage (seconds); ``usage / tau`` is its recent CPU rate."""
+        u = self._usage.get(client)
+        return self._decay(u[0], u[1], now) if u else 0.0
+
+    def total(self, now: float) -> float:
+        return self._decay(self._total, self._t_total, now)
+
+    def charge(self, client: int, seconds: float, now: float) -> None:
+        """``seconds`` of CPU were spent for ``client``."""
+        if seconds <= 0:
+            return
+        u = self._usage.setdefault(client, [0.0, now])
+        u[0] = self._decay(u[0], u[1], now) + seconds
+        u[1] = now
+        self._total = self.total(now) + seconds
+        self._t_total = now
+
+    def forget(self, client: int, now: float) -> None:
+        """The client left: its usage leaves the total."""
+        u = self._usage.pop(client, None)
+        if u is not None:
+            self._total = max(0.0, self.total(now) - self._decay(u[0], u[1], now))
+            self._t_total = now
+
+    def active(self, now: float) -> int:
+        return sum(1 for _, t in self._usage.values() if now - t <= ACTIVE)
+
+    def delay(self, client: int, now: float) -> float:
+        """Seconds ``client``'s next request should wait (0: serve it)."""
+        if not self.share:
+            return 0.0
+        u = self.usage(client, now)
+        if u <= self.floor:
+            return 0.0
+        n = self.active(now)
+        if n <= self.share:
+            return 0.0
+        others = max(0.0, self.total(now) - u)
+        cap = max(self.floor, self.share * others / (n - self.share))
+        if u <= cap:
+            return 0.0
+        return min(self.max_delay, self.tau * math.log(u / cap))
