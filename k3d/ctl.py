@@ -146,7 +146,8 @@ def render(st: dict) -> str:
         if d:
             lines.append(f"disk    {d['dir']}: {d['hits']} hits, {d['entries']} entries, "
                          f"{_mib(d['bytes'])} of {_mib(d['limit'])}, {d['corrupt']} corrupt")
-    paced = f" ({s['paced']} holds of clients over their CPU share, {s['paced_seconds']:.1f}s)" if s.get("paced") else ""
+    paced = (f" ({s['paced']} holds of clients over their CPU share, {s['paced_seconds']:.1f}s)"
+             if s.get("paced") else "")
     lines.append(f"clients {len(st['clients'])}{paced}")
     for c in st["clients"]:
         lines.append(f"  {c['name']:<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  fetches {c['fetches']}"
