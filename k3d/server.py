@@ -21,7 +21,8 @@ reply never names a loading or reused slot, whatever a client does.
 Who does what (all on this thread; reader threads only fill slot memory and
 report through ``reads``):
 - ``wire``: the ROUTER socket, request decoding, key checks, replies;
-- ``turns``: requests received, waiting for their client's turn;
+- ``intake``: requests off the socket into ``turns`` (waiting for their
+  client's turn) and each client's CPU charged to ``pacing``;
 - ``sessions``: attached clients and their liveness;
 - ``cache``: the fetch path, keeping three in step: ``store`` (slots, pins,
   predictions; changed only through its methods), ``reads.loads`` (reads in
@@ -37,14 +38,14 @@ accepting, cancel queued reads, wait for running ones, answer parked fetches
 with an error, release the arena.
 
 Fair share of the loop: requests are taken off the socket into ``turns``
-(one queue per client) and served one per loop pass by deficit round-robin
+(one queue per client, ``intake.py``) and served one per loop pass by deficit round-robin
 (``turns.py``: clients with requests waiting take turns, each with a budget
 per turn, a request costing by its size), so a client flooding big requests
 cannot make the others wait behind all of them.  Fair share of the readers: a
 client's urgent reads go through its fair share (``reads/fair.py``), so one
 client's huge cold fetch cannot put every other client's miss behind all of it.
-Fair share of the CPU: every request's loop time and every read's reader time
-is charged to its client (thread CPU time); a client using far more than the
+Fair share of the CPU (``intake.py``): every request's loop time and every
+read's reader time is charged to its client (thread CPU time); a client using far more than the
 others while they are active is held back before its next request
 (``pacing.py``), so a client sending as fast as it is answered sleeps instead.
 
@@ -77,18 +78,16 @@ from . import reload, status as status_view, wire
 from .access import peer_allowed, peer_cred, private_umask, refusal
 from .cache import Cache
 from .handout import ArenaHandout
+from .intake import Intake
 from .latency import FetchLatency
 from .metrics import SnapshotBoard
-from .pacing import Pacer
 from .policy import make as make_policy
 from .sessions import REAP_INTERVAL, Session, Sessions, identify
 from .store import Store
 from .trace import RouteTrace
-from .turns import Turns, cost_of
 from .warm import WarmState
 
 log = logging.getLogger("k3d")
-RECV_BATCH = 256         # requests taken off the socket per loop pass, at most
 
 DEFERRED = object()      # handler parked the request; it replies later
 NO_REPLY = object()      # heartbeat: nothing to send
@@ -109,8 +108,6 @@ class Server:
         self.stats = self.store.stats
         self.latency = FetchLatency()
         self._t_msg = 0.0        # arrival of the request being handled (fetch latency)
-        self.turns = Turns()     # requests received, waiting their client's turn (k3d/turns.py)
-        self.pacer = Pacer(cfg.max_share)   # each client's CPU use; holds back one far over its share
         # /metrics reads status through this board, never the store (k3d/metrics.py)
         self.board = board or SnapshotBoard()
         self.board.wake = self._wake
@@ -131,7 +128,10 @@ class Server:
         with private_umask():
             self.handout.bind()
         self.replies = wire.Replies(self.sock, self.gen)
-        self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency, self._charge)
+        # requests in turn, each client's CPU charged, a client far over its share held back
+        self.intake = Intake(self.sock, self.sessions, self.stats, cfg.max_share)
+        self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency,
+                           self.intake.charge)
         self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
         self.cache.preload(self.warm.preload(self.store))   # behind every urgent read
 
@@ -170,7 +170,7 @@ class Server:
         """Apply the ``reload.LIVE`` settings of ``new``; log the rest as needing a restart."""
         self.cfg, self.trace = reload.apply(self.cfg, new, self.trace, self.t0)
         self.store.pin_quota = self.cfg.pin_quota
-        self.pacer.share = self.cfg.max_share
+        self.intake.pacer.share = self.cfg.max_share
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -182,7 +182,7 @@ class Server:
         try:
             while not self._stop:
                 try:
-                    events = dict(poller.poll(self._poll_ms()))
+                    events = dict(poller.poll(self.intake.poll_ms()))
                 except zmq.ZMQError as e:
                     if e.errno == zmq.EINTR:
                         continue
@@ -195,8 +195,8 @@ class Server:
                     self.board.publish(self.status())
                 self.cache.apply_done()
                 if self.sock in events:
-                    self._recv_waiting()
-                if self.turns.waiting:
+                    self.intake.receive()
+                if self.intake.waiting:
                     self._serve_one(time.monotonic())
                 if self.handout.fileno() in events:
                     self.handout.serve()
@@ -216,36 +216,10 @@ class Server:
         finally:
             self._shutdown()
 
-    def _recv_waiting(self) -> None:
-        """Take the requests waiting on the socket (up to RECV_BATCH) into ``turns``: the loop
-        then serves clients with requests waiting in turn, each with a budget per turn
-        (k3d/turns.py), instead of in arrival order.  The socket's EVENTS (~1 µs) says
-        whether another request waits; a failing recv (zmq.Again) would cost several µs."""
-        for _ in range(RECV_BATCH):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            size = sum(len(f.buffer) for f in frames[1:])
-            self.turns.push(frames[0].bytes, (time.monotonic(), frames), cost_of(size))
-            if not self.sock.get(zmq.EVENTS) & zmq.POLLIN:
-                return
-
-    def _poll_ms(self) -> int:
-        """0 while a request may be served now; until the first held client's release
-        while only held ones wait (``pacing``); else 100 ms (housekeeping)."""
-        if not self.turns.waiting:
-            return 100
-        now = time.monotonic()
-        if self.turns.ready(now):
-            return 0
-        release = self.turns.next_release()
-        return 100 if release is None else max(1, min(100, int((release - now) * 1000) + 1))
-
     def _serve_one(self, now: float) -> None:
         """Handle the next request in turn (one per loop pass: finished reads and new
         requests are taken in between); its loop CPU is charged to its client."""
-        item = self.turns.pop(now)
+        item = self.intake.next(now)
         if item is None:                       # only held clients' requests wait
             return
         self._t_msg, frames = item
@@ -254,25 +228,7 @@ class Server:
         self._handle(routing, frames[1:])
         s = self.sessions.get(routing)
         if s is not None:
-            self._charge(s.client_id, time.thread_time() - cpu)
-
-    def _charge(self, client_id: int, cpu: float) -> None:
-        """``cpu`` seconds were spent for ``client_id`` (here or by a reader); hold it back
-        while it is far over its share (``pacing.py``)."""
-        now = time.monotonic()
-        self.pacer.charge(client_id, cpu, now)
-        wait = self.pacer.delay(client_id, now)
-        s = self.sessions.by_id.get(client_id)
-        if not wait or s is None or now + wait <= s.held_until:
-            return
-        added = now + wait - max(now, s.held_until)
-        if s.held_until <= now:
-            s.paced += 1
-            self.stats.paced += 1
-        s.held_until = now + wait
-        s.paced_s += added
-        self.stats.paced_seconds += added
-        self.turns.hold(s.routing, s.held_until)
+            self.intake.charge(s.client_id, time.thread_time() - cpu)
 
     # -- dispatch: the one place that turns exceptions into error replies ---
     def _handle(self, routing: bytes, frames) -> None:
@@ -403,13 +359,11 @@ class Server:
     # -- clients ----------------------------------------------------------------
     def _drop(self, s: Session, reason: str, dead: bool) -> None:
         self.sessions.remove(s)
-        self.pacer.forget(s.client_id, time.monotonic())
-        self.turns.release(s.routing)
+        self.intake.left(s, dead)
         if self.trace:
             self.trace.bye(time.monotonic(), s.client_id)
         released = self.cache.drop(s, reason)
         if dead:
-            self.turns.forget(s.routing)   # its requests still waiting have no one to answer
             self.stats.clients_dead += 1
             log.warning("client %s (pid %s) %s: released %d pins", s.name, s.pid, reason, released)
         else:

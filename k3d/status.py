@@ -31,7 +31,8 @@ def build(srv, now: float) -> dict:
     """The status dict (``op_status``, ``k3ctl status --json``)."""
     st = srv.stats
     urgent, background = srv.reads.queued()
-    total_cpu = srv.pacer.total(now)
+    pacer = srv.intake.pacer
+    total_cpu = pacer.total(now)
     return {
         "state": "serving",
         "version": __version__,
@@ -58,7 +59,7 @@ def build(srv, now: float) -> dict:
         "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
                      "pins": srv.store.pins(s.holder), "fetches": s.fetches,
                      "idle_s": round(now - s.last_seen, 3),
-                     "cpu_share": round(srv.pacer.usage(s.client_id, now) / total_cpu, 4) if total_cpu else 0.0,
+                     "cpu_share": round(pacer.usage(s.client_id, now) / total_cpu, 4) if total_cpu else 0.0,
                      "paced": s.paced, "paced_s": round(s.paced_s, 3)}
                     for s in srv.sessions],
     }

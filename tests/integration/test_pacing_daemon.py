@@ -76,7 +76,7 @@ def test_a_flooding_client_is_held_back_and_the_polite_ones_are_not(checkpoint, 
         assert clients[f"polite{i}"]["paced"] == 0, clients[f"polite{i}"]
         assert clients[f"polite{i}"]["cpu_share"] < clients["flood"]["cpu_share"]
     assert st["stats"]["paced"] >= clients["flood"]["paced"] > 0
-    assert st["stats"]["paced_seconds"] >= clients["flood"]["paced_s"]
+    assert st["stats"]["paced_seconds"] >= clients["flood"]["paced_s"] - 0.001   # rounded to ms there
     assert counts["flood"] > 0          # held back, never shut out
 
 
