@@ -50,8 +50,8 @@ def _start_parser(sub):
     p.add_argument("--pin-quota", dest="pin_quota", type=int,
                    help=f"slots one client may pin per token (0: no limit; default {D.pin_quota})")
     p.add_argument("--max-share", dest="max_share", type=float,
-                   help="while several clients are active, one may use this many times the others' average "
-                   "of the daemon's CPU; a client over it waits before its next request is served "
+                   help="while more clients than this are active, one may use this many times the average "
+                   "client's share of the daemon's CPU; a client over it waits before its next request is served "
                    f"(0: off; default {D.max_share:g})")
     p.add_argument("--log-level", dest="log_level", help=f"debug, info, warning, error (default {D.log_level})")
     p.add_argument("--read-mode", dest="read_mode",

@@ -46,8 +46,8 @@ class Config:
     trace: str | None = None
     lease_s: float = 10.0             # a client silent this long loses its pins
     pin_quota: int = 0                # slots one client may pin per token; 0 = no limit
-    max_share: float = 2.0            # with others active, a client may use this many times their
-                                      # average of the daemon's CPU, else it is paced (k3d/pacing.py); 0 = off
+    max_share: float = 2.0            # with more clients active, one may use this many times the average
+                                      # client's share of the daemon's CPU, else it is paced (k3d/pacing.py); 0 = off
     log_level: str = "info"
     read_mode: str = "buffered"       # packed sources: buffered | direct (O_DIRECT)
     http_conns: int = 4               # remote sources: persistent connections per host
@@ -148,7 +148,7 @@ def _share(value) -> float:
 
 
 def _max_share(value) -> float:
-    """0 (pacing off) or a factor from 1 to 100: under 1 would pace every client above average."""
+    """0 (pacing off) or a factor from 1 to 100: under 1 even a client at the average would be paced."""
     if isinstance(value, bool):
         raise TypeError("not a number")
     v = float(value)

@@ -78,16 +78,16 @@ class Intake:
             return
         now = time.monotonic()
         self.pacer.charge(client_id, cpu, now)
-        wait = self.pacer.delay(client_id, now)
-        if not wait or now + wait <= s.held_until:
+        if s.held_until > now:                 # held already: a hold is never stretched (MAX_DELAY holds)
             return
-        added = now + wait - max(now, s.held_until)
-        if s.held_until <= now:
-            s.paced += 1
-            self.stats.paced += 1
+        wait = self.pacer.delay(client_id, now)
+        if not wait:
+            return
         s.held_until = now + wait
-        s.paced_s += added
-        self.stats.paced_seconds += added
+        s.paced += 1
+        s.paced_s += wait
+        self.stats.paced += 1
+        self.stats.paced_seconds += wait
         self.turns.hold(s.routing, s.held_until)
 
     def left(self, s, dead: bool) -> None:

@@ -15,14 +15,20 @@ exponentially with time constant ``TAU`` seconds, so ``usage / TAU`` is a
 moving CPU rate.  Because every client's usage decays alike, the total decays
 alike too and is kept in one number (exact, O(1) per charge).
 
-Rule: while ``n`` clients are active (charged within ``2 * TAU``), a client may
-use at most ``share`` times the average of the others: its usage ``u`` is held
-to ``cap = share * others / (n - share)``, the fixed point of
-``u <= share * (u + others) / n``.  A client under ``FLOOR`` (a CPU rate) is
-never paced, nor is anyone while ``n <= share`` (alone, or with one other at
-the default share 2): pacing only protects many clients from one.  Over its
-cap, a client waits until its usage has decayed to the cap:
-``TAU * ln(u / cap)``, at most ``MAX_DELAY``.
+Rule: while ``n`` clients are active (charged within ``ACTIVE`` seconds) and
+``n > share``, a client may use at most ``share`` times the average client's
+usage, itself included: its usage ``u`` is held to
+``cap = share * others / (n - share)``, the fixed point of
+``u <= share * (u + others) / n`` (at 17 clients and share 2 that is 2.13x the
+others' average).  In ``others`` each active client counts at least ``FLOOR``,
+so that clients sending a request now and then do not pull the cap of a busy
+one down to nothing; and a client under ``FLOOR`` (a CPU rate) is never paced.
+Alone, or with one other at the default share 2, nobody is: pacing protects
+many clients from one.  Over its cap, a client waits until its usage would
+have decayed to the cap while the others go on as they are:
+``TAU * ln(u / cap)``, at most ``MAX_DELAY``; a wait under ``MIN_DELAY`` is
+not worth a hold.  If the others stop, they stop counting as active within
+``ACTIVE`` seconds, and the holds with them.
 
 Pure: no clock, no threads; the server thread passes ``now`` (monotonic
 seconds) and owns the object.
@@ -35,12 +41,13 @@ import math
 TAU = 1.0            # seconds: the usage memory
 FLOOR = 0.01         # CPU seconds per second a client may always use (1 % of a core)
 MAX_DELAY = 0.5      # seconds: the longest one wait (client timeouts are far longer)
-ACTIVE = 2 * TAU     # a client charged within this long counts as active
+MIN_DELAY = 0.001    # seconds: a shorter wait is not held (the loop's poll has 1 ms steps)
+ACTIVE = TAU / 2     # a client charged within this long counts as active
 
 
 class Pacer:
     def __init__(self, share: float, tau: float = TAU, floor: float = FLOOR, max_delay: float = MAX_DELAY):
-        """``share``: how many times the others' average one client may use; 0 turns pacing off."""
+        """``share``: how many times the average client's usage one client may use; 0 turns pacing off."""
         self.share, self.tau, self.max_delay = share, tau, max_delay
         self.floor = floor * tau                       # in usage units (CPU seconds, decayed)
         self._usage: dict[int, list[float]] = {}        # client -> [usage, as of when]
@@ -85,11 +92,13 @@ class Pacer:
         u = self.usage(client, now)
         if u <= self.floor:
             return 0.0
-        n = self.active(now)
+        others = [max(self.floor, self._decay(v, t, now)) for c, (v, t) in self._usage.items()
+                  if c != client and now - t <= ACTIVE]
+        n = len(others) + 1
         if n <= self.share:
             return 0.0
-        others = max(0.0, self.total(now) - u)
-        cap = max(self.floor, self.share * others / (n - self.share))
+        cap = max(self.floor, self.share * sum(others) / (n - self.share))
         if u <= cap:
             return 0.0
-        return min(self.max_delay, self.tau * math.log(u / cap))
+        wait = min(self.max_delay, self.tau * math.log(u / cap))
+        return wait if wait >= MIN_DELAY else 0.0

@@ -76,17 +76,18 @@ class Turns:
 
     def pop(self, now: float = 0.0):
         """The next request to serve (FIFO within a client), or None if none may be served now."""
-        passed = 0
-        while self._ring and passed <= len(self._ring):
+        held_in_a_row = 0                     # every client in the ring held: nothing to serve
+        while self._ring and held_in_a_row < len(self._ring):
             client = self._ring[0]
             until = self._held.get(client)
             if until is not None:
                 if until > now:                # held: keeps its place, earns no credit
                     self._ring.rotate(-1)
                     self._turn_open = False
-                    passed += 1
+                    held_in_a_row += 1
                     continue
                 del self._held[client]
+            held_in_a_row = 0
             q = self._queues[client]
             if not self._turn_open:
                 self._credit[client] += self.quantum

@@ -15,6 +15,7 @@ import time
 
 import k3client
 from helpers import reference, verify
+from k3d.ctl import render
 
 POLITE, SECONDS = 4, 3.0
 
@@ -78,6 +79,11 @@ def test_a_flooding_client_is_held_back_and_the_polite_ones_are_not(checkpoint, 
     assert st["stats"]["paced"] >= clients["flood"]["paced"] > 0
     assert st["stats"]["paced_seconds"] >= clients["flood"]["paced_s"] - 0.001   # rounded to ms there
     assert counts["flood"] > 0          # held back, never shut out
+    # k3ctl status shows it: each client's CPU share, the flooder's holds
+    lines = {ln.split()[0]: ln for ln in render(st).splitlines() if ln.startswith("  ")}
+    assert "held back" in lines["flood"] and " cpu " in lines["flood"]
+    assert "held back" not in lines["polite0"] and " cpu " in lines["polite0"]
+    assert "holds of clients over their CPU share" in render(st)
 
 
 def test_max_share_zero_holds_nobody_back(checkpoint, start_daemon):

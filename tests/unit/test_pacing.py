@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from k3d.pacing import FLOOR, MAX_DELAY, TAU, Pacer
+from k3d.pacing import ACTIVE, FLOOR, MAX_DELAY, TAU, Pacer
 
 
 def steady(p, rates, seconds, now=0.0, step=0.01):
@@ -95,3 +95,33 @@ def test_a_paced_client_settles_at_its_cap():
     rate = got / (10 * TAU)
     cap_rate = 2.0 * 16 * 0.02 / (17 - 2.0)  # 2x the others' average, as a rate
     assert cap_rate * 0.8 < rate < cap_rate * 1.3
+
+
+def test_clients_that_send_now_and_then_do_not_pull_a_busy_ones_cap_to_nothing():
+    p = Pacer(2.0)
+    t = steady(p, {1: 0.0005, 2: 0.0005, 3: 0.03}, 3 * TAU)
+    # each near-idle client counts FLOOR: cap = 2 * 2 * FLOOR / (3 - 2) = 4 % of a core > 3 %
+    assert p.delay(3, t) == 0
+    t = steady(p, {1: 0.0005, 2: 0.0005, 3: 0.08}, 5 * TAU, now=t)
+    assert p.delay(3, t) > 0                  # 8 % is over it
+
+
+def test_a_wait_too_short_to_hold_is_none():
+    p = Pacer(2.0)
+    t = steady(p, {c: 0.02 for c in range(16)}, 5 * TAU)
+    others = p.total(t)
+    cap = 2.0 * others / (17 - 2.0)
+    p.charge(99, cap * 1.0005, t)             # ln(1.0005) s = 0.5 ms
+    assert p.delay(99, t) == 0
+    p.charge(99, cap * 0.01, t)               # 1 % over: ~10 ms
+    assert 0.005 < p.delay(99, t) < 0.02
+
+
+def test_when_the_others_stop_the_holds_stop_within_active():
+    p = Pacer(2.0)
+    rates = {c: 0.02 for c in range(16)}
+    rates[99] = 0.3
+    t = steady(p, rates, 3 * TAU)
+    assert p.delay(99, t) > 0
+    t = steady(p, {99: 0.3}, ACTIVE + 0.05, now=t)
+    assert p.delay(99, t) == 0
