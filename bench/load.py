@@ -288,6 +288,8 @@ def main():
     print(f"daemon RSS first {window:g} s {statistics.mean(first) / 2**20:.1f} MiB, last {window:g} s "
           f"{statistics.mean(last) / 2**20:.1f} MiB: growth {growth:+.2%} (goal <= 5%)")
     print(f"after exit: {len(others)} clients, {st['arena']['pinned']} pinned slots (goal 0); daemon exit {rc}")
+    print(f"pacing: clients over their CPU share were held back {s.get('paced', 0)} times, "
+          f"{s.get('paced_seconds', 0):.1f} s in all")
     if failed:
         print(f"{len(failed)} workers failed: {failed[:2]}")
     ok = (wrong == 0 and not others and st["arena"]["pinned"] == 0 and growth <= 0.05 and ratio <= 1.25
