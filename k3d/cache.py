@@ -49,8 +49,7 @@ WASTE_LIMIT = 0.9        # share of unused predictions above which a client is t
 
 
 class Cache:
-    def __init__(self, store: Store, source, arena, readers: int, replies, latency: FetchLatency,
-                 charge=None):
+    def __init__(self, store: Store, source, arena, readers: int, replies, latency: FetchLatency, charge):
         """``charge(client_id, cpu_seconds)``: told the readers' CPU spent for each client."""
         self.store, self.stats = store, store.stats
         self.charge = charge
@@ -137,7 +136,7 @@ class Cache:
             self.stats.bytes_read += d.nbytes
             self.stats.read_seconds += d.seconds
             self.recent.add(now, d.nbytes)
-            if d.owner is not None and self.charge is not None:
+            if d.owner is not None:
                 self.charge(d.owner, d.cpu)
             if load is not None:
                 self._finished(load, draining)

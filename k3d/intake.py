@@ -78,17 +78,16 @@ class Intake:
             return
         now = time.monotonic()
         self.pacer.charge(client_id, cpu, now)
-        if s.held_until > now:                 # held already: a hold is never stretched (MAX_DELAY holds)
+        if self.turns.held_until(s.routing) > now:   # held already: a hold is never stretched (MAX_DELAY holds)
             return
         wait = self.pacer.delay(client_id, now)
         if not wait:
             return
-        s.held_until = now + wait
         s.paced += 1
         s.paced_s += wait
         self.stats.paced += 1
         self.stats.paced_seconds += wait
-        self.turns.hold(s.routing, s.held_until)
+        self.turns.hold(s.routing, now + wait)
 
     def left(self, s, dead: bool) -> None:
         """Session ``s`` ended: its usage and hold go; if it died, its waiting requests too

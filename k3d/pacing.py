@@ -82,8 +82,12 @@ class Pacer:
             self._total = max(0.0, self.total(now) - self._decay(u[0], u[1], now))
             self._t_total = now
 
+    def _active(self, now: float) -> dict[int, float]:
+        """Decayed usage of every client charged within ``ACTIVE``."""
+        return {c: self._decay(v, t, now) for c, (v, t) in self._usage.items() if now - t <= ACTIVE}
+
     def active(self, now: float) -> int:
-        return sum(1 for _, t in self._usage.values() if now - t <= ACTIVE)
+        return len(self._active(now))
 
     def delay(self, client: int, now: float) -> float:
         """Seconds ``client``'s next request should wait (0: serve it)."""
@@ -92,8 +96,7 @@ class Pacer:
         u = self.usage(client, now)
         if u <= self.floor:
             return 0.0
-        others = [max(self.floor, self._decay(v, t, now)) for c, (v, t) in self._usage.items()
-                  if c != client and now - t <= ACTIVE]
+        others = [max(self.floor, v) for c, v in self._active(now).items() if c != client]
         n = len(others) + 1
         if n <= self.share:
             return 0.0

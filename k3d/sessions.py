@@ -55,7 +55,6 @@ class Session:
         "client_id",
         "epoch",
         "fetches",
-        "held_until",
         "last_seen",
         "lease_s",
         "name",
@@ -79,8 +78,9 @@ class Session:
         # Background reads this client started this epoch, and the moving share
         # of its predictions nobody fetched (the quota's prediction throttle).
         self.pf_started, self.pf_waste = 0, 0.0
-        # Pacing (k3d/pacing.py): held back until ``held_until``; how often, for how long in all.
-        self.held_until, self.paced, self.paced_s = 0.0, 0, 0.0
+        # Pacing (k3d/pacing.py): how often it was held back, for how long in all (the hold
+        # itself lives in the loop's turns: ``Turns.held_until``).
+        self.paced, self.paced_s = 0, 0.0
 
     @property
     def holder(self):

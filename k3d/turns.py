@@ -61,6 +61,10 @@ class Turns:
         """Serve none of ``client``'s requests before ``until`` (its next ones included)."""
         self._held[client] = until
 
+    def held_until(self, client: bytes) -> float:
+        """Until when ``client`` is held (0.0: not held; a past time: its hold is over)."""
+        return self._held.get(client, 0.0)
+
     def release(self, client: bytes) -> None:
         """Lift ``client``'s hold (it left; a new session may reuse its routing id)."""
         self._held.pop(client, None)

@@ -28,7 +28,7 @@ def test_a_client_over_its_share_is_held_then_served_and_the_others_are_not():
     for s in cs[1:]:
         intake.charge(s.client_id, 0.02)
     intake.charge(cs[0].client_id, 0.5)        # 25x the others
-    assert cs[0].held_until > time.monotonic() and cs[0].paced == 1 and stats.paced == 1
+    assert intake.turns.held_until(cs[0].routing) > time.monotonic() and cs[0].paced == 1 and stats.paced == 1
     assert 0 < cs[0].paced_s <= MAX_DELAY and stats.paced_seconds == cs[0].paced_s
     assert all(s.paced == 0 for s in cs[1:])
     push(intake, cs[0], "heavy")
@@ -38,7 +38,7 @@ def test_a_client_over_its_share_is_held_then_served_and_the_others_are_not():
     assert intake.next(now) is None            # only the held request waits
     wait_ms = intake.poll_ms()
     assert 1 <= wait_ms <= MAX_DELAY * 1000 + 1
-    assert intake.next(cs[0].held_until + 0.001)[1] == "heavy"
+    assert intake.next(intake.turns.held_until(cs[0].routing) + 0.001)[1] == "heavy"
 
 
 def test_a_hold_is_never_stretched_by_more_charges():
@@ -46,9 +46,9 @@ def test_a_hold_is_never_stretched_by_more_charges():
     for s in cs[1:]:
         intake.charge(s.client_id, 0.02)
     intake.charge(cs[0].client_id, 0.5)
-    until = cs[0].held_until
+    until = intake.turns.held_until(cs[0].routing)
     intake.charge(cs[0].client_id, 5.0)        # its reads report while it is held
-    assert cs[0].held_until == until and cs[0].paced == 1
+    assert intake.turns.held_until(cs[0].routing) == until and cs[0].paced == 1
 
 
 def test_leaving_lifts_the_hold_and_forgets_the_usage():
