@@ -82,6 +82,13 @@ class PinTable:
     def pinned_count(self) -> int:
         return len(self._holders)
 
+    def _unpinned_among(self, resident, exclude) -> int:
+        """How many of ``resident`` (a sized container of slots) are neither pinned nor in
+        ``exclude``.  O(pins + exclude): every pinned slot is resident (the store pins only
+        slots it holds; the LRU and cycle policies' ``check`` asserts it)."""
+        held = self._holders
+        return len(resident) - len(held) - sum(1 for s in exclude if s in resident and s not in held)
+
     def check_pins(self) -> None:
         seen: dict[int, set] = {}
         for holder, held in self._pins.items():

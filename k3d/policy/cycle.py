@@ -81,7 +81,7 @@ class CyclePolicy(PinTable):
         else:
             st[0] = st[0] * self._decay ** (v - st[1]) + 1.0
             st[1] = v
-        self._fwd[key] = math.log(st[0]) - v * self._log_decay
+        self._fwd[key] = self._forward(st)
         self._picks[layer] = self._picks.get(layer, 0) + 1
         if expert >= self._experts.get(layer, 0):
             self._experts[layer] = expert + 1
@@ -148,6 +148,10 @@ class CyclePolicy(PinTable):
         p = self.rate(key) if p is None else p
         return self.passed(key[0]), self.distance(key[0]) / max(p, 1e-9)
 
+    def _forward(self, st: list) -> float:
+        """A key's log count scaled to visit 0: its order within the layer holds between updates."""
+        return math.log(st[0]) - st[1] * self._log_decay
+
     def _candidate(self, layer: int):
         """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
         try:
@@ -197,8 +201,7 @@ class CyclePolicy(PinTable):
         return best
 
     def evictable(self, exclude=()) -> int:
-        held = self._holders              # every pinned slot is resident (``check``)
-        return len(self._key) - len(held) - sum(1 for s in exclude if s in self._key and s not in held)
+        return self._unpinned_among(self._key, exclude)
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         return self.score(self._key[slot]) > self.score(key, p=confidence)
@@ -232,7 +235,7 @@ class CyclePolicy(PinTable):
             st[1] = min(st[1], self._visits.get(key[0], 0))
             self._stat[key] = st
             if st[0] > 0:
-                self._fwd[key] = math.log(st[0]) - st[1] * self._log_decay
+                self._fwd[key] = self._forward(st)
         self._cand.clear()
 
     def snapshot(self):

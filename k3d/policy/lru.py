@@ -57,10 +57,8 @@ class LruPolicy(PinTable):
         return None
 
     def evictable(self, exclude=()) -> int:
-        """How many slots could be evicted, not counting ``exclude``.  O(pins + exclude):
-        every pinned slot is resident (the store pins only slots it holds; ``check``)."""
-        held, order = self._holders, self._order
-        return len(order) - len(held) - sum(1 for s in exclude if s in order and s not in held)
+        """How many slots could be evicted, not counting ``exclude``."""
+        return self._unpinned_among(self._order, exclude)
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         """LRU knows nothing of reuse: a prediction may evict any unpinned slot."""

@@ -97,8 +97,7 @@ class OptPolicy(PinTable):
         return found
 
     def evictable(self, exclude=()) -> int:
-        held = self._holders              # every pinned slot is resident
-        return len(self._due) - len(held) - sum(1 for s in exclude if s in self._due and s not in held)
+        return self._unpinned_among(self._due, exclude)
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         return True
