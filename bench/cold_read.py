@@ -25,7 +25,7 @@ disk in the same state as the others within milliseconds:
 - floor:    ``--readers`` persistent threads, raw ``os.preadv`` of each part
             (a batch cut into parts as k3d's server cuts it) from an O_DIRECT
             fd, ``--request`` bytes at a time (default: k3d's request size),
-            into slots of a ``k3d.arena.Arena`` (memory allocated as the
+            into slots of a ``k3d.memory.arena.Arena`` (memory allocated as the
             daemon's is);
 - floorcrc: the floor plus what every verifying reader must do: each thread's
             pieces go to a ``k3d.checksum.CrcPipeline`` companion as k3d's do,
@@ -77,8 +77,8 @@ import harness  # noqa: E402
 import numpy as np  # noqa: E402
 
 import k3client  # noqa: E402
-from k3d.arena import Arena, hugepages  # noqa: E402
 from k3d.config import DEFAULT_PATTERN  # noqa: E402
+from k3d.memory.arena import Arena, hugepages  # noqa: E402
 from k3d.reads.plan import parts_per_key, readers_for, split_extents  # noqa: E402
 from k3d.sources import Extent, open_source  # noqa: E402
 from k3d.sources.checksum import CrcPipeline, crc32_of_parts  # noqa: E402

@@ -182,7 +182,7 @@ def main():
     run = tempfile.mkdtemp(prefix="k3d-load-", dir="/tmp")
     endpoint = f"ipc://{run}/k.sock"
     log = open(os.path.join(run, "daemon.log"), "w")
-    daemon = subprocess.Popen([sys.executable, "-m", "k3d.cli", "start", "--source", ckpt, "--endpoint", endpoint,
+    daemon = subprocess.Popen([sys.executable, "-m", "k3d", "start", "--source", ckpt, "--endpoint", endpoint,
                                "--slots", str(args.slots), "--pin-quota", str(args.pin_quota),
                                *(["--readers", str(args.readers)] if args.readers else []), "--lease", "5"],
                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -4,7 +4,7 @@ generated routing, plus replay speed on a ~10^6-access trace.
 Generated traces come from ``k3d.demo.routing.SyntheticRouter`` with other statistics
 than the shared Mixtral trace (more experts, top-6/8, other skew and reuse); sizes are
 fractions of the model's experts (never below one token's pins).  Everything goes
-through ``k3d.replay.run`` (the daemon's Store and policy classes).
+through ``k3d.replay.engine.run`` (the daemon's Store and policy classes).
 
     python bench/policy_replay.py [--speed] [--out DIR]
 """
@@ -20,8 +20,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from k3d.demo.routing import routes, statistics  # noqa: E402
-from k3d.replay import layers_of, min_slots, run  # noqa: E402
-from k3d.trace import read  # noqa: E402
+from k3d.observe.trace import read  # noqa: E402
+from k3d.replay.engine import layers_of, min_slots, run  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces", "mixtral8x7b-gsm8k.trace")
 TRACES = {   # name: (tokens, router arguments)

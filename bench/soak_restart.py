@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 
 def start(ckpt, endpoint, log_path):
-    proc = subprocess.Popen([sys.executable, "-m", "k3d.cli", "start", "--source", ckpt, "--endpoint", endpoint,
+    proc = subprocess.Popen([sys.executable, "-m", "k3d", "start", "--source", ckpt, "--endpoint", endpoint,
                              "--slots", "48"], stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
     t0 = time.monotonic()
     while "k3d: ready" not in open(log_path).read():

@@ -53,7 +53,7 @@ def time_to_ready(ckpt: str, arena: str, extra: list[str]) -> tuple[float, dict]
     log_path = os.path.join(d, "log")
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        p = subprocess.Popen([sys.executable, "-m", "k3d.cli", "start", "--source", ckpt, "--arena", arena,
+        p = subprocess.Popen([sys.executable, "-m", "k3d", "start", "--source", ckpt, "--arena", arena,
                               "--endpoint", f"ipc://{d}/k.sock", *extra], stdout=log, stderr=subprocess.STDOUT)
     try:
         while True:

@@ -22,10 +22,11 @@ import tomllib
 from dataclasses import dataclass
 
 from k3client.endpoint import default_endpoint
+from k3d.observe.metrics import parse_hostport
 
-from .metrics import parse_hostport
-from .policy import POLICIES
-
+# The eviction policies a user may name (``k3d.cache.policy.POLICIES`` implements
+# exactly these; config is read before, and without, the cache).
+POLICY_NAMES = ("cycle", "lru")
 DEFAULT_PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -47,7 +48,7 @@ class Config:
     lease_s: float = 10.0             # a client silent this long loses its pins
     pin_quota: int = 0                # slots one client may pin per token; 0 = no limit
     max_share: float = 2.0            # with more clients active, one may use this many times the average
-                                      # client's share of the daemon's CPU, else it is paced (k3d/pacing.py); 0 = off
+                                      # client's share of the daemon's CPU, else it is paced (serve/pacing.py); 0 = off
     log_level: str = "info"
     read_mode: str = "buffered"       # packed sources: buffered | direct (O_DIRECT)
     http_conns: int = 4               # remote sources: persistent connections per host
@@ -57,7 +58,7 @@ class Config:
     disk_cache_size: int = 16 * 2**30 # bytes the disk tier may hold (LRU beyond)
     hugepages: bool = False           # arena in hugetlb pages (vm.nr_hugepages must hold it)
     thp: bool = True                  # without hugepages: collapse the arena into transparent huge pages
-    policy: str = "cycle"             # eviction policy (k3d.policy.POLICIES); "lru" is the seed's
+    policy: str = "cycle"             # eviction policy, one of POLICY_NAMES
     state_dir: str = ""               # warm-restart statistics; resolved: $STATE_DIRECTORY (systemd),
                                       # else $XDG_STATE_HOME/k3d, else ~/.local/state/k3d; "none": off
     state_every_s: float = 60.0       # seconds between saves of the statistics (and one at shutdown)
@@ -212,7 +213,7 @@ _CONVERTERS = {
     "read_mode": _one_of("buffered", "direct"),
     "endpoint": _endpoint,
     "hugepages": _bool,
-    "policy": _one_of(*sorted(POLICIES)),
+    "policy": _one_of(*POLICY_NAMES),
     "state_every_s": _positive,
     "warm_slots": _share,
     "thp": _bool,

@@ -1,6 +1,6 @@
 """Shared fixtures: a synthetic checkpoint and a real ``k3d start`` subprocess.
 
-``start_daemon(source, *args)`` runs the real CLI (``python -m k3d.cli start``)
+``start_daemon(source, *args)`` runs the real CLI (``python -m k3d start``)
 on a private ipc endpoint under tmp_path, waits for its ``ready`` line and
 returns a ``Daemon`` handle; every daemon still running at the end of a test is
 stopped with SIGTERM (and its exit code checked by the tests that care).
@@ -62,12 +62,12 @@ class Daemon:
 def spawn_daemon(source, *args, endpoint=None, env=None, wait_ready=True, timeout=60, launcher=None):
     """Start ``k3d start`` on a fresh endpoint; returns a Daemon once it says ready.
 
-    ``launcher`` replaces ``python -m k3d.cli`` (argv before ``start``), e.g. a
+    ``launcher`` replaces ``python -m k3d`` (argv before ``start``), e.g. a
     script that wraps the real CLI with slowed-down reads."""
     if endpoint is None:
         endpoint = f"ipc://{tempfile.mkdtemp(prefix='t-', dir=SCRATCH)}/k.sock"
     log_path = tempfile.mktemp(prefix="log-", dir=SCRATCH)
-    cmd = [*(launcher or [sys.executable, "-m", "k3d.cli"]), "start", "--endpoint", endpoint]
+    cmd = [*(launcher or [sys.executable, "-m", "k3d"]), "start", "--endpoint", endpoint]
     if source is not None:
         cmd += ["--source", str(source)]
     cmd += [str(a) for a in args]

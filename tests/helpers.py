@@ -4,8 +4,8 @@
 test in ``unit/``, ``component/`` or ``integration/`` writes ``from helpers import ...``.
 A worker script started as a subprocess adds ``TESTS`` to its own path first.
 
-- ``k3d(*args)`` / ``k3ctl(*args)`` run the real CLI (``python -m k3d.cli`` or
-  ``python -m k3d.ctl``) in a subprocess and return the ``CompletedProcess`` with
+- ``k3d(*args)`` / ``k3ctl(*args)`` run the real CLI (``python -m k3d`` or
+  ``python -m k3d.commands.ctl``) in a subprocess and return the ``CompletedProcess`` with
   text stdout/stderr: what a user at a shell gets.
 - ``poll_for(cond, timeout, what)`` waits for a condition instead of sleeping a fixed
   time: it returns the first truthy value of ``cond()`` and fails with ``what`` (a
@@ -51,13 +51,13 @@ def run_module(module: str, *args, timeout: float = 60, cwd: str = ROOT, **kw) -
 
 
 def k3d(*args, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    """``k3d ARGS`` (``python -m k3d.cli``)."""
-    return run_module("k3d.cli", *args, timeout=timeout, **kw)
+    """``k3d ARGS`` (``python -m k3d``)."""
+    return run_module("k3d", *args, timeout=timeout, **kw)
 
 
 def k3ctl(*args, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
-    """``k3ctl ARGS`` (``python -m k3d.ctl``)."""
-    return run_module("k3d.ctl", *args, timeout=timeout, **kw)
+    """``k3ctl ARGS`` (``python -m k3d.commands.ctl``)."""
+    return run_module("k3d.commands.ctl", *args, timeout=timeout, **kw)
 
 
 # -- waiting for a condition ---------------------------------------------------------

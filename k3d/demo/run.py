@@ -80,7 +80,7 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
         # a config file) are for their own daemon, not this one
         env = {k: v for k, v in os.environ.items() if not k.startswith("K3D_")}
         with open(log_path, "w") as log:
-            daemon = subprocess.Popen([sys.executable, "-m", "k3d.cli", "start", "--source", ckpt,
+            daemon = subprocess.Popen([sys.executable, "-m", "k3d", "start", "--source", ckpt,
                                        "--endpoint", endpoint, "--slots", str(slots),
                                        "--state-dir", "none"],    # a throw-away daemon: nothing to keep
                                       stdout=log, stderr=subprocess.STDOUT, env=env)

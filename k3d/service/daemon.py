@@ -31,13 +31,13 @@ import zmq
 
 from k3client.endpoint import arena_socket_for, ipc_path
 from k3client.layout import align
+from k3d.memory.arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
+from k3d.observe.metrics import Exporter, SnapshotBoard
+from k3d.serve.loop import Server
+from k3d.serve.wire import open_endpoint
 
-from ..arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
-from ..metrics import Exporter, SnapshotBoard
 from ..reads.plan import readers_for
-from ..server import Server
 from ..sources import SourceError, open_source
-from ..wire import open_endpoint
 from .notify import Notifier
 from .sizing import arena_warnings
 from .starting import Progress, ProgressPrinter, StartupResponder, describe

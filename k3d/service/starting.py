@@ -32,8 +32,7 @@ import time
 import zmq
 
 from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
-
-from .. import __version__
+from k3d import __version__
 
 POLL_MS = 50
 

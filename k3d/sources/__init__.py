@@ -3,14 +3,14 @@
 - ``base``: the ``Source`` interface (layout, keys -> extents, ``read``), ``Extent``,
   ``SourceError``, pread helpers;
 - ``safetensors``, ``gguf``, ``packed``: local formats, one reader each;
-  ``packwrite`` writes packed files (``k3d pack`` itself is ``k3d.pack``);
+  ``packwrite`` writes packed files (``k3d pack`` itself is ``k3d.commands.pack``);
 - ``checksum``: crc32 (zlib-ng), part combination, the per-reader crc pipeline;
 - ``remote/``: HTTP(S) and S3 origins: header images, the tiers (disk cache,
   crc, write-behind), one retry loop and response check, the transports.
 
 Imports run one way: this module imports every kind, and no module below it
 imports this one back (code that needs ``open_source`` lives outside the
-package: ``k3d.pack``, the daemon).
+package: ``k3d.commands.pack``, the daemon).
 
 Dispatch: ``http://``, ``https://``, ``s3://`` -> ``open_remote``; a local
 file by its magic (``K3DPACK``, ``GGUF``), else by its extension; a directory

@@ -1,7 +1,7 @@
 """The packed format (``.k3pack``) and its reader: every expert at a fixed stride, one read per expert.
 
 This module is the format (layout, ``read_header``'s validation) and the
-reader (``PackedSource``); packwrite.py writes packs; ``k3d pack`` is k3d/pack.py.
+reader (``PackedSource``); packwrite.py writes packs; ``k3d pack`` is k3d/commands/pack.py.
 
 File layout (format versions 1 and 2)::
 

@@ -18,7 +18,7 @@ from test_gguf_mixes import _raw, _write
 
 from faulty_http import FaultyServer
 from helpers import moto_s3
-from k3d.pack import pack_main
+from k3d.commands.pack import pack_main
 from k3d.sources import open_source
 from k3d.sources.remote.http import HttpSource
 from k3d.sources.remote.s3 import S3Source

@@ -14,7 +14,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
 import k3client
-from k3d.pack import pack_main
+from k3d.commands.pack import pack_main
 from k3d.sources import open_source
 from k3d.sources.gguf import GGUFSource
 

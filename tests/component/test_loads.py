@@ -7,8 +7,8 @@ only when its last part reported, with the bytes in its slot.
 
 import time
 
-from k3d.arena import Arena
 from k3d.config import DEFAULT_PATTERN
+from k3d.memory.arena import Arena
 from k3d.reads.loads import Loads
 from k3d.sources.safetensors import SafetensorsSource
 

@@ -1,4 +1,4 @@
-"""Fair share of the server loop between clients (k3d/turns.py wired into the real loop).
+"""Fair share of the server loop between clients (k3d/serve/turns.py wired into the real loop).
 
 Two raw DEALER clients queue requests before the loop runs: one floods big
 requests (512 keys each), the other sends small ones.  The loop must serve the
@@ -16,9 +16,9 @@ import zmq
 
 from conftest import SCRATCH
 from k3client.protocol import PROTOCOL_VERSION, pack
-from k3d.arena import Arena
 from k3d.config import DEFAULT_PATTERN, resolve
-from k3d.server import Server
+from k3d.memory.arena import Arena
+from k3d.serve.loop import Server
 from k3d.service.daemon import size_arena
 from k3d.sources.safetensors import SafetensorsSource
 

@@ -21,9 +21,9 @@ import k3client
 from conftest import SCRATCH
 from helpers import expert_bytes, poll_for, reference as reference_reader
 from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
-from k3d.arena import Arena
 from k3d.config import DEFAULT_PATTERN, resolve
-from k3d.server import Server
+from k3d.memory.arena import Arena
+from k3d.serve.loop import Server
 from k3d.service.daemon import size_arena
 from k3d.sources.safetensors import SafetensorsSource
 
@@ -453,7 +453,7 @@ def test_start_ticks_reads_proc_stat_even_with_odd_process_names(tmp_path):
     import subprocess
     import sys
 
-    from k3d.sessions import start_ticks
+    from k3d.cache.sessions import start_ticks
 
     odd = tmp_path / "a) b (c"
     odd.symlink_to(sys.executable)

@@ -16,26 +16,26 @@ from helpers import run_module as run
     (["demo", "--tokns", "3"], "usage: k3d demo"),
 ])
 def test_misspelled_flag_shows_the_subcommands_usage(argv, usage):
-    r = run("k3d.cli", *argv)
+    r = run("k3d", *argv)
     assert r.returncode == 2 and r.stderr.startswith(usage) and "unrecognized arguments" in r.stderr
 
 
 def test_k3ctl_misspelled_flag_shows_status_usage():
-    r = run("k3d.ctl", "status", "--jsn")
+    r = run("k3d.commands.ctl", "status", "--jsn")
     assert r.returncode == 2 and r.stderr.startswith("usage: k3ctl status")
 
 
 @pytest.mark.parametrize("opt, value", [("--tokens", "0"), ("--clients", "0"), ("--tokens", "-5"),
                                         ("--clients", "-1")])
 def test_demo_refuses_nothing_to_check(opt, value):
-    r = run("k3d.cli", "demo", opt, value)
+    r = run("k3d", "demo", opt, value)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and f"{opt} {value}: use 1 to" in r.stderr
     assert "OK" not in r.stdout
 
 
 def test_install_unit_refuses_a_missing_config(tmp_path):
-    r = run("k3d.cli", "install-unit", "--print", "--config", str(tmp_path / "nope.toml"))
+    r = run("k3d", "install-unit", "--print", "--config", str(tmp_path / "nope.toml"))
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "no such file" in r.stderr
 
 
@@ -58,7 +58,7 @@ def test_tensor_without_torch_says_how_to_install(checkpoint, start_daemon):
 
 
 def test_status_json_failure_is_json(tmp_path):
-    r = run("k3d.ctl", "status", "--json", "--endpoint", f"ipc://{tmp_path}/k.sock")
+    r = run("k3d.commands.ctl", "status", "--json", "--endpoint", f"ipc://{tmp_path}/k.sock")
     assert r.returncode == 1
     out = json.loads(r.stdout)
     assert out["ok"] is False and "not running" in out["error"]
@@ -67,7 +67,8 @@ def test_status_json_failure_is_json(tmp_path):
 def test_watch_prints_frames_with_interval_rates(checkpoint, start_daemon):
     import k3client
     d = start_daemon(checkpoint, "--arena", "4MiB")
-    p = subprocess.Popen([sys.executable, "-m", "k3d.ctl", "status", "--watch", "0.3", "--endpoint", d.endpoint],
+    p = subprocess.Popen([sys.executable, "-m", "k3d.commands.ctl", "status", "--watch", "0.3",
+                          "--endpoint", d.endpoint],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         with k3client.connect(d.endpoint, name="w") as c:
@@ -91,7 +92,7 @@ def test_watch_prints_frames_with_interval_rates(checkpoint, start_daemon):
 
 
 def test_watch_json_is_one_object_per_line(tmp_path):
-    p = subprocess.Popen([sys.executable, "-m", "k3d.ctl", "status", "--watch", "0.2", "--json",
+    p = subprocess.Popen([sys.executable, "-m", "k3d.commands.ctl", "status", "--watch", "0.2", "--json",
                           "--endpoint", f"ipc://{tmp_path}/k.sock"], stdout=subprocess.PIPE, text=True,
                          env=dict(os.environ))
     time.sleep(1.5)

@@ -190,7 +190,7 @@ def test_start_serves_the_family_without_a_pattern(saved, mt, start_daemon):
 
 
 def _k3d(*args):
-    return subprocess.run([sys.executable, "-m", "k3d.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "k3d", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_inspect_describes_without_starting(saved):

@@ -41,7 +41,7 @@ for cls in [sources.Source, *sources.Source.__subclasses__()]:
             time.sleep(delay)
             return _orig(self, extents, slot)
         cls.read = slow
-from k3d.cli import main
+from k3d.commands.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -219,7 +219,7 @@ def test_arena_over_memory_cgroup_limit_is_a_clear_start_error(checkpoint, tmp_p
     try:
         with open(os.path.join(root, limit_file), "w") as f:
             f.write(str(96 * 2**20))
-        cmd = (f"echo $$ > {root}/cgroup.procs && exec {sys.executable} -m k3d.cli start --source {checkpoint} "
+        cmd = (f"echo $$ > {root}/cgroup.procs && exec {sys.executable} -m k3d start --source {checkpoint} "
                f"--endpoint ipc://{tmp_path}/k.sock --arena 256MiB")
         r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=60)
         assert r.returncode == 1, (r.returncode, r.stderr)   # not 137: no OOM kill

@@ -28,6 +28,6 @@ def test_processes_share_the_experts_pss_measured_in_the_same_run():
 
 
 def test_k3d_demo_hf_flag_is_wired():
-    r = subprocess.run([sys.executable, "-m", "k3d.cli", "demo", "--help"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "k3d", "demo", "--help"], capture_output=True, text=True,
                        check=False)
     assert r.returncode == 0 and "--hf" in r.stdout

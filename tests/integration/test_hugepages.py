@@ -14,7 +14,7 @@ import pytest
 
 import k3client
 from helpers import k3d, reference, verify
-from k3d.arena import hugepages
+from k3d.memory.arena import hugepages
 
 NR = "/proc/sys/vm/nr_hugepages"
 

@@ -30,7 +30,7 @@ def expected(ckpt, layout, key) -> bytes:
 
 
 def status(endpoint):
-    r = subprocess.run([sys.executable, "-m", "k3d.ctl", "status", "--endpoint", endpoint, "--json"],
+    r = subprocess.run([sys.executable, "-m", "k3d.commands.ctl", "status", "--endpoint", endpoint, "--json"],
                        check=False, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
@@ -52,7 +52,7 @@ def test_daemon_restarts_offline_and_catches_up(tmp_path, start_daemon):
     assert "starting from the headers kept" in d.log()
     o = status(d.endpoint)["model"]["tiers"]["origin"]
     assert o["up"] is False and "failed after" in o["error"]
-    human = subprocess.run([sys.executable, "-m", "k3d.ctl", "status", "--endpoint", d.endpoint],
+    human = subprocess.run([sys.executable, "-m", "k3d.commands.ctl", "status", "--endpoint", d.endpoint],
                            check=False, capture_output=True, text=True, timeout=30).stdout
     assert "DOWN for" in human
     with k3client.connect(d.endpoint, name="offline") as c:

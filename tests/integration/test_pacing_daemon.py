@@ -1,4 +1,4 @@
-"""CPU fair share between clients (k3d/pacing.py) in a real daemon.
+"""CPU fair share between clients (k3d/serve/pacing.py) in a real daemon.
 
 Four polite clients fetch a few experts per layer with a pause between layers,
 as a model computing does; a fifth sends big fetches and floods predictions
@@ -15,7 +15,7 @@ import time
 
 import k3client
 from helpers import reference, verify
-from k3d.ctl import render
+from k3d.commands.ctl import render
 
 POLITE, SECONDS = 4, 3.0
 

@@ -20,7 +20,7 @@ import pytest
 
 import k3client
 from conftest import SCRATCH
-from k3d.ctl import query_status
+from k3d.commands.ctl import query_status
 from k3d.demo.routing import SyntheticRouter
 from k3d.demo.synthetic import write_checkpoint
 
@@ -34,7 +34,7 @@ def ckpt(tmp_path_factory):
 
 
 def quiet(c):
-    """Wait until no read is in flight (so a run is the deterministic one, see k3d/store.py)."""
+    """Wait until no read is in flight (so a run is the deterministic one, see k3d/cache/store.py)."""
     while c.status()["arena"]["loading"]:
         time.sleep(0.002)
 
@@ -59,7 +59,7 @@ def test_replay_reproduces_the_daemons_counters(start_daemon, ckpt, policy):
     st = query_status(d.endpoint, 5.0)["stats"]       # after its bye: its last predictions counted
     assert d.stop() == 0
     assert st["loading_skips"] == 0 and st["evictions"] > 100 and st["prefetched"] > 50
-    out = subprocess.run([sys.executable, "-m", "k3d.cli", "replay", trace, "--slots", "40",
+    out = subprocess.run([sys.executable, "-m", "k3d", "replay", trace, "--slots", "40",
                           "--policy", policy, "--json"], capture_output=True, text=True, check=True)
     got = json.loads(out.stdout)["results"][policy]["40"]
     want = {k: st[k] for k in ("hits", "misses", "evictions", "prefetched", "prefetch_hits", "prefetch_unused")}
@@ -82,7 +82,7 @@ def test_status_reports_prediction_quality_per_client(start_daemon, ckpt):
         assert pq["total"]["prefetched"] == st["stats"]["prefetched"]
         assert pq["total"]["unused_bytes"] == st["stats"]["prefetch_unused_bytes"] == \
             st["stats"]["prefetch_unused"] * st["arena"]["expert_bytes"]
-        text = subprocess.run([sys.executable, "-m", "k3d.ctl", "status", "--endpoint", d.endpoint],
+        text = subprocess.run([sys.executable, "-m", "k3d.commands.ctl", "status", "--endpoint", d.endpoint],
                               capture_output=True, text=True, check=True).stdout
         assert "precision" in text and "fetched keys ready" in text
     assert d.stop() == 0

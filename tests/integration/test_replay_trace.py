@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from k3d import replay_cli
-from k3d.cli import main as k3d_main
-from k3d.replay import run
-from k3d.trace import parse
+from k3d.commands import replay as replay_cli
+from k3d.commands.cli import main as k3d_main
+from k3d.observe.trace import parse
+from k3d.replay.engine import run
 
 # real routing (Mixtral-8x7B decoding GSM8K), shipped in the repository
 SHARED = str(Path(__file__).resolve().parents[2] / "traces" / "mixtral8x7b-gsm8k.trace")

@@ -18,7 +18,7 @@ LINE = re.compile(r"^starting: (opening the source|sizing the arena|collapsing t
 
 def k3ctl(*args):
     """``k3ctl status ARGS``."""
-    return run_module("k3d.ctl", "status", *args, timeout=30)
+    return run_module("k3d.commands.ctl", "status", *args, timeout=30)
 
 
 def wait_for(pred, what, timeout=60):

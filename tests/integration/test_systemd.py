@@ -78,7 +78,7 @@ def test_install_unit_print_and_dest(tmp_path):
     if os.stat("/root").st_mode & 0o001 == 0:
         assert "warning: ExecStart /root/venv/bin/k3d is under /root, which other users cannot enter" in r.stderr
     assert (os.stat(dest / "k3d.service").st_mode & 0o777) == 0o644
-    # the default ExecStart is this installation's k3d (or python -m k3d.cli)
+    # the default ExecStart is this installation's k3d (or python -m k3d)
     assert f"ExecStart={units.default_exec()} start" in text
     r = k3d("install-unit", "--print", "--arena", "lots")
     assert r.returncode == 1 and "not a size" in r.stderr

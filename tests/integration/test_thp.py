@@ -1,4 +1,4 @@
-"""The arena in transparent huge pages (``k3d/thp.py``), by default, and ``--no-thp``.
+"""The arena in transparent huge pages (``k3d/memory/thp.py``), by default, and ``--no-thp``.
 
 Collapsing needs a kernel with MADV_COLLAPSE for shmem (6.1+, ``shmem_enabled``
 not ``deny``); elsewhere those tests are skipped with the reason.  Physical
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import k3client
-import k3d.thp as thp
+import k3d.memory.thp as thp
 from helpers import reference, verify
-from k3d.arena import Arena, memfd_bytes
+from k3d.commands.ctl import render
 from k3d.config import ConfigError, resolve
-from k3d.ctl import render
-from k3d.thp import collapse, pmd_bytes, region_bytes
+from k3d.memory.arena import Arena, memfd_bytes
+from k3d.memory.thp import collapse, pmd_bytes, region_bytes
 
 PMD = pmd_bytes()
 

@@ -1,4 +1,4 @@
-"""The loop's intake (k3d/intake.py): holds decided by the pacer reach the turns.
+"""The loop's intake (k3d/serve/intake.py): holds decided by the pacer reach the turns.
 
 No socket is needed past ``receive``: requests are put in ``turns`` as
 ``receive`` puts them (arrival time, frames), with real sessions and counters.
@@ -6,10 +6,10 @@ No socket is needed past ``receive``: requests are put in ``turns`` as
 
 import time
 
-from k3d.intake import Intake
-from k3d.pacing import MAX_DELAY
-from k3d.sessions import Sessions
-from k3d.stats import Counters
+from k3d.cache.sessions import Sessions
+from k3d.observe.stats import Counters
+from k3d.serve.intake import Intake
+from k3d.serve.pacing import MAX_DELAY
 
 
 def setup(n):

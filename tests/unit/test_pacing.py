@@ -1,10 +1,10 @@
-"""CPU fair share between clients (k3d/pacing.py): pure, with explicit times."""
+"""CPU fair share between clients (k3d/serve/pacing.py): pure, with explicit times."""
 
 import math
 
 import pytest
 
-from k3d.pacing import ACTIVE, FLOOR, MAX_DELAY, TAU, Pacer
+from k3d.serve.pacing import ACTIVE, FLOOR, MAX_DELAY, TAU, Pacer
 
 
 def steady(p, rates, seconds, now=0.0, step=0.01):

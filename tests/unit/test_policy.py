@@ -1,6 +1,6 @@
 """Unit: the pure LRU + pin policy, with plain integers."""
 
-from k3d.policy import LruPolicy
+from k3d.cache.policy import LruPolicy
 
 
 def test_victim_is_least_recently_used_unpinned():

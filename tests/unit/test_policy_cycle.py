@@ -2,8 +2,8 @@
 
 import pytest
 
-from k3d.policy import CyclePolicy, UnknownPolicy, make
-from k3d.policy.opt import NEVER, OptPolicy, next_uses
+from k3d.cache.policy import CyclePolicy, UnknownPolicy, make
+from k3d.cache.policy.opt import NEVER, OptPolicy, next_uses
 
 
 def fill(p, keys):

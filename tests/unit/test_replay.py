@@ -4,8 +4,8 @@ The real routing trace's replays and the CLI are tests/integration/test_replay_t
 
 import pytest
 
-from k3d.replay import min_slots, run
-from k3d.trace import BEGIN, FETCH, PREDICT, RouteTrace, TraceError, parse
+from k3d.observe.trace import BEGIN, FETCH, PREDICT, RouteTrace, TraceError, parse
+from k3d.replay.engine import min_slots, run
 
 
 def test_seed_lines_begin_a_token_where_the_layer_does_not_increase():

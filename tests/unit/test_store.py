@@ -3,7 +3,7 @@
 import pytest
 
 from k3client.errors import CacheFull, QuotaExceeded
-from k3d.store import LOADING, READY, Store
+from k3d.cache.store import LOADING, READY, Store
 
 
 def ready(store, plan):

@@ -1,4 +1,4 @@
-"""Stateful property test of the cache invariants: hypothesis drives ``k3d.store.Store``.
+"""Stateful property test of the cache invariants: hypothesis drives ``k3d.cache.store.Store``.
 
 Pure (no sockets, no threads): random interleavings of fetch, predict,
 begin_token, client death, and read completion (ok or failed) on a small
@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from k3client.errors import CacheFull, QuotaExceeded
-from k3d.policy import make
-from k3d.store import FREE, LOADING, PREDICT, READY, Store
+from k3d.cache.policy import make
+from k3d.cache.store import FREE, LOADING, PREDICT, READY, Store
 
 SLOTS, LAYERS, EXPERTS, CLIENTS = 6, 4, 6, 3
 keys_st = st.lists(st.tuples(st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)),

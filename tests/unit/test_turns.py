@@ -1,8 +1,8 @@
-"""Deficit round-robin of the server loop (k3d/turns.py)."""
+"""Deficit round-robin of the server loop (k3d/serve/turns.py)."""
 
 from hypothesis import given, strategies as st
 
-from k3d.turns import MAX_COST, QUANTUM, Turns, cost_of
+from k3d.serve.turns import MAX_COST, QUANTUM, Turns, cost_of
 
 
 def drain(t):
@@ -67,7 +67,7 @@ def test_everything_pushed_comes_out_once_in_client_order(pushes):
         assert mine == sorted(mine)
 
 
-# -- holds (k3d/pacing.py decides them) -------------------------------------------------
+# -- holds (k3d/serve/pacing.py decides them) -------------------------------------------------
 def test_a_held_client_keeps_its_requests_in_order_and_is_passed_by():
     t = Turns()
     t.push(b"a", "a0", 1)

@@ -7,12 +7,12 @@ import os
 import numpy as np
 import pytest
 
+from k3d.cache.policy import CyclePolicy
+from k3d.cache.store import Store
+from k3d.cache.warm import Warmup, load, save
 from k3d.demo.routing import DEMO, routes, statistics
-from k3d.policy import CyclePolicy
-from k3d.sharing import compare, interleave
-from k3d.store import Store
-from k3d.trace import BEGIN, parse
-from k3d.warm import Warmup, load, save
+from k3d.observe.trace import BEGIN, parse
+from k3d.replay.sharing import compare, interleave
 
 
 class FakeSource:

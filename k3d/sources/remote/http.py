@@ -40,7 +40,8 @@ import threading
 import time
 import urllib.parse
 
-from ... import __version__
+from k3d import __version__
+
 from ..base import SourceError
 from .retry import RETRY_STATUS, Retryable, check_206, fill_from, retrying
 from .source import RemoteSource

@@ -1,0 +1,118 @@
+"""Parked fetches: fetches waiting for slots still LOADING, and how each is answered.
+
+A fetch whose plan has slots still loading is parked (``Pending``) under each
+of them; it is answered exactly once (``done``):
+- with its slots, once the last one is READY (``finished``), after
+  ``checked_slots`` confirms that every slot is READY and still holds its key: a
+  reply never names a loading or reused slot.  A client that began a new token
+  meanwhile (pipelining) has lost the pins the fetch was planned under: the
+  slots are pinned again for its current token, within its quota
+  (``Store.repin``);
+- with ReadFailed when a read it waits on failed (every waiter learns; the next
+  fetch retries), or ShuttingDown when the daemon cancelled it;
+- with NotAttached when the daemon drops its client (``drop``);
+- with ShuttingDown at shutdown (``shut_down``).
+A client already dropped gets no reply.  A fetch answered with its slots
+records its latency (arrival to reply, ``latency.py``).
+
+Thread: the server thread owns this object; no locking.
+"""
+
+from __future__ import annotations
+
+import time
+
+from k3client import errors
+from k3client.errors import K3Error, NotAttached
+from k3d.cache.store import READY
+
+SHUTTING_DOWN = "the daemon is shutting down"
+
+
+class Pending:
+    """A parked fetch; ``holder`` is the (client, epoch) its slots were pinned under."""
+
+    __slots__ = ("done", "holder", "keys", "left", "result", "rid", "session", "slots", "t0")
+
+    def __init__(self, session, rid, keys, slots, left, t0=0.0, result="miss"):
+        self.session, self.rid, self.keys, self.slots, self.left = session, rid, keys, slots, left
+        self.holder = session.holder
+        self.done = False
+        self.t0, self.result = t0, result     # arrival time and latency class (k3d/observe/latency.py)
+
+
+def checked_slots(store, keys, slots) -> list[int]:
+    """``slots`` if each is READY and holds its key; else an error naming the first key that is not."""
+    for key, slot in zip(keys, slots):
+        if store.state[slot] != READY or store.slot_key[slot] != key:
+            raise errors.K3Error(
+                f"expert (layer {key[0]}, expert {key[1]}) was released before the fetch finished "
+                "(begin_token during a fetch?); fetch it again")
+    return slots
+
+
+class Parked:
+    def __init__(self, store, replies, source_path: str, latency):
+        self.store, self.replies, self.source_path, self.latency = store, replies, source_path, latency
+        self.waiters: dict[int, list[Pending]] = {}      # LOADING slot -> fetches parked on it
+
+    def park(self, session, rid, keys, slots, waiting: set[int], t0: float, result: str) -> None:
+        """Park a fetch that arrived at ``t0`` (its latency class ``result``) on ``waiting``."""
+        p = Pending(session, rid, keys, slots, set(waiting), t0, result)
+        for slot in waiting:
+            self.waiters.setdefault(slot, []).append(p)
+
+    def finished(self, load, cancelled: bool) -> None:
+        """``load``'s slot left LOADING (READY, or FREE if ``load.fail``): answer who waited."""
+        for p in self.waiters.pop(load.slot, ()):
+            if p.done:
+                continue
+            if load.fail:
+                p.done = True
+                if p.session.alive and cancelled:   # the client re-attaches after a restart
+                    self._error(p, errors.ShuttingDown(SHUTTING_DOWN))
+                elif p.session.alive:
+                    self._error(p, errors.ReadFailed(
+                        f"reading expert (layer {load.key[0]}, expert {load.key[1]}) from "
+                        f"{self.source_path} failed: {load.fail}; the next fetch retries"))
+                continue
+            p.left.discard(load.slot)
+            if not p.left:
+                p.done = True
+                if p.session.alive:
+                    self._answer(p)
+
+    def _answer(self, p: Pending) -> None:
+        try:
+            slots = checked_slots(self.store, p.keys, p.slots)
+            if p.session.holder != p.holder:
+                # The client began a new token before this reply (a pipelining
+                # client): its old pins are gone, so pin for the token it reads in,
+                # within that token's quota like any fetch in it.
+                self.store.repin(p.session.holder, slots)
+            self.replies.ok(p.session.routing, p.rid, {"slots": slots})
+            self.latency.record(p.result, time.monotonic() - p.t0)
+        except K3Error as e:
+            self._error(p, e)
+
+    def drop(self, session, reason: str) -> None:
+        """The daemon dropped ``session``: a fetch it still waits on is answered now (a live
+        process whose lease ran out must not wait for its own timeout to learn it)."""
+        for p in {id(p): p for ps in self.waiters.values() for p in ps}.values():
+            if p.session is session and not p.done:
+                p.done = True
+                self._error(p, NotAttached(
+                    f"the daemon dropped this client ({reason}) before the fetch finished; "
+                    "its pins are released: connect again"))
+
+    def shut_down(self) -> None:
+        """Answer every fetch still parked with ShuttingDown."""
+        for waiting in self.waiters.values():
+            for p in waiting:
+                if not p.done and p.session.alive:
+                    p.done = True
+                    self._error(p, errors.ShuttingDown(SHUTTING_DOWN))
+        self.waiters.clear()
+
+    def _error(self, p: Pending, e: K3Error) -> None:
+        self.replies.error(p.session.routing, p.rid, e)

@@ -1,0 +1,254 @@
+"""The MoE-aware policy (``--policy cycle``, the default).  Pure: see ``base``.
+
+MoE layers run in a fixed cycle 0..L-1 per token, so where an expert's layer lies in
+the cycle bounds its next use: an expert of a layer the current token has passed
+is not needed before the next token, one of the next layer may be needed at the
+very next step.  Plain LRU gets this backwards: its least recently used experts
+are the next token's first layers.
+
+Victim order (largest first, ties: lower slot)::
+
+    score(key) = (passed(layer), d(layer) / p(key))
+
+- ``passed``: the key's layer is one the current token has already served (its
+  layer is at or before the one being served), so it cannot be used before the
+  token ends: such keys go before any key of a layer still ahead.
+- ``d``: layer steps until the key's layer is served again (1 = the next layer,
+  L = the one being served now).
+- ``p``: the chance the key is picked when its layer comes: a decayed count of its
+  uses (LRFU-style forgetting, ``half_life`` visits of its layer), shrunk towards
+  the layer's mean rate so one use is not trusted as a sure thing.  ``d / p`` is
+  the layer steps per expected hit the slot would buy.
+
+Visits are counted per layer (``visit``, once per fetch per layer), and the layer
+being served is the last one visited, so several clients count as chances for a key
+and share one notion of "now".  Statistics are kept for every key seen, resident or
+not (a returning expert keeps its history): one small record per expert.
+
+Index (so a victim costs O(L), not O(slots)): residents are grouped by layer; within
+a layer ``d`` is shared, so the layer's candidate is its unpinned resident with the
+lowest decayed count, cached until something in that layer changes.
+
+Background reads (``admits``): a prediction may evict a slot only if the slot's
+score is larger than the prediction's own (its layer's distance, the predicting
+client's measured precision as ``p``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from k3d.cache.policy.base import PinTable
+
+
+class CyclePolicy(PinTable):
+    name = "cycle"
+
+    def __init__(self, layers: int = 0, half_life: float = 8.0, prior_weight: float = 1.0):
+        super().__init__()
+        self.layers = layers                          # L; grows with the keys seen
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._log_decay = math.log(self._decay)
+        self._prior_weight = prior_weight
+        self._visits: dict[int, int] = {}             # layer -> visits so far
+        self._picks: dict[int, int] = {}              # layer -> keys used in those visits
+        self._experts: dict[int, int] = {}            # layer -> highest expert id + 1 seen
+        self._stat: dict[tuple, list] = {}            # key -> [decayed count, visit of last update]
+        self._fwd: dict[tuple, float] = {}            # key -> log count scaled to visit 0 (order in layer)
+        self._key: dict[int, tuple] = {}              # resident slot -> key
+        self._by_layer: dict[int, set[int]] = {}      # layer -> resident slots
+        self._cand: dict[int, int | None] = {}        # layer -> cached candidate (absent: stale)
+        self._current = -1                            # the layer being served (last visited)
+        self._first = -1                              # the first layer of the current pass
+
+    # -- requests -------------------------------------------------------------
+    def visit(self, layer: int) -> None:
+        """A fetch for ``layer`` begins: one more chance for each of its experts."""
+        self._visits[layer] = self._visits.get(layer, 0) + 1
+        if layer <= self._current or self._first < 0:
+            self._first = layer                       # the cycle wrapped: a new token
+        self._current = layer
+        if layer >= self.layers:
+            self.layers = layer + 1
+        self._cand.pop(layer, None)
+
+    def _used(self, key) -> None:
+        layer, expert = key
+        v = self._visits.get(layer, 0)
+        st = self._stat.get(key)
+        if st is None:
+            st = self._stat[key] = [1.0, v]
+        else:
+            st[0] = st[0] * self._decay ** (v - st[1]) + 1.0
+            st[1] = v
+        self._fwd[key] = self._forward(st)
+        self._picks[layer] = self._picks.get(layer, 0) + 1
+        if expert >= self._experts.get(layer, 0):
+            self._experts[layer] = expert + 1
+        self._cand.pop(layer, None)
+
+    def insert(self, slot: int, key=None, predicted: bool = False) -> None:
+        layer = key[0]
+        self._key[slot] = key
+        self._by_layer.setdefault(layer, set()).add(slot)
+        self._cand.pop(layer, None)
+        if layer >= self.layers:
+            self.layers = layer + 1
+        if not predicted:                             # a guess is not a use
+            self._used(key)
+
+    def touch(self, slot: int, key=None) -> None:
+        self._used(self._key[slot] if key is None else key)
+
+    def demote(self, slot: int) -> None:
+        """An unused prediction: nothing to undo (a guess never counted as a use)."""
+
+    def remove(self, slot: int) -> None:
+        key = self._key.pop(slot, None)
+        if key is not None:
+            self._by_layer[key[0]].discard(slot)
+            self._cand.pop(key[0], None)
+        self._forget_pins(slot)
+
+    def has(self, slot: int) -> bool:
+        return slot in self._key
+
+    def _pinned(self, slot: int) -> None:
+        key = self._key.get(slot)
+        if key is not None:
+            self._cand.pop(key[0], None)
+
+    _unpinned = _pinned
+
+    # -- scoring --------------------------------------------------------------
+    def rate(self, key) -> float:
+        """Estimated chance that ``key`` is picked when its layer comes."""
+        layer = key[0]
+        v = self._visits.get(layer, 0)
+        experts = self._experts.get(layer, 1)
+        prior = self._picks.get(layer, 0) / v / experts if v else 1.0 / experts
+        d = self._decay
+        seen = (1.0 - d ** v) / (1.0 - d)             # decayed number of visits observed
+        st = self._stat.get(key)
+        count = st[0] * d ** (v - st[1]) if st else 0.0
+        w = self._prior_weight
+        return (count + w * prior) / (seen + w)
+
+    def distance(self, layer: int) -> int:
+        """Layer steps until ``layer`` is served again (1 = next, L = the current one)."""
+        return (layer - self._current - 1) % max(self.layers, 1) + 1
+
+    def passed(self, layer: int) -> bool:
+        """``layer`` was served in the current pass of the cycle (or is being served)."""
+        c, f = self._current, self._first
+        return f <= layer <= c if f <= c else (layer >= f or layer <= c)
+
+    def score(self, key, p: float | None = None) -> tuple[bool, float]:
+        """Victim order, largest first: (passed, layer steps per expected hit)."""
+        p = self.rate(key) if p is None else p
+        return self.passed(key[0]), self.distance(key[0]) / max(p, 1e-9)
+
+    def _forward(self, st: list) -> float:
+        """A key's log count scaled to visit 0: its order within the layer holds between updates."""
+        return math.log(st[0]) - st[1] * self._log_decay
+
+    def _candidate(self, layer: int):
+        """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
+        try:
+            return self._cand[layer]
+        except KeyError:
+            pass
+        holders, fwd, key_of = self._holders, self._fwd, self._key
+        best, best_v = None, math.inf
+        for s in self._by_layer.get(layer, ()):
+            if s in holders:
+                continue
+            v = fwd.get(key_of[s], -math.inf)
+            if v < best_v or (v == best_v and s < best):
+                best, best_v = s, v
+        cand = None if best is None else (best, max(self.rate(key_of[best]), 1e-9))
+        self._cand[layer] = cand
+        return cand
+
+    def victim(self, exclude=()) -> int | None:
+        if exclude:
+            return self._victim_scan(exclude)
+        c, f, L = self._current, self._first, max(self.layers, 1)
+        wrapped = f > c
+        cands, candidate = self._cand, self._candidate
+        best, best_passed, best_v = None, False, -1.0
+        for layer in self._by_layer:
+            cand = cands[layer] if layer in cands else candidate(layer)
+            if cand is None:
+                continue
+            passed = (layer >= f or layer <= c) if wrapped else (f <= layer <= c)
+            if best_passed and not passed:
+                continue
+            s, p = cand
+            v = ((layer - c - 1) % L + 1) / p
+            if (passed and not best_passed) or v > best_v or (v == best_v and s < best):
+                best, best_passed, best_v = s, passed, v
+        return best
+
+    def _victim_scan(self, exclude) -> int | None:
+        best, best_score = None, None
+        for s, key in self._key.items():
+            if s in self._holders or s in exclude:
+                continue
+            sc = (self.score(key), -s)
+            if best_score is None or sc > best_score:
+                best, best_score = s, sc
+        return best
+
+    def evictable(self, exclude=()) -> int:
+        return self._unpinned_among(self._key, exclude)
+
+    def admits(self, key, slot: int, confidence: float) -> bool:
+        return self.score(self._key[slot]) > self.score(key, p=confidence)
+
+    # -- warm restart and tests ------------------------------------------------
+    def ranking(self, slot_key=None) -> list[tuple]:
+        """Every key seen, most likely to be picked first (ties: layer, expert)."""
+        return sorted(self._stat, key=lambda k: (-self.rate(k), k))
+
+    def export(self) -> dict:
+        """The statistics as JSON-able lists (warm restart)."""
+        return {"half_life": round(math.log(0.5) / self._log_decay, 6),
+                "layers": [[l, self._visits.get(l, 0), self._picks.get(l, 0), self._experts.get(l, 0)]
+                           for l in sorted(set(self._visits) | set(self._experts))],
+                "keys": [[k[0], k[1], st[0], st[1]] for k, st in sorted(self._stat.items())]}
+
+    def restore(self, state: dict) -> None:
+        """Take saved statistics; ValueError (nothing changed) if they are malformed."""
+        try:
+            layers = [(int(l), int(v), int(p), int(e)) for l, v, p, e in state.get("layers", [])]
+            keys = [((int(l), int(e)), [float(c), int(v)]) for l, e, c, v in state.get("keys", [])]
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"malformed cycle-policy statistics: {e}") from None
+        if any(v < 0 or p < 0 or e < 0 for _, v, p, e in layers) or any(
+                not (0 <= st[0] < 1e9) or st[1] < 0 for _, st in keys):
+            raise ValueError("cycle-policy statistics out of range")
+        for l, v, p, e in layers:
+            self._visits[l], self._picks[l], self._experts[l] = v, p, e
+            self.layers = max(self.layers, l + 1)
+        for key, st in keys:                  # an update can't be later than its layer's visits
+            st[1] = min(st[1], self._visits.get(key[0], 0))
+            self._stat[key] = st
+            if st[0] > 0:
+                self._fwd[key] = self._forward(st)
+        self._cand.clear()
+
+    def snapshot(self):
+        """Comparable state (tests: a refused request changes nothing)."""
+        return (dict(self._key), {k: tuple(v) for k, v in self._stat.items()}, dict(self._visits),
+                self._current)
+
+    def check(self) -> None:
+        self.check_pins()
+        assert set(self._holders) <= set(self._key), "a pin on a slot the policy does not hold"
+        for layer, slots in self._by_layer.items():
+            assert all(self._key[s][0] == layer for s in slots)
+        assert sum(len(v) for v in self._by_layer.values()) == len(self._key)
+        for layer, s in list(self._cand.items()):
+            del self._cand[layer]
+            assert self._candidate(layer) == s, f"stale candidate cached for layer {layer}"

@@ -1,0 +1,356 @@
+"""The slot store: which key lives in which slot, and the state of every slot.
+
+Slot states and transitions (the server thread is the only caller)::
+
+               fetch miss / predict              complete(ok)
+      FREE  ─────────────────────────▶ LOADING ───────────────▶ READY ──┐
+        ▲                                 │                      │  ▲   │ fetch: touch + pin
+        │        complete(error)          │                      │  └───┘
+        ├─────────────────────────────────┘                      │
+        │          evict (policy victim: unpinned, READY)        │
+        └────────────────────────────────────────────────────────┘
+
+Determinism: the policy hears of a key when it is *requested* (``insert`` for a
+miss or a prediction, ``touch`` for a hit or a key still loading), once per key, in
+request order, never when a read completes; a prediction is pinned under
+``("predict", client)`` until that client's next ``end_epoch``.  So victims and
+counters (hits, misses, evictions, prefetched, prefetch_hits, prefetch_unused) are
+a function of the request sequence alone, which ``k3d replay`` reproduces.  The one
+exception is physical: a LOADING slot is never a victim; when the policy's choice is
+still loading (a background read slower than a whole token) the next choice is
+taken and ``loading_skips`` counts it (a run with ``loading_skips == 0`` replays
+exactly).  Only ``waited`` depends on timing.
+
+Invariants:
+- ``key_slot`` and ``slot_key`` are inverse maps over non-FREE slots: a key maps
+  to at most one slot.
+- A LOADING slot is never evicted, never named in a reply, never read by a
+  client; it leaves LOADING only when every part of its read has reported.
+- A pinned slot (any ``(client, epoch)`` holder) is never evicted.
+- Checks that can fail (validation, cache full, quota) run before any change,
+  so a refused fetch changes nothing.
+
+The store does no I/O: ``fetch``/``predict`` return the slots whose reads the
+caller must start; ``complete`` is called when they finish.  It knows a read
+only as a LOADING slot (``Loading``: key, urgent); the read itself (token, parts,
+error) belongs to ``reads.loads``.  The caller changes the store only through its
+methods (``repin``, ``background`` included), so its invariants (``check``) hold
+whatever the caller is.
+
+Thread: the server thread owns the store; no locking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from k3client.errors import CacheFull, QuotaExceeded
+from k3d.cache.policy import LruPolicy
+from k3d.observe.stats import Counters, PredictionStats
+
+PREDICT = "predict"      # holder tag of a client's outstanding predictions
+
+FREE, LOADING, READY = "free", "loading", "ready"
+
+
+@dataclass
+class FetchPlan:
+    slots: list[int]                 # in request order
+    new_loads: list[int]             # slots whose reads must start (urgent)
+    waiting: set[int]                # slots still loading (new or earlier)
+    promote: list[int]               # earlier background loads now needed urgently
+    misses: int = 0
+    evictions: int = 0
+    waited: int = 0
+    prefetched_hits: int = 0
+
+
+@dataclass
+class Loading:
+    """What the store knows of a LOADING slot.  The read itself (token, parts,
+    error) is ``reads.loads.Load``, which the store never sees."""
+    key: tuple[int, int]
+    urgent: bool                     # False: a background read a fetch must promote
+
+
+@dataclass
+class Store:
+    slots: int
+    pin_quota: int = 0               # max slots one holder may pin; 0 = no limit
+    policy: object = field(default_factory=LruPolicy)    # any k3d.cache.policy class
+    stats: Counters = field(default_factory=Counters)
+    key_bytes: object = None         # key -> bytes one read of it costs (unused_bytes); None: 0
+
+    def __post_init__(self):
+        self.state = [FREE] * self.slots
+        self.slot_key: list[tuple[int, int] | None] = [None] * self.slots
+        self.key_slot: dict[tuple[int, int], int] = {}
+        self.free = list(range(self.slots - 1, -1, -1))   # pop() gives slot 0 first
+        self.loads: dict[int, Loading] = {}
+        self.predicted_by: dict[int, int] = {}            # slot -> predicting client
+        self.predictions: dict[int, set[int]] = {}        # client -> slots it predicted
+        self.quality: dict[int, PredictionStats] = {}     # client -> its predictions and timeliness
+        self.quality_gone = PredictionStats()             # summed over clients that left
+
+    def client_quality(self, client: int) -> PredictionStats:
+        q = self.quality.get(client)
+        if q is None:
+            q = self.quality[client] = PredictionStats()
+        return q
+
+    def forget_client(self, client: int) -> None:
+        """The client left (after its ``end_epoch``): fold its figures into ``quality_gone``."""
+        q = self.quality.pop(client, None)
+        if q is not None:
+            g = self.quality_gone
+            for name in vars(q):
+                setattr(g, name, getattr(g, name) + getattr(q, name))
+
+    # -- queries ------------------------------------------------------------
+    def gauges(self) -> dict:
+        return {"used": self.slots - len(self.free), "pinned": self.policy.pinned_count(),
+                "loading": len(self.loads), "free": len(self.free)}
+
+    def pins(self, holder) -> int:
+        """How many slots ``holder`` (client, epoch) pins now."""
+        return len(self.policy.held(holder))
+
+    # -- fetch --------------------------------------------------------------
+    def fetch(self, holder, keys: list[tuple[int, int]]) -> FetchPlan:
+        """Plan a fetch of distinct, known keys for ``holder`` (client, epoch)."""
+        have = [self.key_slot.get(k) for k in keys]
+        policy = self.policy
+        if self._all_plain_hits(have):
+            self.client_quality(holder[0]).ready += len(keys)
+            for layer in dict.fromkeys(k[0] for k in keys):
+                policy.visit(layer)
+            for k, s in zip(keys, have):
+                policy.pin(s, holder)
+                policy.touch(s, k)
+            self.stats.fetches += 1
+            self.stats.hits += len(keys)
+            return FetchPlan(slots=have, new_loads=[], waiting=set(), promote=[])
+        resident = {s for s in have if s is not None}
+        need = sum(1 for s in have if s is None)
+        if need:
+            available = len(self.free) + policy.evictable(exclude=resident.union(self.loads))
+            if need > available:
+                self.stats.cache_full += 1
+                raise CacheFull(
+                    f"cache full: {self.policy.pinned_count()} of {self.slots} slots pinned, "
+                    f"this fetch needs {need} new slots and only {available} can be freed; "
+                    "call begin_token() to release earlier pins, fetch fewer experts, "
+                    "or start k3d with a larger --arena")
+        if self.pin_quota:
+            after = len(self.policy.held(holder) | resident) + need
+            if after > self.pin_quota:
+                raise QuotaExceeded(
+                    f"pin quota exceeded: this fetch would pin {after} slots, the quota is {self.pin_quota} per client "
+                    "per token; call begin_token() more often or fetch fewer experts")
+        plan = FetchPlan(slots=[], new_loads=[], waiting=set(), promote=[])
+        for layer in dict.fromkeys(k[0] for k in keys):
+            policy.visit(layer)
+        for s in resident:                     # pin hits first so no miss evicts them
+            policy.pin(s, holder)
+        for key, s in zip(keys, have):
+            if s is None:
+                s, evicted = self._assign(key, urgent=True)
+                plan.evictions += evicted
+                plan.misses += 1
+                plan.new_loads.append(s)
+                plan.waiting.add(s)
+                self.policy.pin(s, holder)
+            elif self.state[s] == LOADING:
+                plan.waited += 1
+                plan.waiting.add(s)
+                policy.touch(s, key)
+                load = self.loads[s]
+                if not load.urgent:
+                    load.urgent = True
+                    plan.promote.append(s)
+            else:
+                policy.touch(s, key)
+            if s in self.predicted_by:
+                by = self.predicted_by.pop(s)
+                self.predictions[by].discard(s)
+                self.client_quality(by).prefetch_hits += 1
+                plan.prefetched_hits += 1
+            plan.slots.append(s)
+        st = self.stats
+        st.fetches += 1
+        st.misses += plan.misses
+        st.hits += len(keys) - plan.misses
+        st.waited += plan.waited
+        st.evictions += plan.evictions
+        st.prefetch_hits += plan.prefetched_hits
+        q = self.client_quality(holder[0])
+        q.missed += plan.misses
+        q.waited += plan.waited
+        q.ready += len(keys) - plan.misses - plan.waited
+        return plan
+
+    def _all_plain_hits(self, have: list) -> bool:
+        """Every key READY, none a pending prediction, no quota: nothing can refuse."""
+        if self.pin_quota or None in have:
+            return False
+        state, predicted = self.state, self.predicted_by
+        return all(state[s] == READY and s not in predicted for s in have)
+
+    def _victim(self) -> int | None:
+        """The policy's victim among slots not LOADING (see Determinism)."""
+        s = self.policy.victim()
+        if s is not None and s in self.loads:
+            self.stats.loading_skips += 1
+            s = self.policy.victim(exclude=self.loads)
+        return s
+
+    def _assign(self, key, urgent: bool, victim: int | None = None) -> tuple[int, int]:
+        """A slot for ``key`` (free, else ``victim`` or the policy's), now LOADING and
+        inserted in the policy's order (request time)."""
+        evicted = 0
+        if self.free:
+            s = self.free.pop()
+        else:
+            s = self._victim() if victim is None else victim
+            assert s is not None, "caller checked capacity"
+            self._evict(s)
+            evicted = 1
+        self.state[s] = LOADING
+        self.slot_key[s] = key
+        self.key_slot[key] = s
+        self.loads[s] = Loading(key, urgent)
+        self.policy.insert(s, key, predicted=not urgent)
+        return s, evicted
+
+    def _evict(self, s: int) -> None:
+        if s in self.predicted_by:             # (not reached while predictions are pinned)
+            by = self.predicted_by.pop(s)
+            self.predictions[by].discard(s)
+            self._unused(by, [s])
+        del self.key_slot[self.slot_key[s]]
+        self.slot_key[s] = None
+        self.state[s] = FREE
+        self.policy.remove(s)
+
+    # -- predict ------------------------------------------------------------
+    def predict(self, client: int, keys: list[tuple[int, int]]) -> list[int]:
+        """Assign slots to predicted keys not resident; stop at the first that has none.
+
+        A background read never evicts a pinned slot (every client's current token),
+        nor one the policy expects to be reused sooner than the prediction
+        (``policy.admits`` with the client's measured precision as the confidence):
+        ``prefetch_refused`` counts those.  Each prediction is pinned under
+        ``(PREDICT, client)`` until the client's next ``end_epoch``."""
+        started = []
+        q = self.client_quality(client)
+        for key in keys:
+            if key in self.key_slot:
+                continue
+            victim = None
+            if not self.free:
+                victim = self._victim()
+                if victim is None:
+                    break
+                if not self.policy.admits(key, victim, q.confidence()):
+                    self.stats.prefetch_refused += 1
+                    q.refused += 1
+                    break
+            s, evicted = self._assign(key, urgent=False, victim=victim)
+            self.stats.evictions += evicted
+            self.predicted_by[s] = client
+            self.predictions.setdefault(client, set()).add(s)
+            self.policy.pin(s, (PREDICT, client))
+            started.append(s)
+        self.stats.prefetched += len(started)
+        q.prefetched += len(started)
+        return started
+
+    def preload(self, keys: list[tuple[int, int]]) -> list[int]:
+        """Warm restart: assign free slots to ``keys`` (hottest first) not resident, never
+        evicting and never pinning; returns the slots to read (BACKGROUND), hottest first.
+        The policy hears of them coldest first, so the hottest end up most recent."""
+        todo = [k for k in dict.fromkeys(keys) if k not in self.key_slot][:len(self.free)]
+        slots = []
+        for key in reversed(todo):
+            s, _ = self._assign(key, urgent=False)
+            slots.append(s)
+        self.stats.warm_loaded += len(slots)
+        return slots[::-1]
+
+    def ranking(self) -> list[tuple[int, int]]:
+        """Keys hottest first, as the policy sees them (what a warm restart pre-loads)."""
+        return self.policy.ranking(self.slot_key)
+
+    # -- epochs and clients -------------------------------------------------
+    def end_epoch(self, client: int, holder) -> tuple[int, int]:
+        """Release ``holder``'s pins; demote ``client``'s unused predictions.
+
+        Returns (pins released, predictions found unused)."""
+        released = len(self.policy.release(holder))
+        self.policy.release((PREDICT, client))
+        unused = self.predictions.pop(client, set())
+        for s in sorted(unused):
+            del self.predicted_by[s]
+            self.policy.demote(s)
+        self._unused(client, unused)
+        return released, len(unused)
+
+    def _unused(self, client: int, slots) -> None:
+        self.stats.prefetch_unused += len(slots)
+        q = self.client_quality(client)
+        q.prefetch_unused += len(slots)
+        if self.key_bytes is not None:
+            n = sum(self.key_bytes(self.slot_key[s]) for s in slots)
+            q.unused_bytes += n
+            self.stats.prefetch_unused_bytes += n
+
+    # -- answers and loads after the fact -----------------------------------
+    def repin(self, holder, slots: list[int]) -> None:
+        """Pin READY ``slots`` for ``holder``, within the pin quota (checked first:
+        a refusal changes nothing).  For a fetch answered after its client began
+        a new token: the pins it was planned under are gone."""
+        if self.pin_quota:
+            after = len(self.policy.held(holder) | set(slots))
+            if after > self.pin_quota:
+                raise QuotaExceeded(
+                    f"pin quota exceeded: this fetch, answered after begin_token, would pin {after} slots "
+                    f"in the new token, the quota is {self.pin_quota} per client per token; fetch it again")
+        for s in slots:
+            self.policy.pin(s, holder)
+
+    def background(self, s: int) -> None:
+        """The read of LOADING slot ``s`` now runs as a background read (its client
+        is gone): a later fetch of its key promotes it (``FetchPlan.promote``)."""
+        self.loads[s].urgent = False
+
+    # -- completion ---------------------------------------------------------
+    def complete(self, s: int, error: str | None, counted: bool = True) -> Loading:
+        """The read of slot ``s`` finished (all parts). READY, or FREE on error.
+
+        ``counted=False``: a read cancelled by shutdown, not a failure (no ``errors``)."""
+        load = self.loads.pop(s)
+        if error is None:
+            self.state[s] = READY
+        else:
+            self.stats.errors += counted
+            del self.key_slot[load.key]
+            self.slot_key[s] = None
+            self.state[s] = FREE
+            self.policy.remove(s)
+            self.free.append(s)
+            if s in self.predicted_by:
+                self.predictions[self.predicted_by.pop(s)].discard(s)
+        return load
+
+    def check(self) -> None:
+        """Assert the invariants (tests call this after every step)."""
+        self.policy.check()
+        for key, s in self.key_slot.items():
+            assert self.slot_key[s] == key and self.state[s] != FREE
+        for s in range(self.slots):
+            if self.state[s] == FREE:
+                assert self.slot_key[s] is None and s in self.free and not self.policy.pinned(s)
+            assert (self.state[s] == LOADING) == (s in self.loads)
+            assert (self.state[s] != FREE) == self.policy.has(s)
+        assert len(self.free) == len(set(self.free))
+        assert self.stats.hits + self.stats.misses >= self.stats.waited

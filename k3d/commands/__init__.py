@@ -1,0 +1,1 @@
+"""The command lines: ``k3d`` (start, demo, replay, inspect, pack, install-unit) and ``k3ctl``."""

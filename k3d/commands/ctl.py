@@ -1,0 +1,247 @@
+"""``k3ctl status``: what the daemon is doing.
+
+Exit status: 0 when it serves, 3 while it is starting (it answers status from
+the moment it holds its endpoint, with the phase, progress and ETA), 1 when it
+does not answer (with ``--json`` the failure is JSON on stdout too).
+``--watch [SECONDS]`` redraws the view every SECONDS (default 2) in place on a
+terminal, adding hit rate and throughput over the last interval and since
+start; elsewhere (a pipe, a log) it prints one frame per interval, and with
+``--json`` one JSON object per line.  Ctrl-C ends it with exit 0.
+
+A short-lived process of its own (the ``k3ctl`` console script), one thread;
+``status`` needs no hello.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import zmq
+
+from k3client.endpoint import (
+    ipc_path,
+    no_access_message,
+    resolve_endpoint,
+    unreachable_dir,
+)
+from k3client.protocol import PROTOCOL_VERSION, pack, unpack
+from k3d.observe.quality import line as prediction_line
+from k3d.service.starting import describe
+
+
+def query_status(endpoint: str, timeout: float) -> dict:
+    """One status request without attaching (no hello, no arena)."""
+    path = ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        blocked = unreachable_dir(path)
+        if blocked:
+            raise RuntimeError(no_access_message(path, blocked))
+        raise RuntimeError(f"k3d is not running at {endpoint} (no socket {path})")
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        try:
+            s.connect(endpoint)
+        except zmq.ZMQError as e:
+            raise RuntimeError(f"cannot connect to {endpoint}: {e.strerror} "
+                               "(use ipc:///path/k3d.sock or tcp://host:port)") from None
+        s.send(pack({"v": PROTOCOL_VERSION, "op": "status", "id": 1}))
+        if not s.poll(int(timeout * 1000)):
+            raise RuntimeError(f"k3d is not running at {endpoint} (no answer in {timeout:g}s)")
+        reply = unpack(s.recv())
+    finally:
+        s.close(0)
+        ctx.term()
+    if not reply.get("ok"):
+        raise RuntimeError(f"k3d at {endpoint} refused status: {reply.get('error', {}).get('message')}")
+    return reply["status"]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _pages(a: dict) -> str:
+    if a.get("page_bytes", 4096) > 4096:
+        return f" in {_mib(a['page_bytes'])} pages"
+    if a.get("thp_bytes"):
+        return f" ({100 * min(a['thp_bytes'], a['bytes']) / a['bytes']:.0f}% in transparent huge pages)"
+    return ""
+
+
+EXIT_OK, EXIT_DOWN, EXIT_STARTING = 0, 1, 3
+
+
+def render_starting(st: dict) -> str:
+    """``starting: pre-faulting the arena 1.2/4.0 GiB (30 %), ~8 s left``."""
+    return f"starting: {describe(st)}"
+
+
+def render_rates(prev: dict | None, st: dict, dt: float) -> str:
+    """Hit rate and read throughput over the last interval and since start."""
+    s = st["stats"]
+    total = s["hits"] + s["misses"]
+    since = f"{100 * s['hits'] / total:.1f}%" if total else "-"
+    up = max(st["uptime_s"], 1e-9)
+    line = f"since start: hit rate {since}, {s['bytes_read'] / up / 1e6:.1f} MB/s read"
+    if prev is not None and prev.get("state") != "starting" and dt > 0:
+        p = prev["stats"]
+        dh, dm = s["hits"] - p["hits"], s["misses"] - p["misses"]
+        rate = f"{100 * dh / (dh + dm):.1f}%" if dh + dm else "-"
+        line = (f"last {dt:.1f}s: hit rate {rate}, {(dh + dm) / dt:.0f} keys/s, "
+                f"{(s['bytes_read'] - p['bytes_read']) / dt / 1e6:.1f} MB/s read   " + line)
+    return line
+
+
+def _layers(layers: list) -> str:
+    """The layers served: ``0-47`` when contiguous, else each one (Jamba: ``1,3,5,7``)."""
+    if layers and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(str(x) for x in layers) or "none"
+
+
+def render(st: dict) -> str:
+    if st.get("state") == "starting":
+        return render_starting(st)
+    a, s, r = st["arena"], st["stats"], st["readers"]
+    total = s["hits"] + s["misses"]
+    hit = f"{100 * s['hits'] / total:.1f}%" if total else "-"
+    m = st["model"]
+    lines = [
+        f"k3d {st['version']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  {st['endpoint']}",
+        f"model   {m['kind']} {m['path']}:{' ' + m['family'] if m.get('family') else ''} {m['count']} experts, "
+        f"layers {_layers(m['layers'])}",
+        f"arena   {_mib(a['bytes'])}: {a['slots']} slots x {_mib(a['slot_bytes'])}"
+        f"{_pages(a)}, "
+        f"used {a['used']}, pinned {a['pinned']}, loading {a['loading']}",
+        f"cache   hit rate {hit} ({s['hits']} hits, {s['misses']} misses, {s['waited']} waited), "
+        f"{s['evictions']} evictions",
+        f"predict {s['prefetched']} prefetched, {s['prefetch_hits']} used, {s['prefetch_unused']} unused",
+        f"reads   {_mib(s['bytes_read'])} read, {r['busy_bps'] / 1e9:.2f} GB/s per busy reader, "
+        f"{r['recent_bps'] / 1e6:.1f} MB/s last 10s, {r['threads']} readers, "
+        f"queued {r['queued_urgent']} urgent / {r['queued_background']} background",
+        f"errors  {s['errors']} failed reads, {s['bad_requests']} bad requests, {s['cache_full']} cache full, "
+        f"{s['clients_dead']} dead clients",
+    ]
+    pq = st.get("prediction")
+    if pq:      # prediction quality, in total and per client (k3d.observe.quality)
+        lines.append(f"        {prediction_line(pq['total'])}")
+    w = st.get("warm") or {}
+    if "planned" in w:
+        lines.append(f"warm    {st.get('policy', '')} statistics from {w['state_file']}: pre-loaded {w['ready']} of "
+                     f"{w['planned']} hot experts ({w['percent']:.0f}%{', done' if w['done'] else ''})")
+    tiers = m.get("tiers")
+    if tiers:
+        o = tiers["origin"]
+        state = "" if o.get("up", True) else f"DOWN for {o['down_s']:.0f}s ({o['error']}), serving from disk; "
+        lines.append(f"origin  {o['url']}: {state}{o['fetches']} fetches, {_mib(o['bytes'])}, "
+                     f"{o['bps'] / 1e6:.0f} MB/s, {o['retries']} retries, {o['errors']} errors")
+        d = tiers.get("disk")
+        if d:
+            lines.append(f"disk    {d['dir']}: {d['hits']} hits, {d['entries']} entries, "
+                         f"{_mib(d['bytes'])} of {_mib(d['limit'])}, {d['corrupt']} corrupt")
+    paced = (f" ({s['paced']} holds of clients over their CPU share, {s['paced_seconds']:.1f}s)"
+             if s.get("paced") else "")
+    lines.append(f"clients {len(st['clients'])}{paced}")
+    for c in st["clients"]:
+        lines.append(f"  {c['name']:<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  fetches {c['fetches']}"
+                     f"{_cpu(c)}")
+        q = (pq or {}).get("clients", {}).get(str(c.get("id")))
+        if q:
+            lines.append(f"    predict {prediction_line(q)}")
+    return "\n".join(lines)
+
+
+def _cpu(c: dict) -> str:
+    """A client's share of the daemon's recent CPU, and its holds when it went far over it."""
+    if "cpu_share" not in c:        # a daemon older than pacing
+        return ""
+    held = f", held back {c['paced']}x for {c['paced_s']:.1f}s" if c.get("paced") else ""
+    return f"  cpu {100 * c['cpu_share']:.0f}%{held}"
+
+
+def _failure(args, endpoint: str, message: str) -> None:
+    if args.json:
+        print(json.dumps({"ok": False, "endpoint": endpoint, "error": message}), flush=True)
+    else:
+        print(f"k3ctl: {message}", file=sys.stderr, flush=True)
+
+
+def _once(args, endpoint: str) -> int:
+    try:
+        st = query_status(endpoint, args.timeout)
+    except RuntimeError as e:
+        _failure(args, endpoint, str(e))
+        return EXIT_DOWN
+    print(json.dumps(st, indent=2) if args.json else render(st))
+    return EXIT_STARTING if st.get("state") == "starting" else EXIT_OK
+
+
+def _watch(args, endpoint: str) -> int:
+    tty = sys.stdout.isatty() and not args.json
+    prev, t_prev = None, 0.0
+    try:
+        while True:
+            t = time.monotonic()
+            try:
+                st = query_status(endpoint, args.timeout)
+            except RuntimeError as e:
+                st, frame = None, f"k3ctl: {e}"
+                if args.json:
+                    frame = json.dumps({"ok": False, "endpoint": endpoint, "error": str(e)})
+            else:
+                if args.json:
+                    frame = json.dumps(st)
+                else:
+                    frame = render(st)
+                    if st.get("state") != "starting":
+                        frame += "\n" + render_rates(prev, st, t - t_prev)
+            if tty:   # home, clear to the end: the view redraws in place
+                sys.stdout.write("\x1b[H\x1b[J" + time.strftime("%H:%M:%S") +
+                                 f"  every {args.watch:g}s (Ctrl-C to stop)\n" + frame + "\n")
+            else:
+                sys.stdout.write(frame + ("\n" if args.json else "\n\n"))
+            sys.stdout.flush()
+            prev, t_prev = st, t
+            time.sleep(max(0.0, args.watch - (time.monotonic() - t)))
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="k3ctl", description="control and inspect the k3d daemon")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("status", help="show the daemon's state",
+                       description="exit 0: serving; 3: starting (phase, progress, ETA); 1: not answering")
+    p.add_argument("--endpoint", help="default: K3D_ENDPOINT, else the per-user default socket")
+    p.add_argument("--json", action="store_true", help="machine-readable status (a failure is JSON too)")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) with rates over the last interval")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer (default 2)")
+    args = parse_args(ap, sub, argv)
+    if not 0 < args.timeout < 10**6:          # poll(-1) would wait for ever
+        p.error(f"--timeout {args.timeout:g}: use a positive number of seconds")
+    if args.watch is not None and not 0.1 <= args.watch < 10**6:
+        p.error(f"--watch {args.watch:g}: use at least 0.1 seconds")
+    endpoint = resolve_endpoint(args.endpoint, os.environ)
+    if args.watch is not None:
+        return _watch(args, endpoint)
+    return _once(args, endpoint)
+
+
+def parse_args(ap, sub, argv):
+    """``ap.parse_args``, but a misspelled option shows the subcommand's usage, not the top
+    level's (``k3d`` uses it too)."""
+    args, extra = ap.parse_known_args(argv)
+    if extra:
+        sub.choices[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

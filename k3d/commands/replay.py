@@ -1,0 +1,134 @@
+"""``k3d replay TRACE``: a route trace through the daemon's policies and Belady's OPT.
+
+::
+
+    k3d replay TRACE --slots N[,N...] [--policy P[,P...]] [--json] [--sweep] [--plot FILE.png]
+                     [--no-predictions] [--clients N --offset TOKENS]
+
+Prints hits, misses, evictions and hit rate per policy and size, OPT (exact, under
+the same pins) beside them.  ``--sweep`` replays every size from the smallest the
+trace allows (one token's pins) to the first ``--slots`` value's range end, the
+arena sizing curve; ``--plot`` draws it (matplotlib, an optional extra).  ``--json``
+prints ``{"default": NAME, "results": {POLICY: {SLOTS: {hits, misses, evictions,
+hit_rate}}}}``.  ``--clients N`` interleaves N copies of the trace (each offset by
+``--offset`` tokens, later ones starting later) and compares one shared arena of S
+slots with N private arenas of S/N (``k3d.replay.sharing``).
+
+Errors (one line, exit 2): a malformed trace line (with its number), ``--slots``
+below one token's pins (says the minimum), an unknown policy (lists the known ones).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from k3d.cache.policy import POLICIES, UnknownPolicy, make
+from k3d.config import Config
+from k3d.observe.trace import TraceError, read
+from k3d.replay import sharing
+from k3d.replay.engine import layers_of, min_slots, run
+
+
+def add_parser(sub):
+    p = sub.add_parser("replay", help="replay a route trace through the policies and Belady's OPT")
+    p.add_argument("trace", help="route trace file (k3d start --trace FILE)")
+    p.add_argument("--slots", required=True,
+                   help="arena sizes in slots, comma-separated (with --sweep: LO-HI or a single maximum)")
+    p.add_argument("--policy", default=None,
+                   help=f"policies, comma-separated (default: all of {', '.join(sorted(POLICIES))}); "
+                   "OPT is always added")
+    p.add_argument("--json", action="store_true", help="machine-readable results")
+    p.add_argument("--sweep", action="store_true", help="every size in the range: the hit-rate-vs-slots curve")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the curve to FILE.png (needs matplotlib)")
+    p.add_argument("--no-predictions", dest="predictions", action="store_false",
+                   help="ignore the trace's predict lines")
+    p.add_argument("--clients", type=int, default=1,
+                   help="interleave N offset copies: one shared arena of S vs N private ones of S/N")
+    p.add_argument("--offset", type=int, default=None, help="tokens between the copies' starts (default: trace/N)")
+    return p
+
+
+def _sizes(text: str, sweep: bool, floor: int) -> list[int]:
+    try:
+        if sweep and "-" in text:
+            lo, hi = (int(x) for x in text.split("-", 1))
+            return list(range(max(lo, floor), hi + 1))
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--slots {text!r}: use N, N,N,... or (with --sweep) LO-HI") from None
+    if not sizes:
+        raise ValueError("--slots: give at least one size")
+    if sweep:
+        return list(range(floor, max(sizes) + 1))
+    return sizes
+
+
+def main(args) -> int:
+    try:
+        events = read(args.trace)
+        names = [n.strip() for n in args.policy.split(",")] if args.policy else sorted(POLICIES)
+        for n in names:
+            if n != "opt":
+                make(n)                   # UnknownPolicy lists the known ones
+        names = [n for n in names if n != "opt"] + ["opt"]
+        if args.clients > 1:
+            return sharing.main(args, events, names)
+        floor = min_slots(events)
+        sizes = _sizes(args.slots, args.sweep, floor)
+        low = [s for s in sizes if s < floor]
+        if low:
+            raise ValueError(f"--slots {low[0]} is below one token's pins: this trace needs at least {floor} slots")
+    except (TraceError, UnknownPolicy, ValueError) as e:
+        print(f"k3d replay: error: {e}", file=sys.stderr)
+        return 2
+    layers = layers_of(events)
+    results = {n: {s: run(events, n, s, predictions=args.predictions, layers=layers) for s in sizes}
+               for n in names}
+    if args.json:
+        print(json.dumps({"default": Config.policy, "trace": args.trace,
+                          "accesses": sum(len(e.keys) for e in events if e.kind == "fetch"),
+                          "results": {n: {str(s): r.as_dict() for s, r in rs.items()} for n, rs in results.items()}}))
+    else:
+        print(render(results, Config.policy, curve=args.sweep))
+    if args.plot:
+        plot(results, args.plot, args.trace)
+    return 0
+
+
+def render(results: dict, default: str, curve: bool = False) -> str:
+    """Per size and policy: hit rate, hits, misses, evictions (``curve``: hit rates only)."""
+    names = list(results)
+    sizes = list(next(iter(results.values())))
+    mark = {n: n + (" *" if n == default else "") for n in names}
+    if curve:
+        lines = ["slots  " + "  ".join(f"{mark[n]:>8}" for n in names)]
+        lines += [f"{s:>5}  " + "  ".join(f"{100 * results[n][s].hit_rate:7.1f}%" for n in names) for s in sizes]
+    else:
+        lines = [f"slots  {'policy':<9} {'hit rate':>8} {'hits':>9} {'misses':>9} {'evictions':>9}  vs lru"]
+        for s in sizes:
+            for n in names:
+                r = results[n][s]
+                vs = ""
+                if "lru" in results and n != "lru":
+                    vs = f"{100 * (r.hit_rate - results['lru'][s].hit_rate):+6.1f}"
+                lines.append(f"{s:>5}  {mark[n]:<9} {100 * r.hit_rate:7.1f}% {r.hits:>9} {r.misses:>9} "
+                             f"{r.evictions:>9}  {vs}")
+    lines.append("(* the default policy; opt: Belady's OPT under the same pins, the bound)")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str, title: str) -> None:
+    import matplotlib  # optional extra: only --plot needs it
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n, rs in results.items():
+        ax.plot(list(rs), [100 * r.hit_rate for r in rs.values()], label=n, linestyle="--" if n == "opt" else "-")
+    ax.set_xlabel("arena slots")
+    ax.set_ylabel("hit rate %")
+    ax.set_title(f"k3d replay {title}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,43 @@
+"""Prediction quality for status: per client and in total, from the store's figures.
+
+- precision: prefetch_hits / prefetched (a prediction is a hit when anyone fetches
+  its key before the predicting client's next token);
+- timeliness of fetched keys: ready (resident and read), waited (still being read:
+  a prediction or another client's read), missed (read on demand);
+- unused_bytes: bytes read for predictions nobody fetched in time;
+- refused: predictions not read because the only victim was expected to be reused
+  sooner (``Store.predict``).
+
+Pure functions of ``Store.quality`` (owned by the server thread).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from k3d.observe.stats import PredictionStats
+
+
+def total(store) -> PredictionStats:
+    """Sum over every client the store has figures for (gone clients' figures are kept
+    in ``store.quality_gone``)."""
+    out = PredictionStats()
+    names = [f.name for f in fields(PredictionStats)]
+    for q in [*store.quality.values(), store.quality_gone]:
+        for n in names:
+            setattr(out, n, getattr(out, n) + getattr(q, n))
+    return out
+
+
+def section(store, client_ids) -> dict:
+    """``status["prediction"]``: {"total": {...}, "clients": {id: {...}}}."""
+    return {"total": total(store).as_dict(),
+            "clients": {str(c): store.client_quality(c).as_dict() for c in client_ids}}
+
+
+def line(q: dict) -> str:
+    """One line for ``k3ctl status``."""
+    prec = q.get("precision")
+    p = "-" if prec is None else f"{100 * prec:.1f}%"
+    return (f"precision {p} ({q['prefetch_hits']}/{q['prefetched']}), fetched keys ready {q['ready']} / "
+            f"waited {q['waited']} / missed {q['missed']}, {q['unused_bytes'] / 2**20:.1f} MiB unused")

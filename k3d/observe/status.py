@@ -1,0 +1,73 @@
+"""The status a client or ``k3ctl status`` reads, and the one-line systemd STATUS.
+
+Sections (memcached/Redis style: clients skip fields they do not know; new
+sections may be added, existing fields keep their meaning):
+- top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``,
+  ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
+- ``arena``: sizes, plus the store's gauges (``used``, ``pinned``, ``loading``, ``free``);
+- ``stats``: the monotonic counters (``stats.Counters``);
+- ``fetch_seconds``: the fetch latency histogram by result (``latency.py``);
+- ``readers``: threads, queued parts, held-back parts, throughput;
+- ``clients``: one entry per attached session, with its recent CPU share of the
+  daemon (``cpu_share``) and how often and how long it was held back (``pacing.py``);
+- ``policy`` (its name), ``prediction`` (quality in total and per client id:
+  ``quality.py``), ``warm`` (the state file and the warm restart's pre-load progress).
+
+Pure reads of the server's state: called on the server thread (``op_status``,
+the loop's systemd status), never changes anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+from k3client.protocol import PROTOCOL_VERSION
+from k3d import __version__
+from k3d.observe.quality import section as prediction_section
+
+
+def build(srv, now: float) -> dict:
+    """The status dict (``op_status``, ``k3ctl status --json``)."""
+    st = srv.stats
+    urgent, background = srv.reads.queued()
+    pacer = srv.intake.pacer
+    total_cpu = pacer.total(now)
+    return {
+        "state": "serving",
+        "version": __version__,
+        "protocol": PROTOCOL_VERSION,
+        "pid": os.getpid(),
+        "gen": srv.gen,
+        "uptime_s": round(now - srv.t0, 3),
+        "endpoint": srv.cfg.endpoint,
+        "model": srv.source.describe(),
+        "arena": {"bytes": srv.arena.size, "slots": srv.arena.slots,
+                  "slot_bytes": srv.arena.slot_bytes, "expert_bytes": srv.source.expert_bytes,
+                  "page_bytes": srv.arena.page_bytes,
+                  "thp_bytes": srv.arena.thp_bytes, **srv.store.gauges()},
+        "stats": st.as_dict(),
+        "policy": srv.cfg.policy,
+        "prediction": prediction_section(srv.store, [s.client_id for s in srv.sessions]),
+        "warm": srv.warm.status(srv.store),
+        "fetch_seconds": srv.latency.as_dict(),
+        "readers": {"threads": srv.reads.threads, "queued_urgent": urgent,
+                    "queued_background": background,
+                    "held_back": srv.reads.held_back(),
+                    "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
+                    "recent_bps": round(srv.cache.recent.rate(now))},
+        "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
+                     "pins": srv.store.pins(s.holder), "fetches": s.fetches,
+                     "idle_s": round(now - s.last_seen, 3),
+                     "cpu_share": round(pacer.usage(s.client_id, now) / total_cpu, 4) if total_cpu else 0.0,
+                     "paced": s.paced, "paced_s": round(s.paced_s, 3)}
+                    for s in srv.sessions],
+    }
+
+
+def line(srv) -> str:
+    """One line for systemd's STATUS= (``systemctl status`` shows it)."""
+    st = srv.stats
+    total = st.hits + st.misses
+    rate = f"{100 * st.hits / total:.1f}%" if total else "-"
+    g = srv.store.gauges()
+    return f"serving: {g['used']}/{srv.arena.slots} slots, hit rate {rate}, {len(srv.sessions)} clients"

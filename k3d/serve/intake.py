@@ -1,0 +1,98 @@
+"""The loop's intake: requests off the socket, in turn, and each client's CPU charged.
+
+Three steps, in the order the server loop takes them:
+- ``receive``: the requests waiting on the ROUTER socket (up to ``RECV_BATCH``
+  per loop pass) go into ``turns`` (one queue per client, by routing id), each
+  stamped with its arrival time (fetch latency counts from it);
+- ``next``: the request to handle now, chosen by deficit round-robin
+  (``turns.py``), passing by clients that are held back; None while only held
+  clients' requests wait;
+- ``charge``: the CPU seconds spent for a client (the loop's for its request,
+  measured around the handler; a reader's for its read) go to ``pacing.Pacer``,
+  and a client far over its share is held in ``turns`` until its rate has
+  fallen (``pacing.py`` says why and how long).  Holds are counted on the
+  session (``paced``, ``paced_s``) and in the counters (``paced``,
+  ``paced_seconds``).
+
+``poll_ms`` is how long the loop may sleep in poll: 0 while a request may be
+handled now, until the first held client's release while only held ones
+wait, else 100 ms (housekeeping).
+
+Thread: the server thread owns all of it (``charge`` for a read is called from
+``Cache.apply_done``, on the same thread).
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from k3d.serve.pacing import Pacer
+from k3d.serve.turns import Turns, cost_of
+
+RECV_BATCH = 256         # requests taken off the socket per loop pass, at most
+
+
+class Intake:
+    def __init__(self, sock: zmq.Socket, sessions, stats, max_share: float):
+        self.sock, self.sessions, self.stats = sock, sessions, stats
+        self.turns = Turns()
+        self.pacer = Pacer(max_share)
+
+    @property
+    def waiting(self) -> int:
+        return self.turns.waiting
+
+    def receive(self) -> None:
+        """Take the requests waiting on the socket into ``turns``.  The socket's EVENTS
+        (~1 µs) says whether another request waits; a failing recv (zmq.Again) would
+        cost several µs."""
+        for _ in range(RECV_BATCH):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            size = sum(len(f.buffer) for f in frames[1:])
+            self.turns.push(frames[0].bytes, (time.monotonic(), frames), cost_of(size))
+            if not self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                return
+
+    def next(self, now: float):
+        """(arrival time, frames) of the request to handle now, or None."""
+        return self.turns.pop(now)
+
+    def poll_ms(self) -> int:
+        if not self.turns.waiting:
+            return 100
+        now = time.monotonic()
+        if self.turns.ready(now):
+            return 0
+        release = self.turns.next_release()
+        return 100 if release is None else max(1, min(100, int((release - now) * 1000) + 1))
+
+    def charge(self, client_id: int, cpu: float) -> None:
+        """``cpu`` seconds were spent for ``client_id``; hold it back while it is far over its share."""
+        s = self.sessions.by_id.get(client_id)
+        if s is None:                          # it left while its read ran: nobody to charge
+            return
+        now = time.monotonic()
+        self.pacer.charge(client_id, cpu, now)
+        if self.turns.held_until(s.routing) > now:   # held already: a hold is never stretched (MAX_DELAY holds)
+            return
+        wait = self.pacer.delay(client_id, now)
+        if not wait:
+            return
+        s.paced += 1
+        s.paced_s += wait
+        self.stats.paced += 1
+        self.stats.paced_seconds += wait
+        self.turns.hold(s.routing, now + wait)
+
+    def left(self, s, dead: bool) -> None:
+        """Session ``s`` ended: its usage and hold go; if it died, its waiting requests too
+        (nobody to answer them)."""
+        self.pacer.forget(s.client_id, time.monotonic())
+        self.turns.release(s.routing)
+        if dead:
+            self.turns.forget(s.routing)

@@ -1,0 +1,48 @@
+"""SIGHUP: which settings a running daemon may change, and how they are applied.
+
+``LIVE`` settings change at once (log level, lease for new clients, pin quota,
+the pacing share, route trace: always reopened, so that logrotate's move starts a new file);
+every other changed field is kept until a restart, with one warning naming
+them.  A trace that cannot be opened keeps the old one (an error line).
+
+Thread: the server thread (the loop calls ``apply`` when the SIGHUP flag is set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from k3d.observe.trace import RouteTrace
+
+log = logging.getLogger("k3d")
+
+LIVE = ("log_level", "lease_s", "pin_quota", "max_share", "trace")   # what SIGHUP may change
+
+
+def apply(cur, new, trace: RouteTrace | None, t0: float):
+    """Apply ``new``'s LIVE settings over the running config ``cur``.
+
+    Returns (the config now running, the route trace now open or None); closes
+    ``trace`` when it is replaced.  The caller applies ``pin_quota`` to its store and ``max_share`` to its pacer."""
+    fixed = [f.name for f in dataclasses.fields(cur)
+             if f.name not in LIVE and getattr(cur, f.name) != getattr(new, f.name)]
+    opened = trace
+    if new.trace:
+        try:   # always reopen: after logrotate moved the file, a new one starts
+            opened = RouteTrace(new.trace, t0)
+        except OSError as e:
+            log.error("reload: cannot open trace %s (%s); keeping the old one", new.trace, e)
+            new = dataclasses.replace(new, trace=cur.trace)
+    else:
+        opened = None
+    if trace is not None and opened is not trace:
+        trace.close()
+    changed = [f"{n} {getattr(cur, n)!r} -> {getattr(new, n)!r}" for n in LIVE   # as applied
+               if getattr(cur, n) != getattr(new, n)]
+    logging.getLogger().setLevel(new.log_level.upper())
+    running = dataclasses.replace(cur, **{n: getattr(new, n) for n in LIVE})
+    if fixed:
+        log.warning("reload: %s only change on restart; keeping the running values", ", ".join(fixed))
+    log.info("reloaded config: %s", ", ".join(changed) or "no live setting changed")
+    return running, opened

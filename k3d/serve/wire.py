@@ -1,0 +1,145 @@
+"""The ROUTER socket and the message rules: decode a request, check its keys, send replies.
+
+Request: one msgpack frame after the routing id, a map ``{v, op, id, ...}``
+(``k3client/protocol.py``), at most ``MAX_MESSAGE_BYTES``.  Reply: ``{id, ok:
+true, gen, ...fields}`` or ``{id, ok: false, gen, error: {code, message}}``;
+``gen`` names this daemon's run (a client sees a restart).  An error message is
+one line, cut to 1 KiB (it may quote client input; replies stay within the
+clients' decode limits).
+
+``open_endpoint`` binds the socket (the daemon, before start-up);
+``decode`` and ``keys`` raise the typed errors of ``k3client.errors``; the
+server's ``_handle`` turns them into replies.  A reply to a peer that is gone
+(ROUTER_MANDATORY) or flooding is dropped with a debug line: nothing a client
+does stops the loop.
+
+Thread: the server thread owns the socket once the start-up responder
+(``service/starting.py``) has handed it over; these functions keep no state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from k3client.endpoint import ipc_path
+from k3client.errors import BadRequest, K3Error, ProtocolMismatch, UnknownExpert
+from k3client.protocol import (
+    MAX_KEYS,
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    pack,
+    unpack,
+)
+from k3d.serve.access import private_umask
+
+log = logging.getLogger("k3d")
+
+
+def open_endpoint(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """The daemon's ROUTER socket, bound to ``endpoint`` with mode 0660 (umask during bind;
+    chmod in case the umask was ignored).  The daemon binds it before start-up (the
+    starting responder answers on it), then hands it to the server loop."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # Hard cap in libzmq (drops the peer); below it, decode answers oversized messages.
+    sock.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.LINGER, 500)
+    sock.setsockopt(zmq.SNDHWM, 100000)
+    try:
+        with private_umask():
+            sock.bind(endpoint)
+    except BaseException:
+        sock.close(0)
+        raise
+    path = ipc_path(endpoint)
+    if path:
+        os.chmod(path, 0o660)
+    return sock
+
+
+def decode(frames) -> tuple[dict, int]:
+    """(message, request id) of one request; raises with the id known so far.
+
+    The id is returned separately so that an error after it was read (bad
+    version, unknown op) is answered to the right request."""
+    if len(frames) != 1:
+        raise BadRequest(f"expected one msgpack frame, got {len(frames)}")
+    raw = frames[0].bytes
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise BadRequest(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit")
+    try:
+        msg = unpack(raw)
+    except Exception as e:  # noqa: BLE001 -- msgpack raises many types for bad input
+        raise BadRequest(f"message is not msgpack within the decode limits ({type(e).__name__}: {e})") from None
+    if not isinstance(msg, dict):
+        raise BadRequest("message must be a msgpack map with v, op and id")
+    rid = msg.get("id")
+    if type(rid) is not int:
+        raise BadRequest("field 'id' must be an integer")
+    return msg, rid
+
+
+def check_version(msg: dict) -> None:
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolMismatch(
+            f"client speaks protocol {msg.get('v')!r}, this daemon speaks {PROTOCOL_VERSION}; "
+            "install matching k3client and k3d versions")
+
+
+def keys(msg: dict, field: str, unique: bool, source) -> list[tuple[int, int]]:
+    """``msg[field]`` as a list of (layer, expert) keys ``source`` serves."""
+    raw = msg.get(field)
+    if not isinstance(raw, list):
+        raise BadRequest(f"{field} must be a list of [layer, expert] pairs")
+    if len(raw) > MAX_KEYS:
+        raise BadRequest(f"{field} has {len(raw)} keys; at most {MAX_KEYS} per request")
+    # Fast path for well-formed requests (the hit path); the loop below
+    # re-checks key by key only to name the first bad one.
+    try:
+        out = [(l, e) for l, e in raw]
+    except (TypeError, ValueError):
+        out = None
+    if (out is not None and all(type(l) is int and type(e) is int for l, e in out)
+            and source.keys.keys() >= set(out) and (not unique or len(set(out)) == len(out))):
+        return out
+    out = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)):
+            raise BadRequest(f"{field}: {item!r} is not a [layer, expert] pair of integers")
+        key = (item[0], item[1])
+        if key not in source.keys:
+            raise UnknownExpert(source.unknown(key))
+        out.append(key)
+    if unique and len(set(out)) != len(out):
+        seen = set()
+        dup = next(k for k in out if k in seen or seen.add(k))
+        raise BadRequest(f"{field}: duplicate key (layer {dup[0]}, expert {dup[1]})")
+    return out
+
+
+class Replies:
+    """Sends replies on the ROUTER socket, stamped with this run's ``gen``."""
+
+    def __init__(self, sock: zmq.Socket, gen: int):
+        self.sock, self.gen = sock, gen
+
+    def ok(self, routing: bytes, rid, fields: dict) -> None:
+        reply = {"id": rid, "ok": True, "gen": self.gen}
+        reply.update(fields)
+        self._send(routing, reply)
+
+    def error(self, routing: bytes, rid, e: K3Error) -> None:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if len(msg) > 1024:   # messages may quote client input: keep replies within the decode limits
+            msg = msg[:1021] + "..."
+        self._send(routing, {"id": rid, "ok": False, "gen": self.gen,
+                             "error": {"code": e.code, "message": msg}})
+
+    def _send(self, routing: bytes, reply: dict) -> None:
+        try:
+            self.sock.send_multipart([routing, pack(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:   # peer gone (ROUTER_MANDATORY) or flooding
+            log.debug("dropping reply to a gone peer: %s", e)
