@@ -69,7 +69,7 @@ def main() -> int:
             cold, want = decode(k3d, ids, a.tokens)
             decode(eager, ids, a.tokens)
             t_eager, t_k3d, same = [], [], True
-            st = k3d.k3d.observe.stats
+            st = k3d.k3d.stats
             st.fetch_seconds.clear()
             st.fetch_calls.clear()
             for _ in range(a.reps):

@@ -8,7 +8,7 @@ registers the experts implementation ``"k3d"`` with transformers'
     from k3client.hf import load_model
     model = load_model("/models/Qwen3-30B-A3B", endpoint="ipc:///run/k3d/k3d.sock")
     out = model.generate(ids, max_new_tokens=32)
-    model.k3d.observe.stats.as_dict()      # fetches, epochs, predictions used, fetch time per layer
+    model.k3d.stats.as_dict()      # fetches, epochs, predictions used, fetch time per layer
 
 Families computed, bit for bit equal to ``experts_implementation="eager"`` on CPU:
 Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, gpt-oss (bf16 and MXFP4 as shipped),

@@ -35,7 +35,7 @@ def test_arena_of_top_k_or_less_still_exact(start_daemon, slots):
             assert torch.equal(ref(ids).logits, model(ids).logits)
         g_ref = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(g_ref, model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
-        st = model.k3d.observe.stats
+        st = model.k3d.stats
         assert st.epochs > st.forwards            # new epochs between groups inside forwards
         assert st.cache_full_retries == 0         # planned from the slot count: never refused
         assert model.k3d.client.status()["stats"]["errors"] == 0
@@ -52,7 +52,7 @@ def test_predictions_sent_with_fetch_and_switchable(start_daemon):
     on = load_model(path, endpoint=d.endpoint, name="on", dtype=torch.bfloat16)
     try:
         on.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
-        st = on.k3d.observe.stats
+        st = on.k3d.stats
         layers = len(on.k3d.layers)
         # every forward predicts for every MoE layer but the last; decode predicts top-k per token
         assert st.predicted >= st.forwards * (layers - 1) * 2
@@ -65,7 +65,7 @@ def test_predictions_sent_with_fetch_and_switchable(start_daemon):
     off = load_model(path, endpoint=d2.endpoint, name="off", predict=False, dtype=torch.bfloat16)
     try:
         off.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
-        assert off.k3d.observe.stats.predicted == 0
+        assert off.k3d.stats.predicted == 0
         with k3client.connect(d2.endpoint) as c:
             assert c.status()["stats"]["prefetched"] == 0
     finally:

@@ -29,7 +29,7 @@ def test_logits_and_greedy_generate_equal_eager(start_daemon, family):
         g_ref = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         g_k3d = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(g_ref, g_k3d)
-        st = model.k3d.observe.stats
+        st = model.k3d.stats
         assert st.forwards == 1 + 6 and st.epochs >= st.forwards
         assert st.experts_fetched > 0 and st.predicted > 0
         # the routed experts are not in the process: meta tensors, not parameters

@@ -87,7 +87,7 @@ def test_expert_bytes_never_read_nor_allocated(start_daemon, tmp_path):
         # a forward fetches them from the daemon, which reads the shard (not this process)
         with torch.no_grad():
             model(torch.zeros(1, 3, dtype=torch.long))
-        assert model.k3d.observe.stats.experts_fetched > 0
+        assert model.k3d.stats.experts_fetched > 0
     finally:
         model.k3d.client.close()
 

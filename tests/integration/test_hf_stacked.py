@@ -28,6 +28,6 @@ def test_stacked_family_equals_eager(start_daemon, family):
         assert torch.equal(a, b), f"{family}: max |diff| {(a.float() - b.float()).abs().max().item()}"
         g_ref = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(g_ref, model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
-        assert model.k3d.observe.stats.predicted > 0
+        assert model.k3d.stats.predicted > 0
     finally:
         model.k3d.client.close()
