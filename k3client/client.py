@@ -5,9 +5,21 @@ thread-safe).  A second, private thread sends lease heartbeats on its own
 socket so a live but busy process keeps its pins; a hung or stopped process
 stops heartbeating and the daemon releases its pins after ``lease_s``.
 
+Hits without a message (``hit_path="client"``, the default on x86-64): a fetch
+whose experts are all READY in the daemon's shared index is answered here and
+reported with the next message (``hits.py``); only a fetch with a key not ready
+goes to the daemon, with all its keys.  Predictions of resident keys send
+nothing; the rest go without waiting.  Where the CPU lacks the ordering the index
+needs, or with ``K3D_HIT_PATH=daemon``, every fetch is a round trip.
+
 Caller's obligations: a view returned by ``Expert.array``/``Expert.tensor`` is
-valid until this client's next ``begin_token()`` (the daemon keeps the slot
-pinned until then) or ``close()``.  Views are read-only; the mapping is
+valid until this client's next ``begin_token()`` or ``close()``: the daemon
+keeps the slot pinned, or, for a hit the client answered itself, does not reuse
+the slot while the client may read it (``k3d/cache/reuse.py``).  One bound more
+for those: such a view is valid for at most ``lease_s`` (10 s by default) after
+the client's request before it (``begin_token`` is one); the client answers hits
+itself only in the first half of that window, so a view always has at least
+``lease_s / 2``.  Views are read-only; the mapping is
 PROT_READ and the memfd is sealed, so a write through a numpy view raises
 ``ValueError`` and a write through a torch view faults the process.
 
@@ -39,6 +51,7 @@ import zmq
 
 from . import errors
 from .endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
+from .hits import LocalHits, hit_path_mode
 from .layout import TensorSpec, layouts_from_wire
 from .lease import end_heartbeat, heartbeat
 from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
@@ -60,8 +73,11 @@ class Client:
 
     def __init__(self, endpoint: str | None = None, name: str | None = None,
                  timeout: float = 120.0, connect_timeout: float = 5.0,
-                 reconnect_timeout: float = 30.0, wait: float = 0.0):
+                 reconnect_timeout: float = 30.0, wait: float = 0.0, hit_path: str | None = None):
         self.endpoint = resolve_endpoint(endpoint, os.environ)
+        self.hit_path, self.hit_path_why = hit_path_mode(hit_path, os.environ)
+        self._hits: LocalHits | None = None     # the shared index, while attached with the hit path
+        self._views: dict = {}          # (slot, layer or -1, tensor) -> view (views.py)
         self.name = name or f"pid-{os.getpid()}"
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout   # 0: raise DaemonRestarted at once
@@ -132,8 +148,10 @@ class Client:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self.gen = None
+        t_hello = time.monotonic()
         try:
-            h = self._request("hello", timeout=connect_timeout, name=self.name, pid=os.getpid())
+            h = self._request("hello", timeout=connect_timeout, name=self.name, pid=os.getpid(),
+                              hit_path=self.hit_path == "client")
         except errors.Timeout:
             raise errors.DaemonNotRunning(
                 f"k3d daemon not running at {self.endpoint}: no answer in {connect_timeout:g}s") from None
@@ -159,7 +177,7 @@ class Client:
         self.expert_bytes = h["expert_bytes"]
         self.lease_s = h["lease_s"]
         self._hb_wake.set()         # a (re)attach: beat now, at this daemon's lease from here on
-        self._attach_arena(h["arena_socket"], h["arena_bytes"])
+        self._attach_arena(h["arena_socket"], h["arena_bytes"], h["index_bytes"], t_hello)
 
     def _socket_inode(self):
         path = ipc_path(self.endpoint)
@@ -185,6 +203,10 @@ class Client:
             os.close(self._pidfd)
             self._pidfd = None
         self._poller = None
+        self._views.clear()
+        if self._hits is not None:        # its reports were for the daemon that went away
+            self._hits.close()
+            self._hits = None
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -221,18 +243,26 @@ class Client:
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         self.restarts += 1
 
-    def _attach_arena(self, path: str, size: int):
+    def _attach_arena(self, path: str, size: int, index_size: int, t_hello: float):
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             s.settimeout(5.0)
             try:
                 s.connect(path)
-                msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+                msg, fds, _, _ = socket.recv_fds(s, 4096, 2)
             except OSError as e:
                 raise errors.DaemonNotRunning(f"cannot attach the arena at {path}: {e}") from None
         if not fds:
             raise errors.PermissionDenied(
                 f"the daemon refused to hand out the arena at {path}: {msg.decode(errors='replace')}")
         fd = fds[0]
+        for extra in fds[1:]:
+            try:
+                if self.hit_path == "client" and self._hits is None:
+                    self._hits = LocalHits(extra, index_size, self.lease_s, t_hello)
+            except (OSError, ValueError) as e:
+                self.hit_path, self.hit_path_why = "daemon", f"cannot map the shared index: {e}"
+            finally:
+                os.close(extra)
         try:
             meta = unpack(msg)
             if meta["gen"] != self.gen:
@@ -247,23 +277,46 @@ class Client:
             os.close(fd)
 
     def _call(self, op: str, **fields):
-        """``_request``, re-attaching and re-issuing it across daemon restarts."""
+        """``_request``, re-attaching and re-issuing it across daemon restarts (without the
+        hit reports meant for the daemon that went away); ``SlotsBusy`` is retried."""
         if self._closed:
             raise errors.K3Error(f"{op}: this client is closed; call k3client.connect() again")
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
         while True:
             if self._sock is None:
                 self._reattach("not attached")
+                fields.pop("hits", None)
                 continue
             try:
                 return self._request(op, **fields)
             except _Gone as e:
                 self._reattach(str(e))
+                fields.pop("hits", None)
+            except errors.SlotsBusy:
+                # Evicted slots wait until other clients' views of them end (their next
+                # request, at most their lease): the daemon makes room meanwhile.
+                if time.monotonic() + pause > deadline:
+                    raise
+                fields.pop("hits", None)          # applied with the first try
+                time.sleep(pause)
+                pause = min(0.05, pause * 2)
+
+    def _send_async(self, op: str, **fields) -> None:
+        """Send ``op`` without waiting for a reply (nothing is sent while not attached)."""
+        if self._sock is None:
+            return
+        msg = {"v": PROTOCOL_VERSION, "op": op, "id": next(self._ids)}
+        msg.update(fields)
+        self._sock.send(pack(msg))
 
     def _request(self, op: str, timeout=_UNSET, **fields):
         """One request/reply on the current connection; ``_Gone`` if the daemon went away."""
         rid = next(self._ids)
         msg = {"v": PROTOCOL_VERSION, "op": op, "id": rid}
         msg.update(fields)
+        if self._hits is not None:
+            self._hits.t_req = time.monotonic()
         self._sock.send(pack(msg))
         timeout = self.timeout if timeout is _UNSET else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -307,24 +360,42 @@ class Client:
 
     def begin_token(self) -> int:
         """Start the next epoch; the previous epoch's pins (and views) are released."""
-        return self._call("begin_token")["epoch"]
+        return self._call("begin_token", **self._reports())["epoch"]
 
     def fetch(self, layer: int, experts, predicted=None) -> list[Expert]:
         """Experts of ``layer`` in request order, once all are in the arena."""
+        layer = int(layer)
         experts = [int(e) for e in experts]
-        keys = [[int(layer), e] for e in experts]
-        fields = {"keys": keys}
-        if predicted:
-            fields["predicted"] = [[int(l), int(e)] for l, e in predicted]
+        preds = [[int(l), int(e)] for l, e in predicted] if predicted else []
+        hits = self._hits
+        if hits is not None:
+            preds = hits.not_resident(preds)
+            slots = hits.answer(layer, experts)
+            if slots is not None:
+                if preds or hits.full():
+                    self._send_async("hits", predicted=preds, **hits.take())
+                return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
+        fields = {"keys": [[layer, e] for e in experts], **self._reports()}
+        if preds:
+            fields["predicted"] = preds
         slots = self._call("fetch", **fields)["slots"]
-        return [Expert(self, int(layer), e, s) for e, s in zip(experts, slots)]
+        return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
+
+    def _reports(self) -> dict:
+        return self._hits.take() if self._hits is not None else {}
 
     def predict(self, keys) -> int:
-        """Queue background reads for ``[(layer, expert), ...]``; returns how many were queued."""
-        return self._call("predict", keys=[[int(l), int(e)] for l, e in keys])["queued"]
+        """Queue background reads for ``[(layer, expert), ...]``; returns how many were queued
+        (keys already resident are not: with the shared index, nothing is sent for them)."""
+        keys = [[int(l), int(e)] for l, e in keys]
+        if self._hits is not None:
+            keys = self._hits.not_resident(keys)
+            if not keys:
+                return 0
+        return self._call("predict", keys=keys, **self._reports())["queued"]
 
     def status(self) -> dict:
-        r = self._call("status")
+        r = self._call("status", **self._reports())
         return r["status"]
 
     def close(self):
@@ -334,7 +405,7 @@ class Client:
         self._closed = True
         if self._sock is not None:
             try:
-                self._request("bye", timeout=1.0)
+                self._request("bye", timeout=1.0, **self._reports())
             except (errors.K3Error, _Gone):
                 pass
         self._teardown()
@@ -366,6 +437,9 @@ def connect(endpoint: str | None = None, name: str | None = None, **kw) -> Clien
       re-attaching before ``DaemonNotRunning``; 0 raises ``DaemonRestarted`` at once.
     - ``wait`` (0 s): how long to wait for a daemon that is still starting (pre-faulting
       its arena: ``Starting`` says how far) or whose socket is not there yet; 0 raises at once.
+    - ``hit_path`` (``K3D_HIT_PATH``, default ``"client"``): ``"client"`` answers fetches of
+      resident experts from the shared index without a message; ``"daemon"`` sends every
+      fetch to the daemon (forced where the CPU lacks the ordering the index needs).
 
     Raises ``DaemonNotRunning`` (nothing listens), ``Starting`` (still starting, after ``wait``),
     ``PermissionDenied`` (not the daemon's

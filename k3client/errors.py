@@ -37,6 +37,12 @@ class CacheFull(K3Error):
     code = "cache_full"
 
 
+class SlotsBusy(K3Error):
+    """The slots a fetch needs still wait until other clients' views of them end; the
+    client retries (``k3client`` does, within its timeout)."""
+    code = "slots_busy"
+
+
 class QuotaExceeded(K3Error):
     code = "quota_exceeded"
 
@@ -75,7 +81,7 @@ _BY_CODE = {
     cls.code: cls
     for cls in (
         K3Error, DaemonNotRunning, ProtocolMismatch, BadRequest, UnknownExpert,
-        CacheFull, QuotaExceeded, ReadFailed, NotAttached, ShuttingDown,
+        CacheFull, SlotsBusy, QuotaExceeded, ReadFailed, NotAttached, ShuttingDown,
         DaemonRestarted, PermissionDenied, Timeout, Starting,
     )
 }

@@ -15,23 +15,30 @@ client can tell a restarted daemon from the one it attached to)::
 
 Ops (the ``op_*`` handler docstrings in ``k3d.serve.loop`` are the full spec):
 
-- ``hello {name, pid}`` -> ``{client_id, layout, slots, slot_bytes, expert_bytes,
-  arena_bytes, arena_socket, lease_s, model}``; must come first.  (The key set is
-  not sent: an unknown key is an ``unknown_expert`` error reply.)
-- ``fetch {keys: [[layer, expert], ...], predicted: [[l, e], ...]}`` ->
+- ``hello {name, pid, hit_path}`` -> ``{client_id, layout, slots, slot_bytes, expert_bytes,
+  arena_bytes, index_bytes, arena_socket, lease_s, model}``; must come first.  (The key
+  set is not sent: an unknown key is an ``unknown_expert`` error reply.)
+- ``fetch {keys: [[layer, expert], ...], predicted: [[l, e], ...], hits}`` ->
   ``{slots: [int, ...]}`` in request order, sent once every key is ready.
-- ``predict {keys}`` -> ``{queued: int}`` at once (reads run in the background).
-- ``begin_token {}`` -> ``{epoch, released}``.
+- ``predict {keys, hits}`` -> ``{queued: int}`` at once (reads run in the background).
+- ``hits {hits, predicted}`` -> no reply: reports and predictions sent without waiting.
+- ``begin_token {hits}`` -> ``{epoch, released}``.
 - ``heartbeat {client_id, gen}`` -> no reply (sent from the client's lease thread;
   one for another daemon generation is ignored).
 - ``status {}`` -> ``{status: {...}}`` (the dict ``k3ctl status --json`` prints); no
   hello needed.
-- ``bye {}`` -> ``{}``; releases everything the client held.
+- ``bye {hits}`` -> ``{}``; releases everything the client held.
+
+``hits`` (optional everywhere) are the fetches a hit-path client answered itself
+from the shared index (``k3client.index``) since its last message, in order:
+``[[layer, [experts], [slots seen]], ...]``.  A hit-path client sends a fetch only
+when some key is not READY in the index, with every key of it.
 
 Replies carry slot numbers, never expert bytes: the bytes are read from the
 shared arena, whose memfd the client receives once over ``arena_socket`` (a Unix
 SOCK_SEQPACKET socket; SCM_RIGHTS).  The arena message is
-``{"gen", "arena_bytes", "slot_bytes", "slots"}`` with the fd attached.
+``{"gen", "arena_bytes", "index_bytes", "slot_bytes", "slots"}`` with two fds
+attached: the arena's and the shared index's.
 
 Decode limits (``unpack``) bound every container so a hostile frame cannot make
 the daemon allocate without bound; frames above ``MAX_MESSAGE_BYTES`` are
@@ -44,7 +51,7 @@ from __future__ import annotations
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_KEYS = 4096          # keys in one fetch/predict
 MAX_STR = 4096

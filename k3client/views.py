@@ -5,6 +5,11 @@ the expert's layer layout lies at ``spec.offset`` inside it, ``spec.nbytes`` lon
 (``k3client.layout``).  The mapping is PROT_READ over a sealed memfd, so every
 view is read-only.
 
+Views are cached per client by (slot, layer layout, tensor): a view is a window
+on the mapping, valid for whatever key the slot holds now, so a slot seen before
+costs a dict lookup, not a new mapping.  The cache goes with the mapping (a
+re-attach clears it).
+
 Thread: an ``Expert`` belongs to its ``Client``'s thread.  Caller's obligation: a
 view is valid until the client's next ``begin_token()`` (the daemon keeps the
 slot pinned until then) or ``close()``; an ``Expert`` bound to an older daemon
@@ -19,6 +24,11 @@ import numpy as np
 
 from . import errors
 from .layout import DTYPES, TensorSpec, layout_bytes, numpy_dtype
+
+# torch warns that a read-only buffer is not writable: that is the point here.  One
+# filter for the process, installed with the first tensor view: catch_warnings per
+# view would be process-global state changed per tensor, and not thread-safe.
+_TORCH_FILTER = []
 
 
 class Expert:
@@ -56,6 +66,9 @@ class Expert:
         base = self.slot * c.slot_bytes
         return memoryview(mm)[base:base + layout_bytes(c.layout_of(self.layer))]
 
+    def _key(self, name: str):
+        return (self.slot, self.layer if self._client.layouts else -1, name)
+
     def array(self, name: str) -> np.ndarray:
         """Read-only numpy view of one tensor, no copy.
 
@@ -63,11 +76,15 @@ class Expert:
         integer of the same width (BF16 -> ``uint16``, F8_* -> ``uint8``) holding the raw
         bits; ``tensor()`` gives the real dtype, or ``arr.view(ml_dtypes.bfloat16)``."""
         mm = self._mapping()
-        spec = self._spec(name)
-        dt = numpy_dtype(spec.dtype)
-        off = self.slot * self._client.slot_bytes + spec.offset
-        return np.frombuffer(mm, dtype=dt, count=spec.nbytes // dt.itemsize,
-                             offset=off).reshape(spec.shape)
+        views, key = self._client._views, ("np", *self._key(name))
+        v = views.get(key)
+        if v is None:
+            spec = self._spec(name)
+            dt = numpy_dtype(spec.dtype)
+            off = self.slot * self._client.slot_bytes + spec.offset
+            v = views[key] = np.frombuffer(mm, dtype=dt, count=spec.nbytes // dt.itemsize,
+                                           offset=off).reshape(spec.shape)
+        return v
 
     def tensor(self, name: str):
         """torch view of one tensor, no copy, in its real dtype (needs torch). Do not write to it."""
@@ -79,12 +96,15 @@ class Expert:
                               "Expert.array() works without it") from None
 
         mm = self._mapping()
-        spec = self._spec(name)
-        tdt = getattr(torch, DTYPES[spec.dtype][2])
-        off = self.slot * self._client.slot_bytes + spec.offset
-        with warnings.catch_warnings():
-            # torch warns that the buffer is not writable; that is the point.
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(mm, dtype=tdt,
-                                 count=spec.nbytes // DTYPES[spec.dtype][0], offset=off)
-        return t.view(spec.shape)
+        views, key = self._client._views, ("torch", *self._key(name))
+        v = views.get(key)
+        if v is None:
+            if not _TORCH_FILTER:
+                warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+                _TORCH_FILTER.append(True)
+            spec = self._spec(name)
+            tdt = getattr(torch, DTYPES[spec.dtype][2])
+            off = self.slot * self._client.slot_bytes + spec.offset
+            v = views[key] = torch.frombuffer(mm, dtype=tdt, count=spec.nbytes // DTYPES[spec.dtype][0],
+                                              offset=off).view(spec.shape)
+        return v

@@ -1,18 +1,23 @@
-"""The cache behind the ops: the store, the reads in flight and the parked fetches, moved together.
+"""The fetch service: one call per op, keeping the store, the reads in flight and the parked fetches in step.
 
-The server's handlers validate a request and call one method here; each keeps
-the three in step:
-- ``plan`` (a fetch): the store plans (hits pinned, misses given slots), the
-  misses' reads start URGENT in the client's fair share, background reads it
-  now waits on are promoted, another client's held-back parts of them go now;
-- ``answer``: the fetch's slots at once (every slot READY, checked), or None:
-  parked until its reads finish (the server traces and predicts in between);
+The loop validates a request and makes one call here, with the client's session:
+- ``fetch``: the client's earlier hit reports first (``report``), then the store
+  plans (hits pinned, misses given slots), the misses' reads start URGENT in the
+  client's fair share, background reads it now waits on are promoted, the route
+  trace gets the line, the client's predictions follow (``predict``), and the
+  fetch is answered: at once (every slot READY, checked) or parked until its reads
+  finish.  Latency is recorded where the reply is sent, for both.
+- ``report``: fetches the client answered itself from the shared index (each a
+  layer, its experts and the slots it saw), applied as hits in order
+  (``Store.report``), each traced as a fetch line;
 - ``predict``: slots for predicted keys, read BACKGROUND, within the client's
   prediction room (pin quota, and the waste throttle below);
-- ``end_token``: the client's pins go, its unused predictions are counted
-  and demoted, and its prediction-waste share moves;
+- ``begin_token``: reports, then the client's pins go, its unused predictions are
+  counted and demoted, and its prediction-waste share moves;
 - ``drop``: a client leaves or dies: pins released, held-back reads go on as
   background reads, a fetch it waits on is answered NotAttached;
+- ``settle``: after each request, slots no client can read any more are freed
+  and, while several clients read the index, room is made ahead of misses;
 - ``apply_done``: every read part reported since the last call is counted
   (and its reader CPU handed to ``charge``, for the client it was read for);
   a finished load makes its slot READY (or FREE on error) and answers waiters;
@@ -26,6 +31,7 @@ predictions can neither sweep the cache nor monopolise the readers.
 
 Owns no state of its own beyond these three and the counters it adds to:
 the store is changed only through its methods, a read only through ``reads``.
+``trace`` is the route trace (None: off); a SIGHUP reload replaces it.
 
 Thread: the server thread; reader threads reach this only through the pool's
 queue (``apply_done``).
@@ -38,7 +44,7 @@ import time
 
 from k3d.cache.parked import Parked, checked_slots
 from k3d.cache.sessions import Session
-from k3d.cache.store import FetchPlan, Store
+from k3d.cache.store import Store
 from k3d.observe.latency import FetchLatency, classify
 from k3d.observe.stats import Throughput
 from k3d.reads.loads import Load, Loads
@@ -50,57 +56,79 @@ WASTE_LIMIT = 0.9        # share of unused predictions above which a client is t
 
 class Cache:
     def __init__(self, store: Store, source, arena, readers: int, replies, latency: FetchLatency, charge):
-        """``charge(client_id, cpu_seconds)``: told the readers' CPU spent for each client."""
+        """``charge(client_id, cpu_seconds)``: told the readers' CPU spent for each client
+        (None: nobody is charged, pacing is off)."""
         self.store, self.stats = store, store.stats
         self.charge = charge
         self.latency = latency
+        self.replies = replies
+        self.trace = None
         self.recent = Throughput()
         self.reads = Loads(readers, source, arena)
         self.parked = Parked(store, replies, source.path, latency)
 
-    # -- fetch and predict -------------------------------------------------------
-    def plan(self, s: Session, keys: list[tuple[int, int]]) -> FetchPlan:
-        """Plan ``s``'s fetch of ``keys`` and start the reads it needs (raises CacheFull /
-        QuotaExceeded with nothing changed)."""
-        plan = self.store.fetch(s.holder, keys)
-        self._start(plan.new_loads, urgent=True, owner=s.client_id)
+    # -- the ops -----------------------------------------------------------------
+    def fetch(self, s: Session, rid: int, keys, predicted, hits, t0: float) -> None:
+        """Answer ``s``'s fetch of ``keys`` (now, or once its reads finish).  Raises
+        CacheFull / SlotsBusy / QuotaExceeded with nothing of the fetch changed (its
+        ``hits`` reports are applied first, whatever follows)."""
+        now = time.monotonic()
+        if hits:
+            self.report(s, hits, now)
+        store = self.store
+        plan = store.fetch(s.holder, keys, now)
+        if plan.new_loads:
+            self._start(plan.new_loads, urgent=True, owner=s.client_id)
         for slot in plan.promote:     # its predicted reads not started yet: urgent, in its fair share
             self.reads.promote(slot, s.client_id)
         for slot in plan.waiting:     # someone else's held-back read: this client waits too
             self.reads.waited_on(slot, s.client_id)
         s.fetches += 1
-        return plan
-
-    def answer(self, s: Session, rid: int, keys, plan: FetchPlan, t0: float) -> list[int] | None:
-        """The slots to reply with now, or None: the fetch is parked and answered later."""
+        self._trace_fetch(s, keys, plan, now)
+        if predicted:
+            self.predict(s, predicted, now)
         result = classify(plan.misses, plan.waited)
-        if not plan.waiting:
-            slots = checked_slots(self.store, keys, plan.slots)
-            self.latency.record(result, time.monotonic() - t0)
-            return slots
-        self.parked.park(s, rid, keys, plan.slots, plan.waiting, t0, result)
-        return None
+        if plan.waiting:
+            self.parked.park(s, rid, keys, plan.slots, plan.waiting, t0, result)
+            return
+        self.replies.ok(s.routing, rid, {"slots": checked_slots(store, keys, plan.slots)})
+        self.latency.record(result, time.monotonic() - t0)
 
-    def predict(self, s: Session, keys, pin_quota: int, trace=None) -> int:
+    def report(self, s: Session, hits, now: float) -> None:
+        """Apply ``s``'s hit reports: ``[(keys, slots seen), ...]`` in the order it fetched."""
+        for keys, seen in hits:
+            plan = self.store.report(s.holder, keys, seen)
+            s.fetches += 1
+            self._trace_fetch(s, keys, plan, now)
+
+    def predict(self, s: Session, keys, now: float) -> int:
         """Start background reads of ``keys`` not resident; returns how many started.
-        ``trace``: the route trace gets the keys as the store gets them (``k3d replay``
+        The route trace gets the keys as the store gets them (``k3d replay``
         reproduces the prefetch counters from them)."""
+        store = self.store
         keys = list(dict.fromkeys(keys))
-        if pin_quota:
-            room = pin_quota - len(self.store.predictions.get(s.client_id, ()))
+        if store.pin_quota:
+            room = store.pin_quota - len(store.predictions.get(s.client_id, ()))
             if s.pf_waste > WASTE_LIMIT:
                 room = min(room, 1 - s.pf_started)
-            keys = [k for k in keys if k not in self.store.key_slot][:max(0, room)]
-        if trace is not None:
-            trace.predict(time.monotonic(), s.client_id, s.epoch, keys)
-        started = self.store.predict(s.client_id, keys)
+            keys = [k for k in keys if k not in store.key_slot][:max(0, room)]
+        if self.trace is not None:
+            self.trace.predict(now, s.client_id, s.epoch, keys)
+        started = store.predict(s.client_id, keys, now)
         s.pf_started += len(started)
         self._start(started, urgent=False, owner=s.client_id)
         return len(started)
 
-    def end_token(self, s: Session) -> int:
-        """``s`` begins its next token: its pins go.  Returns the pins released."""
+    def begin_token(self, s: Session, hits) -> int:
+        """``s`` begins its next token: its reports first, then its pins go.  Returns the
+        pins released."""
+        now = time.monotonic()
+        if hits:
+            self.report(s, hits, now)
+        if self.trace is not None:
+            self.trace.begin(now, s.client_id, s.epoch)
         released, unused = self.store.end_epoch(s.client_id, s.holder)
+        self.store.reuse.new_token(s.client_id)
         s.pfu += unused
         if s.pf_started:
             s.pf_waste = 0.8 * s.pf_waste + 0.2 * min(1.0, unused / s.pf_started)
@@ -108,10 +136,31 @@ class Cache:
         s.epoch += 1
         return released
 
+    def settle(self, now: float) -> None:
+        """After a request: free what no client can read any more, and make room ahead."""
+        store = self.store
+        if store.reuse.limbo:
+            store.reclaim(now)
+        if store.want or len(store.reuse.readers) > 1:
+            store.make_room(now)
+
+    def _trace_fetch(self, s: Session, keys, plan, now: float) -> None:
+        if self.trace is not None:
+            try:
+                self.trace.fetch(now, s.client_id, s.epoch, keys, plan.misses, plan.evictions, plan.waited,
+                                 plan.prefetched_hits, s.pfu)
+            except OSError as e:   # a full disk must not fail a fetch that is already planned
+                log.error("route trace %s: %s; tracing stops", self.trace.path, e)
+                self.trace = None
+        s.pfu = 0
+
     def drop(self, s: Session, reason: str) -> int:
         """``s`` is gone (the caller removes the session).  Returns the pins released."""
+        if self.trace is not None:
+            self.trace.bye(time.monotonic(), s.client_id)
         released, _ = self.store.end_epoch(s.client_id, s.holder)
         self.store.forget_client(s.client_id)
+        self.store.reuse.leave(s.client_id)
         # Its held-back reads go on as background reads (another client may fetch
         # those keys: that promotes them), never ahead of the urgent reads of others.
         for slot in self.reads.to_background(s.client_id):
@@ -136,7 +185,7 @@ class Cache:
             self.stats.bytes_read += d.nbytes
             self.stats.read_seconds += d.seconds
             self.recent.add(now, d.nbytes)
-            if d.owner is not None:
+            if d.owner is not None and self.charge is not None:
                 self.charge(d.owner, d.cpu)
             if load is not None:
                 self._finished(load, draining)

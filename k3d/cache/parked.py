@@ -13,7 +13,9 @@ of them; it is answered exactly once (``done``):
 - with NotAttached when the daemon drops its client (``drop``);
 - with ShuttingDown at shutdown (``shut_down``).
 A client already dropped gets no reply.  A fetch answered with its slots
-records its latency (arrival to reply, ``latency.py``).
+records its latency (arrival to reply, ``latency.py``).  Every reply tells
+``reuse`` that the client has seen the index as it is now (it waited for this
+reply, so it read nothing in between).
 
 Thread: the server thread owns this object; no locking.
 """
@@ -91,7 +93,9 @@ class Parked:
                 # within that token's quota like any fetch in it.
                 self.store.repin(p.session.holder, slots)
             self.replies.ok(p.session.routing, p.rid, {"slots": slots})
-            self.latency.record(p.result, time.monotonic() - p.t0)
+            now = time.monotonic()
+            self.latency.record(p.result, now - p.t0)
+            self.store.reuse.replied(p.session.client_id, now)
         except K3Error as e:
             self._error(p, e)
 
@@ -116,3 +120,4 @@ class Parked:
 
     def _error(self, p: Pending, e: K3Error) -> None:
         self.replies.error(p.session.routing, p.rid, e)
+        self.store.reuse.replied(p.session.client_id, time.monotonic())

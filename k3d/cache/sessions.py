@@ -55,6 +55,7 @@ class Session:
         "client_id",
         "epoch",
         "fetches",
+        "hit_path",
         "last_seen",
         "lease_s",
         "name",
@@ -72,6 +73,7 @@ class Session:
         self.routing, self.client_id, self.name = routing, client_id, name
         self.pid, self.started = pid, started
         self.epoch, self.last_seen, self.pfu, self.alive, self.fetches = 0, now, 0, True, 0
+        self.hit_path = False      # answers hits itself from the shared index (k3d/cache/reuse.py)
         # The lease told to the client at hello: it heartbeats at a quarter of it,
         # so a reload that shortens the lease applies to new clients only.
         self.lease_s = lease_s

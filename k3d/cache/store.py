@@ -37,6 +37,18 @@ error) belongs to ``reads.loads``.  The caller changes the store only through it
 methods (``repin``, ``background`` included), so its invariants (``check``) hold
 whatever the caller is.
 
+Shared index and deferred reuse: every change of a key's slot or state is
+published in the shared index (``index``; ``k3d.memory.index``), where clients
+answer their hits without a message.  An evicted slot leaves the cache at once,
+but its memory is reused only when ``reuse`` (``k3d.cache.reuse``) says no client
+can still read it; until then it waits outside the free list.  A fetch needs
+slots that are free or reusable now: when only waiting ones would do, it raises
+``SlotsBusy`` (the client retries) and ``make_room`` evicts ahead.  With one
+client, blocked in the request that evicts, every victim is reusable at once,
+so slots, counters and the trace are those of a store without the index.
+Clients report their hits later (``report``), with the same effect on the policy
+and the counters as a fetch of those keys.
+
 Thread: the server thread owns the store; no locking.
 """
 
@@ -44,8 +56,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from k3client.errors import CacheFull, QuotaExceeded
+from k3client.errors import CacheFull, QuotaExceeded, SlotsBusy
 from k3d.cache.policy import LruPolicy
+from k3d.cache.reuse import Reuse
+from k3d.memory.index import NoIndex
 from k3d.observe.stats import Counters, PredictionStats
 
 PREDICT = "predict"      # holder tag of a client's outstanding predictions
@@ -80,8 +94,12 @@ class Store:
     policy: object = field(default_factory=LruPolicy)    # any k3d.cache.policy class
     stats: Counters = field(default_factory=Counters)
     key_bytes: object = None         # key -> bytes one read of it costs (unused_bytes); None: 0
+    index: object = field(default_factory=NoIndex)       # the shared index clients read (k3d.memory.index)
+    reuse: Reuse = field(default_factory=Reuse)
+    reserve: int = 0                 # slots kept free or waiting while several clients read the index
 
     def __post_init__(self):
+        self.want = 0                                     # slots a refused fetch needed (make_room)
         self.state = [FREE] * self.slots
         self.slot_key: list[tuple[int, int] | None] = [None] * self.slots
         self.key_slot: dict[tuple[int, int], int] = {}
@@ -108,15 +126,16 @@ class Store:
 
     # -- queries ------------------------------------------------------------
     def gauges(self) -> dict:
-        return {"used": self.slots - len(self.free), "pinned": self.policy.pinned_count(),
-                "loading": len(self.loads), "free": len(self.free)}
+        waiting = len(self.reuse.limbo)
+        return {"used": self.slots - len(self.free) - waiting, "pinned": self.policy.pinned_count(),
+                "loading": len(self.loads), "free": len(self.free), "reuse_waiting": waiting}
 
     def pins(self, holder) -> int:
         """How many slots ``holder`` (client, epoch) pins now."""
         return len(self.policy.held(holder))
 
     # -- fetch --------------------------------------------------------------
-    def fetch(self, holder, keys: list[tuple[int, int]]) -> FetchPlan:
+    def fetch(self, holder, keys: list[tuple[int, int]], now: float = 0.0) -> FetchPlan:
         """Plan a fetch of distinct, known keys for ``holder`` (client, epoch)."""
         have = [self.key_slot.get(k) for k in keys]
         policy = self.policy
@@ -133,11 +152,20 @@ class Store:
         resident = {s for s in have if s is not None}
         need = sum(1 for s in have if s is None)
         if need:
-            available = len(self.free) + policy.evictable(exclude=resident.union(self.loads))
+            evictable = policy.evictable(exclude=resident.union(self.loads))
+            now_ok = self.reuse.could_reuse_now(now)
+            available = len(self.free) + (evictable if now_ok else 0)
             if need > available:
+                if need <= len(self.free) + evictable + len(self.reuse.limbo):
+                    self.want = max(self.want, need)
+                    self.stats.slots_busy += 1
+                    raise SlotsBusy(
+                        f"this fetch needs {need} new slots; {len(self.free)} are free and "
+                        f"{len(self.reuse.limbo)} wait until other clients' views of them end; retry")
                 self.stats.cache_full += 1
                 raise CacheFull(
                     f"cache full: {self.policy.pinned_count()} of {self.slots} slots pinned, "
+                    f"{len(self.reuse.limbo)} waiting for reuse; "
                     f"this fetch needs {need} new slots and only {available} can be freed; "
                     "call begin_token() to release earlier pins, fetch fewer experts, "
                     "or start k3d with a larger --arena")
@@ -154,7 +182,7 @@ class Store:
             policy.pin(s, holder)
         for key, s in zip(keys, have):
             if s is None:
-                s, evicted = self._assign(key, urgent=True)
+                s, evicted = self._assign(key, urgent=True, now=now)
                 plan.evictions += evicted
                 plan.misses += 1
                 plan.new_loads.append(s)
@@ -189,6 +217,44 @@ class Store:
         q.ready += len(keys) - plan.misses - plan.waited
         return plan
 
+    def report(self, holder, keys: list[tuple[int, int]], seen: list[int]) -> FetchPlan:
+        """A fetch of ``keys`` the client answered itself, from slots ``seen`` in the index.
+
+        A key still READY in the slot it was seen in counts as the hit of a fetch
+        (the policy hears it in the same order, prediction accounting alike) and is
+        pinned for ``holder``; over the pin quota, or if the key has left that slot
+        since (a late report), the slot is claimed instead: it is not reused before
+        the client's next token (``reuse``).  Nothing is read and nothing refused."""
+        client = holder[0]
+        policy, state, key_slot = self.policy, self.state, self.key_slot
+        for layer in dict.fromkeys(k[0] for k in keys):
+            policy.visit(layer)
+        plan = FetchPlan(slots=list(seen), new_loads=[], waiting=set(), promote=[])
+        late = 0
+        for key, s in zip(keys, seen):
+            if key_slot.get(key) != s or state[s] != READY:
+                late += 1
+                self.reuse.claim(client, s)
+                continue
+            if self.pin_quota and s not in (held := policy.held(holder)) and len(held) >= self.pin_quota:
+                self.reuse.claim(client, s)
+            else:
+                policy.pin(s, holder)
+            policy.touch(s, key)
+            if s in self.predicted_by:
+                by = self.predicted_by.pop(s)
+                self.predictions[by].discard(s)
+                self.client_quality(by).prefetch_hits += 1
+                plan.prefetched_hits += 1
+        st = self.stats
+        st.fetches += 1
+        st.hits += len(keys)
+        st.client_hits += len(keys)
+        st.late_hits += late
+        st.prefetch_hits += plan.prefetched_hits
+        self.client_quality(client).ready += len(keys)
+        return plan
+
     def _all_plain_hits(self, have: list) -> bool:
         """Every key READY, none a pending prediction, no quota: nothing can refuse."""
         if self.pin_quota or None in have:
@@ -204,36 +270,67 @@ class Store:
             s = self.policy.victim(exclude=self.loads)
         return s
 
-    def _assign(self, key, urgent: bool, victim: int | None = None) -> tuple[int, int]:
-        """A slot for ``key`` (free, else ``victim`` or the policy's), now LOADING and
-        inserted in the policy's order (request time)."""
+    def _assign(self, key, urgent: bool, victim: int | None = None, now: float = 0.0) -> tuple[int, int]:
+        """A slot for ``key`` (free, else ``victim`` or the policy's, reusable now: the
+        caller checked), now LOADING and inserted in the policy's order (request time)."""
         evicted = 0
-        if self.free:
+        if victim is None and self.free:
             s = self.free.pop()
         else:
             s = self._victim() if victim is None else victim
             assert s is not None, "caller checked capacity"
-            self._evict(s)
+            reusable = self._evict(s, now)
+            assert reusable, "caller checked that a victim is reusable now"
             evicted = 1
         self.state[s] = LOADING
         self.slot_key[s] = key
         self.key_slot[key] = s
         self.loads[s] = Loading(key, urgent)
         self.policy.insert(s, key, predicted=not urgent)
+        self.index.loading(key, s)
         return s, evicted
 
-    def _evict(self, s: int) -> None:
+    def _evict(self, s: int, now: float) -> bool:
+        """``s`` leaves the cache (and the index).  True: its memory may be reused now;
+        False: it waits in ``reuse`` until no client can read it."""
         if s in self.predicted_by:             # (not reached while predictions are pinned)
             by = self.predicted_by.pop(s)
             self.predictions[by].discard(s)
             self._unused(by, [s])
-        del self.key_slot[self.slot_key[s]]
+        key = self.slot_key[s]
+        del self.key_slot[key]
         self.slot_key[s] = None
         self.state[s] = FREE
         self.policy.remove(s)
+        self.index.clear(key)
+        return self.reuse.retire(s, now)
+
+    def make_room(self, now: float) -> int:
+        """Evict ahead while several clients read the index, so that slots are free when a
+        miss comes (evicted slots wait for reuse first); returns how many it evicted."""
+        target = max(self.want, self.reserve if len(self.reuse.readers) > 1 else 0)
+        evicted = 0
+        while len(self.free) + len(self.reuse.limbo) < target:
+            s = self._victim()
+            if s is None:
+                break
+            if self._evict(s, now):
+                self.free.append(s)
+            evicted += 1
+        self.stats.evictions += evicted
+        self.stats.evicted_ahead += evicted
+        if len(self.free) >= self.want:
+            self.want = 0
+        return evicted
+
+    def reclaim(self, now: float) -> int:
+        """Slots no client can read any more go back to the free list; returns how many."""
+        slots = self.reuse.reclaim(now)
+        self.free.extend(slots)
+        return len(slots)
 
     # -- predict ------------------------------------------------------------
-    def predict(self, client: int, keys: list[tuple[int, int]]) -> list[int]:
+    def predict(self, client: int, keys: list[tuple[int, int]], now: float = 0.0) -> list[int]:
         """Assign slots to predicted keys not resident; stop at the first that has none.
 
         A background read never evicts a pinned slot (every client's current token),
@@ -247,7 +344,9 @@ class Store:
             if key in self.key_slot:
                 continue
             victim = None
-            if not self.free:
+            if len(self.free) <= self._kept_free():
+                if not self.reuse.could_reuse_now(now):
+                    break
                 victim = self._victim()
                 if victim is None:
                     break
@@ -255,7 +354,7 @@ class Store:
                     self.stats.prefetch_refused += 1
                     q.refused += 1
                     break
-            s, evicted = self._assign(key, urgent=False, victim=victim)
+            s, evicted = self._assign(key, urgent=False, victim=victim, now=now)
             self.stats.evictions += evicted
             self.predicted_by[s] = client
             self.predictions.setdefault(client, set()).add(s)
@@ -264,6 +363,11 @@ class Store:
         self.stats.prefetched += len(started)
         q.prefetched += len(started)
         return started
+
+    def _kept_free(self) -> int:
+        """Free slots a prediction leaves to misses: none with one client reading the
+        index (the store then behaves as without it), the reserve with several."""
+        return self.reserve if len(self.reuse.readers) > 1 else 0
 
     def preload(self, keys: list[tuple[int, int]]) -> list[int]:
         """Warm restart: assign free slots to ``keys`` (hottest first) not resident, never
@@ -331,7 +435,9 @@ class Store:
         load = self.loads.pop(s)
         if error is None:
             self.state[s] = READY
+            self.index.ready(load.key, s)
         else:
+            self.index.clear(load.key)     # never READY: no client read it, so the slot is free now
             self.stats.errors += counted
             del self.key_slot[load.key]
             self.slot_key[s] = None
@@ -349,8 +455,10 @@ class Store:
             assert self.slot_key[s] == key and self.state[s] != FREE
         for s in range(self.slots):
             if self.state[s] == FREE:
-                assert self.slot_key[s] is None and s in self.free and not self.policy.pinned(s)
+                assert self.slot_key[s] is None and not self.policy.pinned(s)
+                assert (s in self.free) != (s in self.reuse.limbo)
             assert (self.state[s] == LOADING) == (s in self.loads)
             assert (self.state[s] != FREE) == self.policy.has(s)
         assert len(self.free) == len(set(self.free))
+        assert not set(self.free) & self.reuse.limbo.keys()
         assert self.stats.hits + self.stats.misses >= self.stats.waited

@@ -50,12 +50,17 @@ HELP = {
     "clients_dead": "clients dropped because they exited or went silent",
     "paced": "times a client using far more than its share of the daemon's CPU was held back",
     "paced_seconds": "seconds clients were held back for using far more than their CPU share",
+    "client_hits": "hits clients answered themselves from the shared index (reported later; in hits)",
+    "late_hits": "client hits reported after the key had left its slot (the slot waited for reuse)",
+    "slots_busy": "fetches told to retry: the slots they needed waited until other clients' views ended",
+    "evicted_ahead": "evictions made ahead of misses while several clients answer hits themselves",
 }
 ARENA_GAUGES = {   # metric name: (status arena field, help)
     "k3d_arena_slots": ("slots", "slots in the arena"),
     "k3d_arena_used_slots": ("used", "slots holding an expert or being read"),
     "k3d_arena_pinned_slots": ("pinned", "slots pinned by some client's current token or outstanding prediction"),
     "k3d_arena_loading_slots": ("loading", "slots being read"),
+    "k3d_arena_reuse_waiting_slots": ("reuse_waiting", "evicted slots waiting until no client can read them"),
     "k3d_arena_bytes": ("bytes", "bytes of arena"),
 }
 ORIGIN = {"fetches": "experts fetched from the origin", "bytes": "bytes fetched from the origin",

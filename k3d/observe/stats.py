@@ -38,6 +38,10 @@ class Counters:
     clients_dead: int = 0
     paced: int = 0              # times a client over its CPU share was held back (k3d/serve/pacing.py)
     paced_seconds: float = 0.0  # seconds clients were held back, summed
+    client_hits: int = 0        # hits clients answered from the shared index (reported later; in ``hits``)
+    late_hits: int = 0          # of those, reported after the key had left its slot (the view stayed valid)
+    slots_busy: int = 0         # fetches told to retry: the slots they needed still waited for reuse
+    evicted_ahead: int = 0      # evictions made ahead of misses while several clients read the index
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -8,7 +8,11 @@ sections may be added, existing fields keep their meaning):
 - ``stats``: the monotonic counters (``stats.Counters``);
 - ``fetch_seconds``: the fetch latency histogram by result (``latency.py``);
 - ``readers``: threads, queued parts, held-back parts, throughput;
-- ``clients``: one entry per attached session, with its recent CPU share of the
+- ``reuse``: evicted slots waiting until no client can read them (``waiting``, its
+  ``peak``), the ``reserve`` kept free while several clients answer hits themselves,
+  and the clients that hold waiting slots (``held_by``: ``k3d/cache/reuse.py``);
+- ``clients``: one entry per attached session, where its hits are answered
+  (``hit_path``: ``client`` from the shared index, or ``daemon``), with its recent CPU share of the
   daemon (``cpu_share``) and how often and how long it was held back (``pacing.py``);
 - ``policy`` (its name), ``prediction`` (quality in total and per client id:
   ``quality.py``), ``warm`` (the state file and the warm restart's pre-load progress).
@@ -55,7 +59,10 @@ def build(srv, now: float) -> dict:
                     "held_back": srv.reads.held_back(),
                     "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
                     "recent_bps": round(srv.cache.recent.rate(now))},
+        "reuse": {"waiting": len(srv.store.reuse.limbo), "peak": srv.store.reuse.peak,
+                  "reserve": srv.store.reserve, "held_by": srv.store.reuse.holders(now)},
         "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
+                     "hit_path": "client" if s.hit_path else "daemon",
                      "pins": srv.store.pins(s.holder), "fetches": s.fetches,
                      "idle_s": round(now - s.last_seen, 3),
                      "cpu_share": round(pacer.usage(s.client_id, now) / total_cpu, 4) if total_cpu else 0.0,

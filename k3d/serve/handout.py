@@ -1,9 +1,10 @@
 """Arena hand-out: the arena's fd, passed to each allowed client over a Unix socket.
 
 Wire: the client connects to ``<endpoint path>.arena`` (SOCK_SEQPACKET) and
-receives one packet: msgpack ``{gen, arena_bytes, slot_bytes, slots}`` with the
-arena fd attached (SCM_RIGHTS).  The fd is a sealed memfd or an O_RDONLY segment
-(``arena.py``), so what a client maps is read-only whatever it asks for.  A
+receives one packet: msgpack ``{gen, arena_bytes, index_bytes, slot_bytes, slots}``
+with two fds attached (SCM_RIGHTS): the arena's and the shared index's.  Both are
+sealed memfds (``memory/arena.py``, ``memory/index.py``), so what a client maps is
+read-only whatever it asks for.  A
 peer that ``access.peer_allowed`` refuses gets one line of text and no fd.
 
 The socket is bound 0660 by the caller (``access.private_umask``) and removed by
@@ -27,8 +28,8 @@ log = logging.getLogger("k3d")
 
 
 class ArenaHandout:
-    def __init__(self, path: str, arena, gen: int):
-        self.path, self.arena, self.gen = path, arena, gen
+    def __init__(self, path: str, arena, gen: int, index):
+        self.path, self.arena, self.gen, self.index = path, arena, gen, index
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
 
     def bind(self) -> None:
@@ -67,10 +68,10 @@ class ArenaHandout:
             except OSError:
                 pass
             return
-        meta = pack({"gen": self.gen, "arena_bytes": self.arena.size,
+        meta = pack({"gen": self.gen, "arena_bytes": self.arena.size, "index_bytes": self.index.size,
                      "slot_bytes": self.arena.slot_bytes, "slots": self.arena.slots})
         try:
-            socket.send_fds(conn, [meta], [self.arena.fd])
+            socket.send_fds(conn, [meta], [self.arena.fd, self.index.fd])
         except OSError as e:
             log.warning("could not hand out the arena: %s", e)
 

@@ -71,11 +71,21 @@ class Intake:
         release = self.turns.next_release()
         return 100 if release is None else max(1, min(100, int((release - now) * 1000) + 1))
 
+    @property
+    def pacing(self) -> bool:
+        """Whether clients are charged at all (``--max-share 0``: nothing is measured)."""
+        return self.pacer.share > 0
+
     def charge(self, client_id: int, cpu: float) -> None:
-        """``cpu`` seconds were spent for ``client_id``; hold it back while it is far over its share."""
-        s = self.sessions.by_id.get(client_id)
-        if s is None:                          # it left while its read ran: nobody to charge
-            return
+        """``charge_session`` for ``client_id`` (a read's client, which may have left meanwhile)."""
+        if self.pacer.share > 0:
+            s = self.sessions.by_id.get(client_id)
+            if s is not None:
+                self.charge_session(s, cpu)
+
+    def charge_session(self, s, cpu: float) -> None:
+        """``cpu`` seconds were spent for session ``s``; hold it back while it is far over its share."""
+        client_id = s.client_id
         now = time.monotonic()
         self.pacer.charge(client_id, cpu, now)
         if self.turns.held_until(s.routing) > now:   # held already: a hold is never stretched (MAX_DELAY holds)

@@ -1,53 +1,39 @@
 """The server loop: one thread owns the ROUTER socket, the store and the policy.
 
 Loop (``serve_forever``): poll the ROUTER socket, the reader pool's eventfd and
-the arena hand-out socket; handle every ready request, apply every finished
-read, hand out the arena fd, publish a status snapshot when ``/metrics`` asked
-for one (``metrics.SnapshotBoard``: other threads never read the store), then
-housekeeping (dead clients, systemd status and watchdog).  The ROUTER socket
-usually arrives bound: the daemon binds it before start-up and the start-up
-responder (``service/starting.py``) hands it over.  Nothing in the loop waits on I/O: a fetch that misses starts
-reads and is parked (``parked.py``) until its slots are ready, while other
-clients' hits are answered at once.
+the arena hand-out socket; handle the next request in turn, apply every
+finished read, hand out the arena and index fds, publish a status snapshot when
+``/metrics`` asked for one (other threads never read the store), then
+housekeeping (dead clients, views whose lease ended, systemd status and
+watchdog).  Nothing in the loop waits on I/O: a fetch that misses starts reads
+and is parked until its slots are ready, while other clients are answered.
 
 One small handler per op (``op_*``); its docstring is the spec.  ``_handle`` is
 the one place that turns exceptions into error replies; nothing a client sends
-can stop the loop.
+can stop the loop.  Each handler makes one call into the fetch service
+(``cache/fetch.py``) with the client's session, looked up once per request.
 
-Every reply that names slots is checked against the store first
-(``parked.checked_slots``: each slot READY and holding the requested key): a
-reply never names a loading or reused slot, whatever a client does.
+Hits mostly never get here: clients answer fetches of resident experts from the
+shared index (``memory/index.py``) and report them with their next request.  A
+reply to a request a hit-path client waits for is its quiescent point for the
+deferred reuse of evicted slots (``cache/reuse.py``).
 
-Who does what (all on this thread; reader threads only fill slot memory and
-report through ``reads``):
-- ``wire``: the ROUTER socket, request decoding, key checks, replies;
-- ``intake``: requests off the socket into ``turns`` (waiting for their
-  client's turn) and each client's CPU charged to ``pacing``;
-- ``sessions``: attached clients and their liveness;
-- ``cache``: the fetch path, keeping three in step: ``store`` (slots, pins,
-  predictions; changed only through its methods), ``reads.loads`` (reads in
-  flight, by explicit load token: start, promote, cancel, finish) and
-  ``parked`` (fetches waiting for their reads, and how each is answered);
-- ``handout``: the arena fd over the Unix socket;
-- ``status``, ``reload``: what status shows; what SIGHUP may change;
-- ``latency``, ``trace``: fetch latency histogram; the optional route trace.
+Who does what (all on this thread; reader threads only fill slot memory):
+- ``wire``: the ROUTER socket, request decoding, key and report checks, replies;
+- ``intake``: requests off the socket into ``turns`` (deficit round-robin
+  between clients, so a flood of big requests cannot starve small ones) and, with
+  ``--max-share``, each client's CPU charged to ``pacing`` (a client far over
+  its share is held back before its next request);
+- ``cache/sessions``: attached clients and their liveness;
+- ``cache/fetch``: the fetch service, keeping ``store``, ``reads`` and
+  ``parked`` in step;
+- ``handout``: the arena and index fds over the Unix socket;
+- ``observe/status``, ``reload``: what status shows; what SIGHUP may change.
 
 Signals: the CLI's handlers only call ``request_stop`` / ``request_reload``
 (set a flag and write the eventfd); the loop acts.  Stop drains: stop
 accepting, cancel queued reads, wait for running ones, answer parked fetches
 with an error, release the arena.
-
-Fair share of the loop: requests are taken off the socket into ``turns``
-(one queue per client, ``intake.py``) and served one per loop pass by deficit round-robin
-(``turns.py``: clients with requests waiting take turns, each with a budget
-per turn, a request costing by its size), so a client flooding big requests
-cannot make the others wait behind all of them.  Fair share of the readers: a
-client's urgent reads go through its fair share (``reads/fair.py``), so one
-client's huge cold fetch cannot put every other client's miss behind all of it.
-Fair share of the CPU (``intake.py``): every request's loop time and every
-read's reader time is charged to its client (thread CPU time); a client using far more than the
-others while they are active is held back before its next request
-(``pacing.py``), so a client sending as fast as it is answered sleeps instead.
 
 Access (``access.py``): both sockets are created mode 0660 in a 0750 directory, and every
 peer is checked again from its kernel credentials (ZeroMQ ``Peer-Address`` on
@@ -75,9 +61,11 @@ from k3client.errors import (
 )
 from k3d.cache.fetch import Cache
 from k3d.cache.policy import make as make_policy
+from k3d.cache.reuse import Reuse, reserve_for
 from k3d.cache.sessions import REAP_INTERVAL, Session, Sessions, identify
 from k3d.cache.store import Store
 from k3d.cache.warm import WarmState
+from k3d.memory.index import SharedIndex
 from k3d.observe import status as status_view
 from k3d.observe.latency import FetchLatency
 from k3d.observe.metrics import SnapshotBoard
@@ -89,8 +77,9 @@ from k3d.serve.intake import Intake
 
 log = logging.getLogger("k3d")
 
-DEFERRED = object()      # handler parked the request; it replies later
-NO_REPLY = object()      # heartbeat: nothing to send
+DEFERRED = object()      # the handler replied itself, or parked the request to reply later
+NO_REPLY = object()      # heartbeat, hits: nothing to send
+ASYNC_OPS = frozenset(("heartbeat", "hits"))   # the client does not wait for these
 STATUS_INTERVAL = 5.0    # seconds between systemd STATUS= lines
 
 
@@ -102,12 +91,14 @@ class Server:
         self.notifier = notifier
         self.t0 = time.monotonic()
         self.gen = random.getrandbits(62) | 1
-        self.store = Store(arena.slots, cfg.pin_quota, make_policy(cfg.policy, 1 + max(l for l, _ in source.keys)),
-                           key_bytes=lambda key: source.expert_bytes)
+        layers = 1 + max(l for l, _ in source.keys)
+        self.index = SharedIndex(layers, 1 + max(e for _, e in source.keys))
+        self.store = Store(arena.slots, cfg.pin_quota, make_policy(cfg.policy, layers),
+                           key_bytes=lambda key: source.expert_bytes, index=self.index, reuse=Reuse(),
+                           reserve=reserve_for(arena.slots))
         self.warm = WarmState(cfg, source, self.store, self.t0)     # restores the policy's statistics
         self.stats = self.store.stats
         self.latency = FetchLatency()
-        self._t_msg = 0.0        # arrival of the request being handled (fetch latency)
         # /metrics reads status through this board, never the store (k3d/observe/metrics.py)
         self.board = board or SnapshotBoard()
         self.board.wake = self._wake
@@ -124,7 +115,7 @@ class Server:
         if not ipc_path(cfg.endpoint):
             log.warning("endpoint %s is not ipc: peers have no credentials, so no uid check", cfg.endpoint)
         self.arena_socket = arena_socket
-        self.handout = ArenaHandout(arena_socket, arena, self.gen)
+        self.handout = ArenaHandout(arena_socket, arena, self.gen, self.index)
         with private_umask():
             self.handout.bind()
         self.replies = wire.Replies(self.sock, self.gen)
@@ -132,6 +123,7 @@ class Server:
         self.intake = Intake(self.sock, self.sessions, self.stats, cfg.max_share)
         self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency,
                            self.intake.charge)
+        self.cache.trace = self.trace
         self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
         self.cache.preload(self.warm.preload(self.store))   # behind every urgent read
 
@@ -169,6 +161,7 @@ class Server:
     def apply_config(self, new) -> None:
         """Apply the ``reload.LIVE`` settings of ``new``; log the rest as needing a restart."""
         self.cfg, self.trace = reload.apply(self.cfg, new, self.trace, self.t0)
+        self.cache.trace = self.trace
         self.store.pin_quota = self.cfg.pin_quota
         self.intake.pacer.share = self.cfg.max_share
 
@@ -204,6 +197,7 @@ class Server:
                 if now >= next_reap:
                     for s, reason in self.sessions.expired(now, self.cfg.lease_s):
                         self._drop(s, reason, dead=True)
+                    self.cache.settle(now)          # views whose lease ended free their slots
                     next_reap = now + REAP_INTERVAL
                     self.warm.tick(self.store, now)
                 if self.notifier is not None:
@@ -222,17 +216,21 @@ class Server:
         item = self.intake.next(now)
         if item is None:                       # only held clients' requests wait
             return
-        self._t_msg, frames = item
+        t0, frames = item
         routing = frames[0].bytes
-        cpu = time.thread_time()
-        self._handle(routing, frames[1:])
-        s = self.sessions.get(routing)
-        if s is not None:
-            self.intake.charge(s.client_id, time.thread_time() - cpu)
+        pacing = self.intake.pacing
+        cpu = time.thread_time() if pacing else 0.0
+        s = self._handle(routing, self.sessions.get(routing), frames[1:], t0)
+        self.cache.settle(time.monotonic())
+        if pacing and s is not None:
+            self.intake.charge_session(s, time.thread_time() - cpu)
 
     # -- dispatch: the one place that turns exceptions into error replies ---
-    def _handle(self, routing: bytes, frames) -> None:
+    def _handle(self, routing: bytes, s: Session | None, frames, t0: float) -> Session | None:
+        """Handle one request from ``routing`` (session ``s``, None before hello) that
+        arrived at ``t0``; returns the session it ran for."""
         rid = None
+        reader = None                          # a hit-path client waiting for this reply
         try:
             msg, rid = wire.decode(frames)
             wire.check_version(msg)
@@ -240,30 +238,47 @@ class Server:
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise BadRequest(f"unknown op {op!r}; known ops: {', '.join(sorted(self._ops))}")
-            result = handler(routing, msg, frames[0])
+            if s is not None:
+                s.last_seen = t0
+                if s.hit_path and op not in ASYNC_OPS:
+                    reader = s.client_id
+                    self.store.reuse.waiting(reader)
+            result = handler(s, routing, msg, frames[0], t0)
         except K3Error as e:
             if isinstance(e, (BadRequest, ProtocolMismatch, UnknownExpert, NotAttached)):
                 self.stats.bad_requests += 1
             self.replies.error(routing, rid, e)
-            return
         except Exception as e:  # a bug in a handler must not take the daemon down
             log.exception("internal error handling a request")
             self.replies.error(routing, rid, K3Error(f"internal error in k3d: {type(e).__name__}: {e}"))
-            return
-        if result is DEFERRED or result is NO_REPLY:
-            return
-        self.replies.ok(routing, rid, result)
+        else:
+            if result is DEFERRED or result is NO_REPLY:
+                return s if s is not None else self.sessions.get(routing)
+            self.replies.ok(routing, rid, result)
+        if reader is not None:
+            self.store.reuse.replied(reader, time.monotonic())
+        return s if s is not None else self.sessions.get(routing)
 
     def _keys(self, msg: dict, field: str, unique: bool) -> list[tuple[int, int]]:
         return wire.keys(msg, field, unique, self.source)
 
+    def _hits(self, msg: dict):
+        return wire.hits(msg, self.source, self.arena.slots)
+
+    @staticmethod
+    def _attached(s: Session | None) -> Session:
+        if s is None:
+            raise NotAttached("send hello first (k3client.connect does this); or the daemon dropped this client")
+        return s
+
     # -- ops -----------------------------------------------------------------
-    def op_hello(self, routing, msg, frame):
-        """hello {name: str, pid: int} -> {client_id, layout, arena_socket, ...}.
+    def op_hello(self, s, routing, msg, frame, t0):
+        """hello {name: str, pid: int, hit_path?: bool} -> {client_id, layout, arena_socket, ...}.
 
         First message of every client.  Identifies the process (the ipc peer pid
         wins over the one the client claims) for liveness checks, starts epoch 0,
-        and returns the layout and where to get the arena fd."""
+        and returns the layout and where to get the arena and index fds.  A client
+        with ``hit_path`` answers hits itself from the shared index and reports them."""
         name = msg.get("name")
         if not isinstance(name, str) or not name:
             raise BadRequest("hello: name must be a non-empty string")
@@ -274,69 +289,75 @@ class Server:
         if pid is None and type(msg.get("pid")) is int:
             pid = msg["pid"]
         pid, started = identify(pid)
-        old = self.sessions.get(routing)
-        if old is not None:
-            self._drop(old, "said hello again", dead=False)
-        s = self.sessions.attach(routing, name[:200], pid, started, time.monotonic(), self.cfg.lease_s)
-        log.info("client %s (pid %s) attached as #%d", s.name, pid, s.client_id)
+        if s is not None:
+            self._drop(s, "said hello again", dead=False)
+        now = time.monotonic()
+        s = self.sessions.attach(routing, name[:200], pid, started, now, self.cfg.lease_s)
+        s.hit_path = msg.get("hit_path") is True
+        if s.hit_path:
+            self.store.reuse.attach(s.client_id, now, s.lease_s)
+        log.info("client %s (pid %s) attached as #%d%s", s.name, pid, s.client_id,
+                 "" if s.hit_path else ", every fetch through the daemon")
         return {"client_id": s.client_id, "layout": [t.to_wire() for t in self.source.layout],
                 "slots": self.arena.slots, "slot_bytes": self.arena.slot_bytes,
                 "expert_bytes": self.source.expert_bytes, "arena_bytes": self.arena.size,
-                "arena_socket": self.arena_socket, "lease_s": self.cfg.lease_s,
+                "arena_socket": self.arena_socket, "lease_s": self.cfg.lease_s, "index_bytes": self.index.size,
                 "model": self.source.describe()}
 
-    def op_fetch(self, routing, msg, frame):
-        """fetch {keys: [[layer, expert], ...], predicted?: [[l, e], ...]} -> {slots: [...]}.
+    def op_fetch(self, s, routing, msg, frame, t0):
+        """fetch {keys: [[layer, expert], ...], predicted?: [[l, e], ...], hits?: [...]} -> {slots: [...]}.
 
-        Hits are touched and pinned under (client, epoch); keys being read are
-        waited on (hit + waited); misses take free or LRU-evicted slots and are
-        read URGENT, split into parts across readers.  Replies once every key is
-        ready, slots in request order.  ``predicted`` is handled as ``predict``
-        after the fetch is planned.  Errors: cache full (nothing changes),
+        ``hits`` first: fetches the client answered itself (``[layer, [experts],
+        [slots seen]]`` each, in order), applied as hits.  Then the keys: hits are
+        touched and pinned under (client, epoch); keys being read are waited on
+        (hit + waited); misses take free or evicted slots and are read URGENT, split
+        into parts across readers.  Replies once every key is ready, slots in
+        request order.  ``predicted`` is handled as ``predict`` after the fetch is
+        planned.  Errors: cache full (nothing changes), slots busy (retry),
         quota, unknown or duplicate keys, a failed read."""
-        s = self.sessions.require(routing, time.monotonic())
+        s = self._attached(s)
         keys = self._keys(msg, "keys", unique=True)
         if not keys:
             raise BadRequest("fetch of zero keys")
         predicted = self._keys(msg, "predicted", unique=False) if msg.get("predicted") is not None else []
-        plan = self.cache.plan(s, keys)
-        if self.trace:
-            try:
-                self.trace.fetch(time.monotonic(), s.client_id, s.epoch, keys, plan.misses,
-                                 plan.evictions, plan.waited, plan.prefetched_hits, s.pfu)
-            except OSError as e:   # a full disk must not fail a fetch that is already planned
-                log.error("route trace %s: %s; tracing stops", self.trace.path, e)
-                self.trace = None
-        s.pfu = 0
-        if predicted:
-            self.cache.predict(s, predicted, self.cfg.pin_quota, self.trace)
-        slots = self.cache.answer(s, msg["id"], keys, plan, self._t_msg)
-        return DEFERRED if slots is None else {"slots": slots}
+        self.cache.fetch(s, msg["id"], keys, predicted, self._hits(msg), t0)
+        return DEFERRED
 
-    def op_predict(self, routing, msg, frame):
-        """predict {keys: [[layer, expert], ...]} -> {queued: int}, at once.
+    def op_hits(self, s, routing, msg, frame, t0):
+        """hits {hits: [...], predicted?: [[l, e], ...]} -> no reply.
+
+        A client that answered its fetches itself reports them (as ``fetch``'s
+        ``hits``) and sends its predictions of keys not resident, without waiting."""
+        s = self._attached(s)
+        hits = self._hits(msg)
+        predicted = self._keys(msg, "predicted", unique=False) if msg.get("predicted") is not None else []
+        now = time.monotonic()
+        self.cache.report(s, hits, now)
+        if predicted:
+            self.cache.predict(s, predicted, now)
+        return NO_REPLY
+
+    def op_predict(self, s, routing, msg, frame, t0):
+        """predict {keys: [[layer, expert], ...], hits?: [...]} -> {queued: int}, at once.
 
         Keys not resident get slots while one is free or evictable (stopping at
         the first that is not) and are read BACKGROUND, behind every urgent
         read.  Unfetched by the predictor's next begin_token, they count
-        prefetch_unused and are demoted to the LRU end.  With a pin quota, a
-        client has at most that many predictions outstanding (the rest are
-        dropped), and a client whose predictions go almost all unused (moving
-        share > ``cache.WASTE_LIMIT``) may start one read per token: a flood of
-        predictions can neither sweep the cache nor monopolise the readers."""
-        s = self.sessions.require(routing, time.monotonic())
-        return {"queued": self.cache.predict(s, self._keys(msg, "keys", unique=False), self.cfg.pin_quota,
-                                             self.trace)}
+        prefetch_unused and are demoted.  With a pin quota, the prediction
+        throttle of ``cache/fetch.py`` applies."""
+        s = self._attached(s)
+        keys, hits = self._keys(msg, "keys", unique=False), self._hits(msg)
+        now = time.monotonic()
+        self.cache.report(s, hits, now)
+        return {"queued": self.cache.predict(s, keys, now)}
 
-    def op_begin_token(self, routing, msg, frame):
-        """begin_token {} -> {epoch, released}: next epoch; the previous epoch's pins go."""
-        s = self.sessions.require(routing, time.monotonic())
-        if self.trace:
-            self.trace.begin(time.monotonic(), s.client_id, s.epoch)
-        released = self.cache.end_token(s)
+    def op_begin_token(self, s, routing, msg, frame, t0):
+        """begin_token {hits?: [...]} -> {epoch, released}: next epoch; the previous epoch's pins go."""
+        s = self._attached(s)
+        released = self.cache.begin_token(s, self._hits(msg))
         return {"epoch": s.epoch, "released": released}
 
-    def op_heartbeat(self, routing, msg, frame):
+    def op_heartbeat(self, s, routing, msg, frame, t0):
         """heartbeat {client_id, gen?} -> no reply; renews the client's lease.
 
         A heartbeat for another generation (queued while this daemon was
@@ -345,14 +366,18 @@ class Server:
             self.sessions.heartbeat(msg.get("client_id"), time.monotonic())
         return NO_REPLY
 
-    def op_status(self, routing, msg, frame):
-        """status {} -> {status: {...}}; needs no hello (k3ctl uses it)."""
+    def op_status(self, s, routing, msg, frame, t0):
+        """status {hits?} -> {status: {...}}; needs no hello (k3ctl uses it).  An attached
+        client's reports are applied first, so its status counts its own hits."""
+        if s is not None:
+            self.cache.report(s, self._hits(msg), time.monotonic())
         return {"status": self.status()}
 
-    def op_bye(self, routing, msg, frame):
-        """bye {} -> {}: the client leaves; its pins and predictions are released."""
-        s = self.sessions.get(routing)
+    def op_bye(self, s, routing, msg, frame, t0):
+        """bye {hits?: [...]} -> {}: the client leaves (after its last reports); its pins and
+        predictions are released."""
         if s is not None:
+            self.cache.report(s, self._hits(msg), time.monotonic())
             self._drop(s, "said bye", dead=False)
         return {}
 
@@ -360,8 +385,6 @@ class Server:
     def _drop(self, s: Session, reason: str, dead: bool) -> None:
         self.sessions.remove(s)
         self.intake.left(s, dead)
-        if self.trace:
-            self.trace.bye(time.monotonic(), s.client_id)
         released = self.cache.drop(s, reason)
         if dead:
             self.stats.clients_dead += 1
@@ -385,6 +408,7 @@ class Server:
         log.info("draining: stop accepting, cancel queued reads")
         self.handout.close()
         self.cache.shut_down()        # cancelled reads answer ShuttingDown, not ReadFailed
+        self.index.close()
         self.sock.close()
         self.ctx.term()
         path = ipc_path(self.cfg.endpoint)

@@ -120,6 +120,30 @@ def keys(msg: dict, field: str, unique: bool, source) -> list[tuple[int, int]]:
     return out
 
 
+def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], list[int]]]:
+    """``msg["hits"]``: a client's reports of fetches it answered itself, each
+    ``[layer, [experts], [slots seen]]``; ``[]`` when absent.  Every key must be one
+    ``source`` serves (unique within its report) and every slot one of the arena's."""
+    raw = msg.get("hits")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise BadRequest("hits must be a list of [layer, [experts], [slots]] reports")
+    out, total = [], 0
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], list)
+                and isinstance(item[2], list) and len(item[1]) == len(item[2]) and item[1]):
+            raise BadRequest(f"hits: {str(item)[:80]} is not a [layer, [experts], [slots]] report")
+        layer, experts, seen = item
+        total += len(experts)
+        if total > MAX_KEYS:
+            raise BadRequest(f"hits report more than {MAX_KEYS} keys in one request")
+        if not all(type(s) is int and 0 <= s < slots for s in seen):
+            raise BadRequest(f"hits: slots {str(seen)[:80]} are not slots of this arena (0..{slots - 1})")
+        out.append((keys({"hits": [[layer, e] for e in experts]}, "hits", True, source), seen))
+    return out
+
+
 class Replies:
     """Sends replies on the ROUTER socket, stamped with this run's ``gen``."""
 

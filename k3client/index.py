@@ -1,0 +1,103 @@
+"""The shared index: where each expert lies in the arena, read by clients without a message.
+
+Memory layout (one sealed memfd the daemon writes and every client maps
+PROT_READ; all words little-endian uint64, 8-byte aligned)::
+
+    header  [0] MAGIC   [1] VERSION   [2] layers   [3] width (experts per layer row)
+            [4] retired (count of unpublished entries, ever)   [5..7] reserved
+    entry of key (l, e), at word 8 + 2 * (l * width + e):
+            [0] seq     even: stable; odd: the daemon is changing this entry
+            [1] word    0: not resident; else slot << 2 | state (LOADING 1, READY 2)
+
+Writer (the daemon's server thread, ``k3d.memory.index``): to change an entry it
+stores ``seq + 1`` (odd), then ``word``, then ``seq + 2`` (even); to unpublish
+it clears ``word`` that way, then stores ``retired + 1``.
+
+Reader (``lookup``): loads every ``seq``, then every ``word``, then every ``seq``
+again; an entry whose two seqs differ or are odd is "unknown" (asked of the
+daemon, never guessed).
+
+What it relies on, and why a torn or stale read cannot yield another key's bytes:
+- x86-64 (TSO): stores become visible to other cores in program order, loads are
+  not reordered with older loads, and aligned 8-byte accesses are atomic.  So a
+  reader that sees the same even ``seq`` before and after its ``word`` load saw a
+  ``word`` the writer stored whole, between two of its changes (the seqlock).
+  Python and numpy emit no fences and promise no order; but each numpy gather is
+  a separate C loop run in program order, and the CPU keeps load order.  On other
+  architectures (aarch64 reorders loads) this does not hold without barriers, so
+  ``supported()`` is False there and clients ask the daemon for every fetch.
+- An entry only ever names a slot for its own key: a stale entry (one the daemon
+  has since cleared) names a slot that held this key.  The daemon does not
+  reuse a cleared slot until no client can still read it (``k3d.cache.reuse``):
+  that is what keeps a stale read from meaning another key's bytes.
+- A message through the kernel orders: every store the daemon made before it sent
+  a reply is visible to the client's loads after it received that reply (the
+  socket path takes locks, full barriers on x86-64).  Reclamation relies on it.
+
+Thread: an ``IndexReader`` belongs to its client's thread.
+"""
+
+from __future__ import annotations
+
+import mmap
+import platform
+
+import numpy as np
+
+MAGIC = 0x6B3364_696E6478     # "k3d" "indx"
+VERSION = 1
+HEADER_WORDS = 8
+RETIRED = 4                   # header word: entries unpublished so far
+LOADING, READY = 1, 2
+
+
+def supported() -> tuple[bool, str]:
+    """(whether this CPU gives the ordering the lock-free read needs, why not)."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return True, ""
+    return False, f"{machine} may reorder loads; numpy emits no barriers"
+
+
+def index_bytes(layers: int, width: int) -> int:
+    words = HEADER_WORDS + 2 * layers * width
+    return -(-words * 8 // 4096) * 4096
+
+
+class IndexReader:
+    """Read-only view of the daemon's index."""
+
+    def __init__(self, fd: int, size: int):
+        self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        words = np.frombuffer(self._mm, dtype="<u8")
+        if int(words[0]) != MAGIC or int(words[1]) != VERSION:
+            raise ValueError(f"not a k3d index of version {VERSION}")
+        self._words = words
+        self.layers, self.width = int(words[2]), int(words[3])
+        entries = words[HEADER_WORDS:HEADER_WORDS + 2 * self.layers * self.width]
+        self._seq = entries[0::2]
+        self._word = entries[1::2]
+
+    def retired(self) -> int:
+        return int(self._words[RETIRED])
+
+    def lookup(self, layer: int, experts) -> np.ndarray:
+        """Per expert of ``layer``: its slot << 2 | state, 0 when not resident, -1 when
+        unknown (being changed, or outside the index): ask the daemon."""
+        ids = np.asarray(experts, dtype=np.int64)
+        if not (0 <= layer < self.layers) or ids.size == 0 or ids.min() < 0 or ids.max() >= self.width:
+            return np.full(len(ids), -1, dtype=np.int64)
+        ids = ids + layer * self.width
+        s1 = self._seq[ids]              # each gather is one load per entry, in order
+        word = self._word[ids]
+        s2 = self._seq[ids]
+        out = word.astype(np.int64)
+        out[(s1 != s2) | (s1 & 1).astype(bool)] = -1
+        return out
+
+    def close(self) -> None:
+        self._seq = self._word = self._words = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
