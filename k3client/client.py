@@ -8,8 +8,8 @@ stops heartbeating and the daemon releases its pins after ``lease_s``.
 Hits without a message (``hit_path="client"``, the default on x86-64): a fetch
 whose experts are all READY in the daemon's shared index is answered here and
 reported with the next message (``hits.py``); only a fetch with a key not ready
-goes to the daemon, with all its keys.  Predictions of resident keys send
-nothing; the rest go without waiting.  Where the CPU lacks the ordering the index
+goes to the daemon, with all its keys (as does one with predictions of experts
+not resident).  Predictions of resident keys send nothing.  Where the CPU lacks the ordering the index
 needs, or with ``K3D_HIT_PATH=daemon``, every fetch is a round trip.
 
 Caller's obligations: a view returned by ``Expert.array``/``Expert.tensor`` is
@@ -258,7 +258,7 @@ class Client:
         for extra in fds[1:]:
             try:
                 if self.hit_path == "client" and self._hits is None:
-                    self._hits = LocalHits(extra, index_size, self.lease_s, t_hello)
+                    self._hits = LocalHits(extra, index_size, self.lease_s, t_hello, self._pidfd)
             except (OSError, ValueError) as e:
                 self.hit_path, self.hit_path_why = "daemon", f"cannot map the shared index: {e}"
             finally:
@@ -369,11 +369,13 @@ class Client:
         preds = [[int(l), int(e)] for l, e in predicted] if predicted else []
         hits = self._hits
         if hits is not None:
+            # Predictions of keys not resident go with a fetch through the daemon: a slot
+            # they evict is reused at once only while this client waits for the reply.
             preds = hits.not_resident(preds)
-            slots = hits.answer(layer, experts)
+            slots = None if preds else hits.answer(layer, experts)
             if slots is not None:
-                if preds or hits.full():
-                    self._send_async("hits", predicted=preds, **hits.take())
+                if hits.full():
+                    self._send_async("hits", **hits.take())
                 return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
         fields = {"keys": [[layer, e] for e in experts], **self._reports()}
         if preds:

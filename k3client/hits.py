@@ -17,6 +17,7 @@ Thread: the owning ``Client``'s thread.
 
 from __future__ import annotations
 
+import select
 import time
 
 from . import errors
@@ -38,9 +39,15 @@ def hit_path_mode(choice, environ) -> tuple[str, str]:
 
 
 class LocalHits:
-    def __init__(self, fd: int, size: int, lease_s: float, t_req: float):
-        """``t_req``: when the client sent the hello that attached it (its first request)."""
+    def __init__(self, fd: int, size: int, lease_s: float, t_req: float, pidfd: int | None):
+        """``t_req``: when the client sent the hello that attached it (its first request);
+        ``pidfd``: the daemon process (None over tcp): a fetch is not answered here once
+        it exited, so the client's next request notices the restart."""
         self.index = IndexReader(fd, size)
+        self._exited = None
+        if pidfd is not None:
+            self._exited = select.poll()
+            self._exited.register(pidfd, select.POLLIN)
         self.window = lease_s / 2
         self.reports: list = []          # [layer, experts, slots], in the order they were answered
         self.reported = 0
@@ -50,6 +57,8 @@ class LocalHits:
         """The slots of ``experts`` if each is READY in the index (the fetch is recorded
         for the daemon), else None: the daemon answers."""
         if not experts or time.monotonic() >= self.t_req + self.window or len(set(experts)) != len(experts):
+            return None
+        if self.index.closed() or (self._exited is not None and self._exited.poll(0)):
             return None
         words = self.index.lookup(layer, experts)
         if not ((words & 3) == READY).all():

@@ -4,7 +4,8 @@ Memory layout (one sealed memfd the daemon writes and every client maps
 PROT_READ; all words little-endian uint64, 8-byte aligned)::
 
     header  [0] MAGIC   [1] VERSION   [2] layers   [3] width (experts per layer row)
-            [4] retired (count of unpublished entries, ever)   [5..7] reserved
+            [4] retired (count of unpublished entries, ever)   [5] closed (1: the daemon stopped)
+            [6..7] reserved
     entry of key (l, e), at word 8 + 2 * (l * width + e):
             [0] seq     even: stable; odd: the daemon is changing this entry
             [1] word    0: not resident; else slot << 2 | state (LOADING 1, READY 2)
@@ -48,6 +49,7 @@ MAGIC = 0x6B3364_696E6478     # "k3d" "indx"
 VERSION = 1
 HEADER_WORDS = 8
 RETIRED = 4                   # header word: entries unpublished so far
+CLOSED = 5                    # header word: 1 once the daemon has stopped serving
 LOADING, READY = 1, 2
 
 
@@ -80,6 +82,10 @@ class IndexReader:
 
     def retired(self) -> int:
         return int(self._words[RETIRED])
+
+    def closed(self) -> bool:
+        """The daemon stopped (a killed one cannot say so: the client's pidfd tells)."""
+        return bool(self._words[CLOSED])
 
     def lookup(self, layer: int, experts) -> np.ndarray:
         """Per expert of ``layer``: its slot << 2 | state, 0 when not resident, -1 when

@@ -21,7 +21,7 @@ Ops (the ``op_*`` handler docstrings in ``k3d.serve.loop`` are the full spec):
 - ``fetch {keys: [[layer, expert], ...], predicted: [[l, e], ...], hits}`` ->
   ``{slots: [int, ...]}`` in request order, sent once every key is ready.
 - ``predict {keys, hits}`` -> ``{queued: int}`` at once (reads run in the background).
-- ``hits {hits, predicted}`` -> no reply: reports and predictions sent without waiting.
+- ``hits {hits}`` -> no reply: reports sent without waiting (when many accumulate).
 - ``begin_token {hits}`` -> ``{epoch, released}``.
 - ``heartbeat {client_id, gen}`` -> no reply (sent from the client's lease thread;
   one for another daemon generation is ignored).
@@ -32,7 +32,9 @@ Ops (the ``op_*`` handler docstrings in ``k3d.serve.loop`` are the full spec):
 ``hits`` (optional everywhere) are the fetches a hit-path client answered itself
 from the shared index (``k3client.index``) since its last message, in order:
 ``[[layer, [experts], [slots seen]], ...]``.  A hit-path client sends a fetch only
-when some key is not READY in the index, with every key of it.
+when some key is not READY in the index, or with predictions of keys not
+resident (a slot they evict is reused at once only while it waits), with every
+key of it.
 
 Replies carry slot numbers, never expert bytes: the bytes are read from the
 shared arena, whose memfd the client receives once over ``arena_socket`` (a Unix

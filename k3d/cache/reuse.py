@@ -54,7 +54,7 @@ def reserve_for(slots: int) -> int:
     """Slots the store keeps free or waiting while several clients answer hits themselves
     (``Store.make_room``), so that a miss finds one without waiting for the others'
     next requests."""
-    return min(slots // 4, max(2, slots // 16))
+    return min(slots // 4, max(4, slots // 16))
 
 
 @dataclass

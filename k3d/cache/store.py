@@ -344,9 +344,9 @@ class Store:
             if key in self.key_slot:
                 continue
             victim = None
-            if len(self.free) <= self._kept_free():
+            if not self.free:
                 if not self.reuse.could_reuse_now(now):
-                    break
+                    break                       # make_room frees slots ahead for the next ones
                 victim = self._victim()
                 if victim is None:
                     break
@@ -363,11 +363,6 @@ class Store:
         self.stats.prefetched += len(started)
         q.prefetched += len(started)
         return started
-
-    def _kept_free(self) -> int:
-        """Free slots a prediction leaves to misses: none with one client reading the
-        index (the store then behaves as without it), the reserve with several."""
-        return self.reserve if len(self.reuse.readers) > 1 else 0
 
     def preload(self, keys: list[tuple[int, int]]) -> list[int]:
         """Warm restart: assign free slots to ``keys`` (hottest first) not resident, never

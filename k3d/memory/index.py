@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from k3client.index import HEADER_WORDS, LOADING, MAGIC, READY, RETIRED, VERSION, index_bytes
+from k3client.index import CLOSED, HEADER_WORDS, LOADING, MAGIC, READY, RETIRED, VERSION, index_bytes
 
 F_SEAL_FUTURE_WRITE = 0x0010
 
@@ -59,6 +59,9 @@ class SharedIndex:
         self._words[RETIRED] += 1
 
     def close(self) -> None:
+        """Tell the clients that still map it that this daemon stopped, and let go of it."""
+        if self._words is not None:
+            self._words[CLOSED] = 1
         self._seq = self._word = self._words = None
         try:
             self._mm.close()

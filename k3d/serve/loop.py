@@ -324,17 +324,11 @@ class Server:
         return DEFERRED
 
     def op_hits(self, s, routing, msg, frame, t0):
-        """hits {hits: [...], predicted?: [[l, e], ...]} -> no reply.
+        """hits {hits: [...]} -> no reply.
 
-        A client that answered its fetches itself reports them (as ``fetch``'s
-        ``hits``) and sends its predictions of keys not resident, without waiting."""
-        s = self._attached(s)
-        hits = self._hits(msg)
-        predicted = self._keys(msg, "predicted", unique=False) if msg.get("predicted") is not None else []
-        now = time.monotonic()
-        self.cache.report(s, hits, now)
-        if predicted:
-            self.cache.predict(s, predicted, now)
+        A client that answered many fetches itself reports them (as ``fetch``'s
+        ``hits``) without waiting for its next request."""
+        self.cache.report(self._attached(s), self._hits(msg), time.monotonic())
         return NO_REPLY
 
     def op_predict(self, s, routing, msg, frame, t0):
