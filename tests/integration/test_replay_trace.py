@@ -7,9 +7,14 @@ Skipped where the trace is not on the machine.
 """
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import k3d
 
 from k3d import replay_cli
 from k3d.cli import main as k3d_main
@@ -53,9 +58,43 @@ def test_cli_sweep_and_plot(capsys, tmp_path):
     png = tmp_path / "curve.png"
     assert replay_cli.main(replay_cli.add_parser(_sub()).parse_args(
         [SHARED, "--slots", "64-70", "--sweep", "--policy", "lru", "--plot", str(png)])) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert out.splitlines()[0].split() == ["slots", "lru", "opt"] and len(out.splitlines()) == 1 + 7 + 1
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert err == f"k3d replay: wrote {png}\n"
+
+
+TINY = "1 L0 n=1 1\n2 L1 n=1 2\n3 L0 n=1 1\n"
+# k3d replay as a user runs it, with matplotlib made unimportable in that process only
+NO_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None; from k3d.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _one_line_error(r, *words):
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("k3d replay: error: "), r.stderr
+    assert all(w in r.stderr for w in words), r.stderr
+
+
+def test_empty_trace_is_an_error(tmp_path):
+    for text in ("", "5 c=1 t=0 begin\n"):
+        trace = tmp_path / "t.trace"
+        trace.write_text(text)
+        _one_line_error(k3d("replay", str(trace), "--slots", "4"), "t.trace", "has no fetches")
+
+
+def test_plot_problems_are_one_line_before_any_replay(tmp_path):
+    trace = tmp_path / "t.trace"
+    trace.write_text(TINY)
+    r = subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, "replay", str(trace), "--slots", "2",
+                        "--plot", str(tmp_path / "c.png")], capture_output=True, text=True, timeout=60)
+    _one_line_error(r, "--plot needs matplotlib", "pip install 'k3d-expert-cache[plot]'")
+    missing = tmp_path / "no" / "such" / "c.png"
+    _one_line_error(k3d("replay", str(trace), "--slots", "2", "--plot", str(missing)), f"no directory {missing.parent}")
+    if os.geteuid() != 0:                # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        _one_line_error(k3d("replay", str(trace), "--slots", "2", "--plot", str(ro / "c.png")), f"cannot write in {ro}")
+    assert not list(tmp_path.rglob("*.png"))
 
 
 def _sub():
