@@ -79,7 +79,8 @@ def _start_parser(sub):
     p.add_argument("--state-dir", dest="state_dir",
                    help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")
     p.add_argument("--metrics", metavar="HOST:PORT",
-                   help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (needs pip install 'k3d-expert-cache[metrics]')")
+                   help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 "
+                   "(needs pip install 'k3d-expert-cache[metrics]')")
     return p
 
 

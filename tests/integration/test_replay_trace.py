@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from helpers import k3d
-
 from k3d import replay_cli
 from k3d.cli import main as k3d_main
 from k3d.replay import run
