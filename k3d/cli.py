@@ -21,11 +21,12 @@ import os
 import sys
 
 from . import __version__, inspection
-from .config import Config, ConfigError, format_size, resolve
+from .config import Config, ConfigError, resolve
 from .ctl import parse_args
 from .policy import POLICIES
 from .reads.plan import COLD_READERS
 from .service import units
+from .sizes import show_size
 
 D = Config()     # the defaults, written once (config.py); help strings read them here
 
@@ -38,7 +39,7 @@ def _start_parser(sub):
     p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name} (default: the model "
                    "family, from config.json or the tensor names)")
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes, rounded down to whole slots "
-                   f"(default {format_size(D.arena)})")
+                   f"(default {show_size(D.arena)})")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
     p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, "
@@ -68,7 +69,7 @@ def _start_parser(sub):
                    help="remote sources: keep fetched experts in DIR (crash-safe, survives restarts)")
     p.add_argument("--disk-cache-size", dest="disk_cache_size",
                    help="bytes the disk cache may hold, e.g. 100GiB "
-                   f"(LRU beyond; default {format_size(D.disk_cache_size)})")
+                   f"(LRU beyond; default {show_size(D.disk_cache_size)})")
     p.add_argument("--hugepages", action="store_const", const=True, default=None,
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,

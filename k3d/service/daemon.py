@@ -36,6 +36,7 @@ from ..arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
 from ..metrics import Exporter, SnapshotBoard
 from ..reads.plan import readers_for
 from ..server import Server
+from ..sizes import show_size
 from ..sources import SourceError, open_source
 from ..wire import open_endpoint
 from .notify import Notifier
@@ -107,18 +108,18 @@ def size_arena(cfg, expert_bytes: int) -> tuple[int, int]:
             raise StartupError("--hugepages: this kernel has no huge pages")
         need = -(-size // page)
         if need > free:
-            raise StartupError(f"--hugepages: the arena of {size / 2**30:.2f} GiB ({slots} slots) needs {need} "
-                               f"huge pages of {page >> 20} MiB, {free} are free; raise vm.nr_hugepages "
+            raise StartupError(f"--hugepages: the arena of {show_size(size)} ({slots} slots) needs {need} "
+                               f"huge pages of {show_size(page)}, {free} are free; raise vm.nr_hugepages "
                                "(sysctl) or lower --arena")
         return slots, slot_bytes
     avail = psutil.virtual_memory().available
     if size > avail:
-        raise StartupError(f"arena of {size / 2**30:.2f} GiB ({slots} slots) exceeds available memory "
-                           f"{avail / 2**30:.2f} GiB; lower --arena")
+        raise StartupError(f"arena of {show_size(size)} ({slots} slots) exceeds available memory "
+                           f"{show_size(avail)}; lower --arena")
     room = cgroup_memory_room()
     if room is not None and size + 16 * 2**20 > room[0]:   # + Python, readers, buffers
-        raise StartupError(f"arena of {size / 2**30:.2f} GiB ({slots} slots) does not fit the memory cgroup "
-                           f"{room[2]}: {max(room[0], 0) / 2**30:.2f} GiB left of its {room[1] / 2**30:.2f} GiB "
+        raise StartupError(f"arena of {show_size(size)} ({slots} slots) does not fit the memory cgroup "
+                           f"{room[2]}: {show_size(max(room[0], 0))} left of its {show_size(room[1])} "
                            "limit (systemd: MemoryMax=); raise the limit or lower --arena")
     return slots, slot_bytes
 
