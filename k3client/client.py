@@ -41,7 +41,7 @@ from . import errors
 from .endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
 from .layout import TensorSpec, layouts_from_wire
 from .lease import end_heartbeat, heartbeat
-from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
+from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, items, key_int, key_pairs, pack, unpack
 from .views import Expert
 
 _UNSET = object()
@@ -310,18 +310,22 @@ class Client:
         return self._call("begin_token")["epoch"]
 
     def fetch(self, layer: int, experts, predicted=None) -> list[Expert]:
-        """Experts of ``layer`` in request order, once all are in the arena."""
-        experts = [int(e) for e in experts]
-        keys = [[int(layer), e] for e in experts]
+        """Experts of ``layer`` in request order, once all are in the arena.
+
+        Layers and experts are integers (``int``, numpy or torch integer scalars);
+        anything else, ``bool`` included, is refused with ``BadRequest`` before sending."""
+        layer = key_int("layer", layer)
+        experts = [key_int("expert", e) for e in items("experts", experts)]
+        keys = [[layer, e] for e in experts]
         fields = {"keys": keys}
         if predicted:
-            fields["predicted"] = [[int(l), int(e)] for l, e in predicted]
+            fields["predicted"] = key_pairs("predicted", predicted)
         slots = self._call("fetch", **fields)["slots"]
-        return [Expert(self, int(layer), e, s) for e, s in zip(experts, slots)]
+        return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
 
     def predict(self, keys) -> int:
         """Queue background reads for ``[(layer, expert), ...]``; returns how many were queued."""
-        return self._call("predict", keys=[[int(l), int(e)] for l, e in keys])["queued"]
+        return self._call("predict", keys=key_pairs("keys", keys))["queued"]
 
     def status(self) -> dict:
         r = self._call("status")
@@ -371,3 +375,4 @@ def connect(endpoint: str | None = None, name: str | None = None, **kw) -> Clien
     ``PermissionDenied`` (not the daemon's
     user or group), ``ProtocolMismatch`` (k3client and k3d versions differ)."""
     return Client(endpoint=endpoint, name=name, **kw)
+

@@ -272,3 +272,28 @@ def test_malformed_endpoint_is_one_line_for_k3ctl_and_client():
 def test_k3ctl_refuses_a_timeout_that_would_wait_for_ever():
     r = k3ctl("status", "--timeout", "-1")
     assert r.returncode == 2 and "--timeout -1: use a positive number of seconds" in r.stderr
+
+
+def test_client_refuses_keys_that_are_not_integers(checkpoint, start_daemon):
+    """1.5 would be served as expert 1 and "0" parsed: both are refused, in one line, before sending."""
+    import numpy as np
+
+    d = start_daemon(checkpoint, "--arena", "4MiB")
+    bad = [((0, [1.5]), "expert must be an integer, not float 1.5"),
+           (("0", [0]), "layer must be an integer, not str '0'"),
+           ((0, [True]), "expert must be an integer, not bool True"),
+           ((True, [0]), "layer must be an integer, not bool True"),
+           ((0, [np.float32(2)]), "expert must be an integer, not float32"),
+           ((0, 3), "experts must be a list of integers, not int 3"),
+           ((0, [0], [(1, 2.0)]), "expert must be an integer, not float 2.0"),
+           ((0, [0], [(1,)]), "must be a (layer, expert) pair")]
+    with k3client.connect(d.endpoint, name="t") as c:
+        for args, message in bad:
+            with pytest.raises(k3client.BadRequest) as e:
+                c.fetch(*args)
+            assert message in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(k3client.BadRequest, match="expert must be an integer, not bool False"):
+            c.predict([(0, False)])
+        ex = c.fetch(np.int64(1), [np.int32(2), 3])
+        assert [(x.layer, x.expert) for x in ex] == [(1, 2), (1, 3)]
+        assert c.status()["stats"]["bad_requests"] == 0      # nothing bad reached the daemon
