@@ -65,6 +65,10 @@ def spawn_daemon(source, *args, endpoint=None, env=None, wait_ready=True, timeou
     script that wraps the real CLI with slowed-down reads."""
     if endpoint is None:
         endpoint = f"ipc://{tempfile.mkdtemp(prefix='t-', dir=SCRATCH)}/k.sock"
+    # Each daemon keeps its warm-restart state apart (a test that restarts one passes
+    # --state-dir, which wins): no daemon warms from another test's statistics.
+    env = dict(os.environ if env is None else env)
+    env.setdefault("K3D_STATE_DIR", tempfile.mkdtemp(prefix="state-", dir=SCRATCH))
     log_path = tempfile.mktemp(prefix="log-", dir=SCRATCH)
     cmd = [*(launcher or [sys.executable, "-m", "k3d.cli"]), "start", "--endpoint", endpoint]
     if source is not None:

@@ -10,7 +10,7 @@ place a process writes by default, and the environment points there:
     XDG_RUNTIME_DIR  run/       (0700; the default endpoint's socket directory)
     TMPDIR           tmp/       (tempfile, hence mkdtemp without dir=)
     XDG_CACHE_HOME   cache/     (third-party caches: matplotlib's font list, ...)
-    MPLCONFIGDIR     cache/matplotlib
+    MPLCONFIGDIR, TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR   below cache/
 
 ``K3D_TEST_MARKER`` carries the directory's name, for names made outside it
 (``/dev/shm``).  pytest's own ``tmp_path`` directories go under ``pytest/``
@@ -38,7 +38,9 @@ ROOT = tempfile.mkdtemp(prefix="k3t-", dir="/tmp")      # short: ipc socket path
 os.chmod(ROOT, 0o755)
 MARKER = os.path.basename(ROOT)
 CHECKED = {"HOME": "home", "XDG_STATE_HOME": "state", "XDG_RUNTIME_DIR": "run", "TMPDIR": "tmp"}
-UNCHECKED = {"XDG_CACHE_HOME": "cache", "MPLCONFIGDIR": os.path.join("cache", "matplotlib")}
+UNCHECKED = {"XDG_CACHE_HOME": "cache", "MPLCONFIGDIR": os.path.join("cache", "matplotlib"),
+             "TORCHINDUCTOR_CACHE_DIR": os.path.join("cache", "torchinductor"),
+             "TRITON_CACHE_DIR": os.path.join("cache", "triton")}
 SHM = "/dev/shm"
 
 for _var, _sub in {**CHECKED, **UNCHECKED}.items():
