@@ -297,3 +297,16 @@ def test_client_refuses_keys_that_are_not_integers(checkpoint, start_daemon):
         ex = c.fetch(np.int64(1), [np.int32(2), 3])
         assert [(x.layer, x.expert) for x in ex] == [(1, 2), (1, 3)]
         assert c.status()["stats"]["bad_requests"] == 0      # nothing bad reached the daemon
+
+
+def test_stopped_and_failed_daemons_leave_no_lock_and_no_directory(checkpoint, start_daemon, tmp_path):
+    """The socket directory a daemon made goes when it stops (after serving or failing to
+    start); one it found (tmp_path here) stays, empty."""
+    made = tmp_path / "run" / "k3d"
+    d = start_daemon(checkpoint, "--arena", "4MiB", endpoint=f"ipc://{made}/k3d.sock")
+    assert sorted(os.listdir(made)) == ["k3d.sock", "k3d.sock.arena", "k3d.sock.arena.lock"]
+    assert d.stop() == 0
+    assert os.listdir(tmp_path) == []
+    r = k3d("start", "--source", str(tmp_path / "missing"), "--endpoint", f"ipc://{made}/k3d.sock")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert os.listdir(tmp_path) == []
