@@ -37,6 +37,28 @@ def test_shared_trace_figures_and_targets():
     assert all(cyc[s] <= opt[s] for s in opt)
 
 
+def _table(path, header):
+    """{slots: [column %, ...]} of the markdown table under ``header`` in ``path``."""
+    text = Path(path).read_text().split(header, 1)[1]
+    rows = {}
+    for line in text.split("\n\n", 1)[0].splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[int(cells[0])] = [float(c.strip("*% ")) for c in cells[1:] if c.strip().endswith("%") or "%" in c]
+    return rows
+
+
+def test_documented_hit_rates_are_what_replay_gives():
+    """traces/README.md and README.md quote the same figures, and replay reproduces them."""
+    root = Path(SHARED).parents[1]
+    ev = parse(Path(SHARED).read_text().splitlines())
+    ours = {s: [round(100 * run(ev, p, s).hit_rate, 1) for p in ("lru", "cycle", "opt")]
+            for s in (64, 80, 100, 128, 160, 192)}
+    traces = _table(root / "traces" / "README.md", "| slots | LRU | Belady OPT |")
+    readme = _table(root / "README.md", "| slots | LRU | cycle (default) | OPT | cycle − LRU |")
+    assert traces == {s: [v[0], v[2]] for s, v in ours.items()}, traces
+    assert readme == ours, readme
+
+
 def test_cli_json_shape_and_errors(capsys, tmp_path):
     assert k3d_main(["replay", SHARED, "--slots", "100,128", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
