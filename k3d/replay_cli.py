@@ -44,7 +44,7 @@ def add_parser(sub):
                    "OPT is always added")
     p.add_argument("--json", action="store_true", help="machine-readable results")
     p.add_argument("--sweep", action="store_true", help="every size in the range: the hit-rate-vs-slots curve")
-    p.add_argument("--plot", metavar="FILE.png", help="draw the curve to FILE.png (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the curve to FILE.png (needs matplotlib: the plot extra)")
     p.add_argument("--no-predictions", dest="predictions", action="store_false",
                    help="ignore the trace's predict lines")
     p.add_argument("--clients", type=int, default=1,
