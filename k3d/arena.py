@@ -53,7 +53,8 @@ import time
 
 import numpy as np
 
-from .sizes import show_size
+from k3d.sizes import show_size
+
 from .thp import collapse, region_bytes
 
 PAGE = 4096

@@ -20,13 +20,14 @@ import logging
 import os
 import sys
 
+from k3d.sizes import show_size
+
 from . import __version__, inspection
 from .config import Config, ConfigError, resolve
 from .ctl import parse_args
 from .policy import POLICIES
 from .reads.plan import COLD_READERS
 from .service import units
-from .sizes import show_size
 
 D = Config()     # the defaults, written once (config.py); help strings read them here
 

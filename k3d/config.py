@@ -22,10 +22,10 @@ import tomllib
 from dataclasses import dataclass
 
 from k3client.endpoint import default_endpoint
+from k3d.sizes import parse_size
 
 from .metrics import parse_hostport
 from .policy import POLICIES
-from .sizes import parse_size
 
 DEFAULT_PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
 

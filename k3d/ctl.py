@@ -29,10 +29,10 @@ from k3client.endpoint import (
     unreachable_dir,
 )
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
+from k3d.sizes import show_size
 
 from .quality import line as prediction_line
 from .service.starting import describe
-from .sizes import show_size
 
 
 def query_status(endpoint: str, timeout: float) -> dict:

@@ -27,8 +27,8 @@ import json
 import sys
 
 from k3client.layout import align, layout_bytes
+from k3d.sizes import show_size
 
-from .sizes import show_size
 from .sources import SourceError, open_source
 from .sources.base import PAGE, span_text
 

@@ -33,12 +33,12 @@ import zmq
 
 from k3client.endpoint import arena_socket_for, ipc_path
 from k3client.layout import align
+from k3d.sizes import show_size
 
 from ..arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
 from ..metrics import Exporter, SnapshotBoard
 from ..reads.plan import readers_for
 from ..server import Server
-from ..sizes import show_size
 from ..sources import SourceError, open_source
 from ..wire import open_endpoint
 from .notify import Notifier

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..sizes import show_size
+from k3d.sizes import show_size
 
 TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_top_k", "top_k")
 SURPLUS = 1.25          # slots above this many times the model's experts are called waste
