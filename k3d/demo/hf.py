@@ -135,7 +135,7 @@ def run_hf_demo(clients: int = 3, tokens: int = 16, family: str = "qwen3_moe", h
         endpoint = f"ipc://{tmp}/k3d.sock"
         arena = max(1 << 20, int(ebytes * arena_fraction))
         cmd = [sys.executable, "-m", "k3d.cli", "start", "--source", path, "--endpoint", endpoint,
-               "--arena", str(arena)]
+               "--arena", str(arena), "--state-dir", "none"]     # a throw-away daemon: nothing to keep
         with open(os.path.join(tmp, "daemon.log"), "w+") as log:
             daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             try:
