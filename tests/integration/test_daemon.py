@@ -10,15 +10,11 @@ import time
 import pytest
 
 import k3client
-from helpers import k3ctl, k3d, poll_for
-
-
-def shm():
-    return set(os.listdir("/dev/shm"))
+from helpers import k3ctl, k3d, k3d_shm, poll_for
 
 
 def test_ready_status_sigterm_leaves_nothing(checkpoint, start_daemon):
-    before = shm()
+    before = k3d_shm()
     d = start_daemon(checkpoint, "--arena", "4MiB")
     assert "pre-faulting the arena" in d.log()
     r = k3ctl("status", "--endpoint", d.endpoint, "--json")
@@ -28,7 +24,7 @@ def test_ready_status_sigterm_leaves_nothing(checkpoint, start_daemon):
     human = k3ctl("status", "--endpoint", d.endpoint)
     assert human.returncode == 0 and "hit rate" in human.stdout
     assert d.stop(signal.SIGTERM) == 0
-    assert shm() - before == set()
+    assert k3d_shm() - before == set()
     sock = d.endpoint[len("ipc://"):]
     assert not os.path.exists(sock) and not os.path.exists(sock + ".arena")
     r = k3ctl("status", "--endpoint", d.endpoint)
@@ -42,12 +38,12 @@ def test_sigint_also_exits_zero(checkpoint, start_daemon):
 
 def test_kill9_leaves_nothing_and_next_start_takes_over(checkpoint, start_daemon):
     """The arena is a memfd: nothing is ever in /dev/shm; the next start removes stale sockets."""
-    before = shm()
+    before = k3d_shm()
     d = start_daemon(checkpoint, "--arena", "4MiB")
     with k3client.connect(d.endpoint, name="x") as c:
         c.fetch(0, [1])
     d.stop(signal.SIGKILL)
-    assert shm() - before == set()
+    assert k3d_shm() - before == set()
     d2 = start_daemon(checkpoint, "--arena", "4MiB", endpoint=d.endpoint)
     assert "stale sockets" in d2.log()
     with k3client.connect(d.endpoint, name="y") as c:
@@ -85,12 +81,12 @@ def test_second_daemon_refused_while_the_first_is_still_starting(checkpoint, sta
 def test_stop_during_startup_exits_0(checkpoint, start_daemon, sig):
     """systemctl stop while the arena is still being pre-faulted: a clean exit 0, no
     traceback, the endpoint free for the next start."""
-    before = shm()
+    before = k3d_shm()
     d = start_daemon(checkpoint, "--arena", "3GiB", wait_ready=False)
     _first_progress(d)
     assert d.stop(sig) == 0, d.log()
     assert "Traceback" not in d.log() and "stopped during start-up" in d.log(), d.log()
-    assert shm() == before
+    assert k3d_shm() == before
     again = start_daemon(checkpoint, "--arena", "4MiB", endpoint=d.endpoint)
     assert again.stop() == 0
 
