@@ -54,7 +54,7 @@ from .endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable
 from .hits import LocalHits, hit_path_mode
 from .layout import TensorSpec, layouts_from_wire
 from .lease import end_heartbeat, heartbeat
-from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
+from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, items, key_int, key_pairs, pack, unpack
 from .views import Expert
 
 _UNSET = object()
@@ -363,10 +363,13 @@ class Client:
         return self._call("begin_token", **self._reports())["epoch"]
 
     def fetch(self, layer: int, experts, predicted=None) -> list[Expert]:
-        """Experts of ``layer`` in request order, once all are in the arena."""
-        layer = int(layer)
-        experts = [int(e) for e in experts]
-        preds = [[int(l), int(e)] for l, e in predicted] if predicted else []
+        """Experts of ``layer`` in request order, once all are in the arena.
+
+        Layers and experts are integers (``int``, numpy or torch integer scalars);
+        anything else, ``bool`` included, is refused with ``BadRequest`` before sending."""
+        layer = key_int("layer", layer)
+        experts = [key_int("expert", e) for e in items("experts", experts)]
+        preds = key_pairs("predicted", predicted) if predicted else []
         hits = self._hits
         if hits is not None:
             # Predictions of keys not resident go with a fetch through the daemon: a slot
@@ -389,7 +392,7 @@ class Client:
     def predict(self, keys) -> int:
         """Queue background reads for ``[(layer, expert), ...]``; returns how many were queued
         (keys already resident are not: with the shared index, nothing is sent for them)."""
-        keys = [[int(l), int(e)] for l, e in keys]
+        keys = key_pairs("keys", keys)
         if self._hits is not None:
             keys = self._hits.not_resident(keys)
             if not keys:
@@ -447,3 +450,4 @@ def connect(endpoint: str | None = None, name: str | None = None, **kw) -> Clien
     ``PermissionDenied`` (not the daemon's
     user or group), ``ProtocolMismatch`` (k3client and k3d versions differ)."""
     return Client(endpoint=endpoint, name=name, **kw)
+

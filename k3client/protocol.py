@@ -46,12 +46,21 @@ Decode limits (``unpack``) bound every container so a hostile frame cannot make
 the daemon allocate without bound; frames above ``MAX_MESSAGE_BYTES`` are
 dropped by ZeroMQ itself (ZMQ_MAXMSGSIZE).
 
+Keys are integers.  ``key_int`` / ``key_pairs`` refuse anything else before a
+request is sent (``BadRequest``, one line): a float is never rounded (``1.5`` is
+not expert 1), a string never parsed, and a bool is not an index.  numpy and torch
+integer scalars are integers (``operator.index``).
+
 Pure functions and constants: no state, safe from any thread.
 """
 
 from __future__ import annotations
 
+import operator
+
 import msgpack
+
+from .errors import BadRequest
 
 PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 20
@@ -76,3 +85,31 @@ def unpack(data: bytes):
         max_map_len=64,
         max_ext_len=0,
     )
+
+
+def key_int(what: str, v) -> int:
+    """``v`` as an int if it is an integer (``operator.index``: int, numpy and torch
+    integer scalars), never rounding a float or parsing a string; bools are refused
+    too: ``True`` would silently mean expert 1."""
+    if not isinstance(v, bool) and type(v).__name__ != "bool_":
+        try:
+            return operator.index(v)
+        except TypeError:
+            pass
+    raise BadRequest(f"{what} must be an integer, not {type(v).__name__} {v!r}")
+
+
+def items(what: str, v) -> list:
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        raise BadRequest(f"{what} must be a list of integers, not {type(v).__name__} {v!r}")
+    return list(v)
+
+
+def key_pairs(what: str, pairs) -> list[list[int]]:
+    out = []
+    for p in items(what, pairs):
+        p = items(f"each of {what}", p)
+        if len(p) != 2:
+            raise BadRequest(f"each of {what} must be a (layer, expert) pair, not {p!r}")
+        out.append([key_int("layer", p[0]), key_int("expert", p[1])])
+    return out

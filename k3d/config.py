@@ -23,13 +23,12 @@ from dataclasses import dataclass
 
 from k3client.endpoint import default_endpoint
 from k3d.observe.metrics import parse_hostport
+from k3d.sizes import parse_size
 
 # The eviction policies a user may name (``k3d.cache.policy.POLICIES`` implements
 # exactly these; config is read before, and without, the cache).
 POLICY_NAMES = ("cycle", "lru")
 DEFAULT_PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
 class ConfigError(Exception):
@@ -64,25 +63,6 @@ class Config:
     state_every_s: float = 60.0       # seconds between saves of the statistics (and one at shutdown)
     warm_slots: float = 1.0           # share of the arena pre-loaded from the saved hot set at start
     metrics: str | None = None        # HOST:PORT for Prometheus /metrics; off by default
-
-
-def parse_size(text) -> int:
-    """``512MiB``, ``8GiB``, ``1.5G``, ``4096`` -> bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (use e.g. 512MiB, 8GiB or plain bytes)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_size(n: int) -> str:
-    """Bytes as the largest binary unit that divides them (``16GiB``, ``512MiB``, ``4097``):
-    ``parse_size`` reads it back exactly (CLI help shows defaults this way)."""
-    for unit, mult in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n and n % mult == 0:
-            return f"{n // mult}{unit}"
-    return str(n)
 
 
 def _size(value) -> int:

@@ -9,7 +9,6 @@ stopped with SIGTERM (and its exit code checked by the tests that care).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,18 +18,18 @@ import pytest
 from helpers import poll_for
 from k3d.demo.synthetic import write_checkpoint
 
+# HOME, XDG_*, TMPDIR of this session (and of every subprocess) point into its own
+# scratch directory (set on import, before any test runs), checked for leftovers
+# when the session ends.
+from leftovers import ROOT, pytest_configure, pytest_sessionfinish  # noqa: F401  (hooks)
+
 # Every socket directory and daemon log of this test session lives under one
-# short /tmp directory (ipc paths must fit sun_path's 108 bytes, so not under
-# pytest's tmp_path), removed when the session ends.  0755 so that the
-# other-user permission tests can reach the sockets inside.
-SCRATCH = tempfile.mkdtemp(prefix="k3d-tests-", dir="/tmp")
+# short directory (ipc paths must fit sun_path's 108 bytes), removed with the
+# session's scratch directory.  0755 so that the other-user permission tests can
+# reach the sockets inside.
+SCRATCH = os.path.join(ROOT, "work")
+os.makedirs(SCRATCH, mode=0o755)
 os.chmod(SCRATCH, 0o755)
-# Daemons keep warm-restart state under $XDG_STATE_HOME/k3d: the tests' stays in SCRATCH.
-os.environ.setdefault("XDG_STATE_HOME", os.path.join(SCRATCH, "state"))
-
-
-def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 class Daemon:
@@ -66,6 +65,10 @@ def spawn_daemon(source, *args, endpoint=None, env=None, wait_ready=True, timeou
     script that wraps the real CLI with slowed-down reads."""
     if endpoint is None:
         endpoint = f"ipc://{tempfile.mkdtemp(prefix='t-', dir=SCRATCH)}/k.sock"
+    # Each daemon keeps its warm-restart state apart (a test that restarts one passes
+    # --state-dir, which wins): no daemon warms from another test's statistics.
+    env = dict(os.environ if env is None else env)
+    env.setdefault("K3D_STATE_DIR", tempfile.mkdtemp(prefix="state-", dir=SCRATCH))
     log_path = tempfile.mktemp(prefix="log-", dir=SCRATCH)
     cmd = [*(launcher or [sys.executable, "-m", "k3d"]), "start", "--endpoint", endpoint]
     if source is not None:

@@ -60,6 +60,12 @@ def k3ctl(*args, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
     return run_module("k3d.commands.ctl", *args, timeout=timeout, **kw)
 
 
+def k3d_shm() -> set[str]:
+    """Names in /dev/shm that k3d could have made (any would carry "k3d"): other test runs
+    and programs on the machine add and remove their own there at any moment."""
+    return {n for n in os.listdir("/dev/shm") if "k3d" in n.lower()}
+
+
 # -- waiting for a condition ---------------------------------------------------------
 def poll_for(cond: Callable[[], Any], timeout: float = 5.0, what: str | Callable[[], str] = "condition",
              interval: float = 0.01) -> Any:

@@ -1,6 +1,6 @@
 """k3client.hf: transformers models whose routed experts come from the k3d daemon.
 
-Needs transformers >= 5 and torch (``pip install 'k3d[hf]'``); ``k3client`` itself
+Needs transformers >= 5 and torch (``pip install 'k3d-expert-cache[hf]'``); ``k3client`` itself
 never imports this package, so it stays importable without them.  Importing it
 registers the experts implementation ``"k3d"`` with transformers'
 ``ExpertsInterface``; ``load_model`` returns a model that uses it::
@@ -24,7 +24,7 @@ def _require_transformers() -> None:
     try:
         import transformers  # optional extra: imported only by this subpackage
     except ImportError:
-        raise ImportError("k3client.hf needs transformers >= 5 and torch: pip install 'k3d[hf]'") from None
+        raise ImportError("k3client.hf needs transformers >= 5 and torch: pip install 'k3d-expert-cache[hf]'") from None
     major = transformers.__version__.split(".")[0]
     if not major.isdigit() or int(major) < MIN_TRANSFORMERS:
         raise ImportError(f"k3client.hf needs transformers >= {MIN_TRANSFORMERS} (found {transformers.__version__}, "

@@ -1,7 +1,10 @@
 """Warm restart: the policy's statistics survive a restart; the hot set is pre-loaded.
 
-File: ``<state_dir>/state-<id>.json``, ``id`` a hash of the endpoint (one daemon per
-endpoint, so instances sharing a state directory never read each other's)::
+File: ``<state_dir>/state-<id>.json``, ``id`` the start of the checkpoint's
+``FINGERPRINT`` (below): one file per checkpoint, whatever endpoint serves it, so
+restarting on a new endpoint finds the statistics and adds no file.  Daemons of one
+checkpoint that share a state directory share its file (the last save wins; each
+save is whole)::
 
     {"format": "k3d-policy-state", "version": 1, "model": FINGERPRINT, "policy": NAME,
      "saved_unix": T, "hot": [[layer, expert], ...],      # hottest first
@@ -13,6 +16,11 @@ names and sizes): a file written for another checkpoint or layout is *foreign*.
 Writes are atomic (a temporary file in the same directory, fsynced, renamed over
 the old one): a crash leaves the old file or the new one, never half of one.  The
 server thread calls ``save`` at shutdown and every ``state_every_s`` seconds.
+
+At start the daemon logs where its file is and how to turn it off, and ``prune``
+keeps the ``KEEP`` most recently saved ``state-*.json`` of the directory (its own
+always), deleting the rest, and temporary files a crash left over an hour ago:
+checkpoints no longer served leave nothing behind for long.
 
 On start ``load`` returns the saved state, or None with one log line when the file
 is missing, unreadable, corrupt, of another format or version, or foreign: a bad
@@ -37,8 +45,41 @@ log = logging.getLogger("k3d")
 FORMAT, VERSION = "k3d-policy-state", 1
 
 
-def state_path(state_dir: str, endpoint: str) -> str:
-    return os.path.join(state_dir, f"state-{hashlib.sha1(endpoint.encode()).hexdigest()[:12]}.json")
+KEEP = 8                 # state files kept per directory: one per checkpoint served lately
+STALE_TMP_S = 3600       # a temporary file older than this is a crashed save's, not one in flight
+
+
+def state_path(state_dir: str, source_print: str) -> str:
+    """The state file of the checkpoint whose ``fingerprint`` is ``source_print``."""
+    return os.path.join(state_dir, f"state-{source_print[:16]}.json")
+
+
+def prune(state_dir: str, own: str, keep: int = KEEP, now: float | None = None) -> list[str]:
+    """Delete all but the ``keep`` newest state files (never ``own``) and stale temporary
+    files; returns the paths deleted.  OSError is the caller's to log."""
+    now = time.time() if now is None else now
+    try:
+        names = os.listdir(state_dir)
+    except FileNotFoundError:
+        return []
+    states, gone = [], []
+    for name in names:
+        path = os.path.join(state_dir, name)
+        try:
+            mtime = os.stat(path).st_mtime
+        except FileNotFoundError:         # another daemon's rename or prune got there first
+            continue
+        if name.startswith("state-") and name.endswith(".json"):
+            states.append((path != own, -mtime, path))
+        elif name.startswith(".state-") and name.endswith(".tmp") and now - mtime > STALE_TMP_S:
+            gone.append(path)
+    gone += [path for _, _, path in sorted(states)[keep:]]
+    for path in gone:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return gone
 
 
 def fingerprint(source) -> str:
@@ -135,12 +176,20 @@ class WarmState:
 
     def __init__(self, cfg, source, store, now: float):
         self.enabled = bool(cfg.state_dir)
-        self.path = state_path(cfg.state_dir, cfg.endpoint) if self.enabled else ""
+        self.print = fingerprint(source) if self.enabled else ""
+        self.path = state_path(cfg.state_dir, self.print) if self.enabled else ""
         self.every = cfg.state_every_s
         self.next_save = now + self.every
         self.policy_name = cfg.policy
         self.share = cfg.warm_slots
-        self.print = fingerprint(source) if self.enabled else ""
+        if self.enabled:
+            log.info("warm restart: statistics of this checkpoint in %s (--state-dir none turns this off)",
+                     self.path)
+            try:
+                for path in prune(cfg.state_dir, self.path):
+                    log.info("warm restart: removed %s (more than %d state files kept)", path, KEEP)
+            except OSError as e:
+                log.warning("warm restart: cannot prune %s: %s", cfg.state_dir, e)
         self.warmup: Warmup | None = None
         self._doc = load(self.path, self.print, source.keys) if self.enabled else None
         if self._doc is not None and self._doc.get("policy") == cfg.policy:

@@ -24,9 +24,10 @@ from k3d import __version__
 from k3d.cache.policy import POLICIES
 from k3d.commands import inspect as inspection
 from k3d.commands.ctl import parse_args
-from k3d.config import Config, ConfigError, format_size, resolve
+from k3d.config import Config, ConfigError, resolve
 from k3d.reads.plan import COLD_READERS
 from k3d.service import units
+from k3d.sizes import show_size
 
 D = Config()     # the defaults, written once (config.py); help strings read them here
 
@@ -39,7 +40,7 @@ def _start_parser(sub):
     p.add_argument("--pattern", help="tensor name pattern with {layer}, {expert}, {name} (default: the model "
                    "family, from config.json or the tensor names)")
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes, rounded down to whole slots "
-                   f"(default {format_size(D.arena)})")
+                   f"(default {show_size(D.arena)})")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
     p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
     p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, "
@@ -69,7 +70,7 @@ def _start_parser(sub):
                    help="remote sources: keep fetched experts in DIR (crash-safe, survives restarts)")
     p.add_argument("--disk-cache-size", dest="disk_cache_size",
                    help="bytes the disk cache may hold, e.g. 100GiB "
-                   f"(LRU beyond; default {format_size(D.disk_cache_size)})")
+                   f"(LRU beyond; default {show_size(D.disk_cache_size)})")
     p.add_argument("--hugepages", action="store_const", const=True, default=None,
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
@@ -80,7 +81,8 @@ def _start_parser(sub):
     p.add_argument("--state-dir", dest="state_dir",
                    help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")
     p.add_argument("--metrics", metavar="HOST:PORT",
-                   help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (needs pip install 'k3d[metrics]')")
+                   help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 "
+                   "(needs pip install 'k3d-expert-cache[metrics]')")
     return p
 
 

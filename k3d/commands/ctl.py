@@ -31,6 +31,7 @@ from k3client.endpoint import (
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 from k3d.observe.quality import line as prediction_line
 from k3d.service.starting import describe
+from k3d.sizes import show_size
 
 
 def query_status(endpoint: str, timeout: float) -> dict:
@@ -62,13 +63,9 @@ def query_status(endpoint: str, timeout: float) -> dict:
     return reply["status"]
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 def _pages(a: dict) -> str:
     if a.get("page_bytes", 4096) > 4096:
-        return f" in {_mib(a['page_bytes'])} pages"
+        return f" in {show_size(a['page_bytes'])} pages"
     if a.get("thp_bytes"):
         return f" ({100 * min(a['thp_bytes'], a['bytes']) / a['bytes']:.0f}% in transparent huge pages)"
     return ""
@@ -116,13 +113,13 @@ def render(st: dict) -> str:
         f"k3d {st['version']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  {st['endpoint']}",
         f"model   {m['kind']} {m['path']}:{' ' + m['family'] if m.get('family') else ''} {m['count']} experts, "
         f"layers {_layers(m['layers'])}",
-        f"arena   {_mib(a['bytes'])}: {a['slots']} slots x {_mib(a['slot_bytes'])}"
+        f"arena   {show_size(a['bytes'])}: {a['slots']} slots x {show_size(a['slot_bytes'])}"
         f"{_pages(a)}, "
         f"used {a['used']}, pinned {a['pinned']}, loading {a['loading']}",
         f"cache   hit rate {hit} ({s['hits']} hits, {s['misses']} misses, {s['waited']} waited), "
         f"{s['evictions']} evictions",
         f"predict {s['prefetched']} prefetched, {s['prefetch_hits']} used, {s['prefetch_unused']} unused",
-        f"reads   {_mib(s['bytes_read'])} read, {r['busy_bps'] / 1e9:.2f} GB/s per busy reader, "
+        f"reads   {show_size(s['bytes_read'])} read, {r['busy_bps'] / 1e9:.2f} GB/s per busy reader, "
         f"{r['recent_bps'] / 1e6:.1f} MB/s last 10s, {r['threads']} readers, "
         f"queued {r['queued_urgent']} urgent / {r['queued_background']} background",
         f"errors  {s['errors']} failed reads, {s['bad_requests']} bad requests, {s['cache_full']} cache full, "
@@ -139,12 +136,12 @@ def render(st: dict) -> str:
     if tiers:
         o = tiers["origin"]
         state = "" if o.get("up", True) else f"DOWN for {o['down_s']:.0f}s ({o['error']}), serving from disk; "
-        lines.append(f"origin  {o['url']}: {state}{o['fetches']} fetches, {_mib(o['bytes'])}, "
+        lines.append(f"origin  {o['url']}: {state}{o['fetches']} fetches, {show_size(o['bytes'])}, "
                      f"{o['bps'] / 1e6:.0f} MB/s, {o['retries']} retries, {o['errors']} errors")
         d = tiers.get("disk")
         if d:
             lines.append(f"disk    {d['dir']}: {d['hits']} hits, {d['entries']} entries, "
-                         f"{_mib(d['bytes'])} of {_mib(d['limit'])}, {d['corrupt']} corrupt")
+                         f"{show_size(d['bytes'])} of {show_size(d['limit'])}, {d['corrupt']} corrupt")
     paced = (f" ({s['paced']} holds of clients over their CPU share, {s['paced_seconds']:.1f}s)"
              if s.get("paced") else "")
     lines.append(f"clients {len(st['clients'])}{paced}")

@@ -27,17 +27,11 @@ import json
 import sys
 
 from k3client.layout import align, layout_bytes
+from k3d.sizes import show_size
 from k3d.sources import SourceError, open_source
 from k3d.sources.base import PAGE, span_text
 
 CLIENTS = (1, 4, 16)
-
-
-def _size(n: int) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n} B"
 
 
 def report(src) -> dict:
@@ -84,17 +78,18 @@ def render(r: dict) -> str:
     many = len(r["layouts"]) > 1
     for g in r["layouts"]:
         head = f"layout    layers {span_text(g['layers'])}: " if many else "layout    "
-        lines.append(f"{head}{_size(g['bytes'])} per expert")
+        lines.append(f"{head}{show_size(g['bytes'])} per expert")
         for t in g["tensors"]:
             typ = f" ({t['type']})" if t.get("type") else ""
-            lines.append(f"            {t['name']:<32} {t['dtype']:<8} {t['shape']}{typ}  {_size(t['nbytes'])}")
-    lines.append(f"total     {_size(r['total_expert_bytes'])} of experts; slots of {_size(r['slot_bytes'])}"
+            lines.append(f"            {t['name']:<32} {t['dtype']:<8} {t['shape']}{typ}  {show_size(t['nbytes'])}")
+    lines.append(f"total     {show_size(r['total_expert_bytes'])} of experts; slots of {show_size(r['slot_bytes'])}"
                  + (" (the largest layer's expert)" if many else ""))
     s = r["sizing"]
     lines.append(f"sizing    one client pins {s['pins_per_token']} slots per token "
                  f"({len(r['layers'])} layers x top-{k or 1}{'' if k else ' at least'})")
-    arenas = ", ".join(f"{c} client{'s' if c != '1' else ''} {_size(b)}" for c, b in s["arena_for_clients"].items())
-    lines.append(f"arena     {arenas}; whole model {_size(s['arena_whole_model'])}")
+    arenas = ", ".join(f"{c} client{'s' if c != '1' else ''} {show_size(b, up=True)}"
+                       for c, b in s["arena_for_clients"].items())
+    lines.append(f"arena     {arenas}; whole model {show_size(s['arena_whole_model'], up=True)}")
     return "\n".join(lines)
 
 

@@ -14,13 +14,17 @@ hit_rate}}}}``.  ``--clients N`` interleaves N copies of the trace (each offset 
 ``--offset`` tokens, later ones starting later) and compares one shared arena of S
 slots with N private arenas of S/N (``k3d.replay.sharing``).
 
-Errors (one line, exit 2): a malformed trace line (with its number), ``--slots``
-below one token's pins (says the minimum), an unknown policy (lists the known ones).
+Errors (one line, exit 2), all found before anything is replayed: a malformed trace
+line (with its number), a trace without fetches, ``--slots`` below one token's pins
+(says the minimum), an unknown policy (lists the known ones), ``--plot`` without
+matplotlib or into a directory that is missing or not writable.  A plot written is
+named on stderr (stdout stays the table or the JSON).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from k3d.cache.policy import POLICIES, UnknownPolicy, make
@@ -40,7 +44,7 @@ def add_parser(sub):
                    "OPT is always added")
     p.add_argument("--json", action="store_true", help="machine-readable results")
     p.add_argument("--sweep", action="store_true", help="every size in the range: the hit-rate-vs-slots curve")
-    p.add_argument("--plot", metavar="FILE.png", help="draw the curve to FILE.png (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the curve to FILE.png (needs matplotlib: the plot extra)")
     p.add_argument("--no-predictions", dest="predictions", action="store_false",
                    help="ignore the trace's predict lines")
     p.add_argument("--clients", type=int, default=1,
@@ -67,6 +71,10 @@ def _sizes(text: str, sweep: bool, floor: int) -> list[int]:
 def main(args) -> int:
     try:
         events = read(args.trace)
+        if not any(e.kind == "fetch" for e in events):
+            raise ValueError(f"{args.trace}: the trace has no fetches: nothing to replay")
+        if args.plot:
+            _check_plot(args.plot)
         names = [n.strip() for n in args.policy.split(",")] if args.policy else sorted(POLICIES)
         for n in names:
             if n != "opt":
@@ -92,8 +100,26 @@ def main(args) -> int:
     else:
         print(render(results, Config.policy, curve=args.sweep))
     if args.plot:
-        plot(results, args.plot, args.trace)
+        try:
+            plot(results, args.plot, args.trace)
+        except OSError as e:
+            print(f"k3d replay: error: --plot {args.plot}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        print(f"k3d replay: wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _check_plot(path: str) -> None:
+    """Refuse ``--plot PATH`` before the replay when the curve could not be written."""
+    try:
+        import matplotlib  # noqa: F401  (optional extra: only --plot needs it)
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'k3d-expert-cache[plot]'") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path}: no directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--plot {path}: cannot write in {folder}")
 
 
 def render(results: dict, default: str, curve: bool = False) -> str:

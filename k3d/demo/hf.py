@@ -135,7 +135,7 @@ def run_hf_demo(clients: int = 3, tokens: int = 16, family: str = "qwen3_moe", h
         endpoint = f"ipc://{tmp}/k3d.sock"
         arena = max(1 << 20, int(ebytes * arena_fraction))
         cmd = [sys.executable, "-m", "k3d", "start", "--source", path, "--endpoint", endpoint,
-               "--arena", str(arena)]
+               "--arena", str(arena), "--state-dir", "none"]     # a throw-away daemon: nothing to keep
         with open(os.path.join(tmp, "daemon.log"), "w+") as log:
             daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             try:
@@ -223,12 +223,14 @@ def main(argv=None) -> int:
     if argv[:1] == ["worker"]:
         return worker(argv[1:])
     ap = argparse.ArgumentParser(prog="hf_generate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--clients", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--family", default="qwen3_moe", choices=sorted(hf_models.FAMILIES))
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--inter", type=int, default=1024)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--clients", type=int, default=3,
+                    help="model processes of each kind: with k3d, then plain transformers (default 3)")
+    ap.add_argument("--tokens", type=int, default=16, help="tokens each process generates (default 16)")
+    ap.add_argument("--family", default="qwen3_moe", choices=sorted(hf_models.FAMILIES),
+                    help="the tiny random model's family (default qwen3_moe)")
+    ap.add_argument("--hidden", type=int, default=512, help="its hidden size (default 512)")
+    ap.add_argument("--inter", type=int, default=1024, help="its experts' intermediate size (default 1024)")
+    ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
     a = ap.parse_args(argv)
     return run_hf_demo(clients=a.clients, tokens=a.tokens, family=a.family, hidden=a.hidden, inter=a.inter,
                        as_json=a.json)

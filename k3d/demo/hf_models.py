@@ -73,7 +73,15 @@ def write(family: str, out_dir: str, seed: int = 0, **sizes) -> str:
         for p in model.parameters():
             if p.dim() == 1 and not p.abs().sum():
                 p.normal_(0, 0.02)
-    model.save_pretrained(out_dir)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()     # its "Writing model shards" bar would run into the demo's output
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     return out_dir
 
 

@@ -54,6 +54,7 @@ import time
 import numpy as np
 
 from k3d.memory.thp import collapse, region_bytes
+from k3d.sizes import show_size
 
 PAGE = 4096
 F_SEAL_FUTURE_WRITE = 0x0010
@@ -119,11 +120,11 @@ class Arena:
                 if huge:
                     free = hugepages()[1]
                     raise ArenaError(
-                        f"cannot reserve {self.mapped // self.page_bytes} huge pages of {self.page_bytes >> 20} MiB "
+                        f"cannot reserve {self.mapped // self.page_bytes} huge pages of {show_size(self.page_bytes)} "
                         f"for the arena ({free} free: {e.strerror}); raise vm.nr_hugepages or drop --hugepages"
                     ) from None
                 raise ArenaError(
-                    f"cannot reserve a {self.size / 2**30:.2f} GiB arena in shared memory ({e.strerror}); "
+                    f"cannot reserve a {show_size(self.size)} arena in shared memory ({e.strerror}); "
                     "use a smaller --arena or free memory") from None
             self.mm = mmap.mmap(self.fd, self.mapped, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,

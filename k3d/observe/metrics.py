@@ -192,11 +192,11 @@ class Exporter:
     """``/metrics`` on HOST:PORT in its own threads (prometheus_client's WSGI server)."""
 
     def __init__(self, hostport: str, board: SnapshotBoard):
-        # prometheus_client is optional (pip install 'k3d[metrics]'): imported only with --metrics
+        # prometheus_client is optional (pip install 'k3d-expert-cache[metrics]'): imported only with --metrics
         try:
             from prometheus_client import CollectorRegistry, start_http_server
         except ImportError:
-            raise RuntimeError("--metrics needs prometheus_client: pip install 'k3d[metrics]'") from None
+            raise RuntimeError("--metrics needs prometheus_client: pip install 'k3d-expert-cache[metrics]'") from None
         host, port = parse_hostport(hostport)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(board))

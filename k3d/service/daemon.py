@@ -13,6 +13,8 @@ handlers are installed first of all: a stop during start-up (a long pre-fault)
 ends it at the next progress tick, releasing what was built, with exit 0.
 One daemon per endpoint: ``claim_endpoint`` flocks ``ARENA_SOCK.lock`` for the
 daemon's life, so a second start is refused even before the first answers.
+Every exit, a failed start included, removes the lock file and the socket
+directories the claim made (when nothing else is left in them).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from k3d.memory.arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
 from k3d.observe.metrics import Exporter, SnapshotBoard
 from k3d.serve.loop import Server
 from k3d.serve.wire import open_endpoint
+from k3d.sizes import show_size
 
 from ..reads.plan import readers_for
 from ..sources import SourceError, open_source
@@ -107,49 +110,103 @@ def size_arena(cfg, expert_bytes: int) -> tuple[int, int]:
             raise StartupError("--hugepages: this kernel has no huge pages")
         need = -(-size // page)
         if need > free:
-            raise StartupError(f"--hugepages: the arena of {size / 2**30:.2f} GiB ({slots} slots) needs {need} "
-                               f"huge pages of {page >> 20} MiB, {free} are free; raise vm.nr_hugepages "
+            raise StartupError(f"--hugepages: the arena of {show_size(size)} ({slots} slots) needs {need} "
+                               f"huge pages of {show_size(page)}, {free} are free; raise vm.nr_hugepages "
                                "(sysctl) or lower --arena")
         return slots, slot_bytes
     avail = psutil.virtual_memory().available
     if size > avail:
-        raise StartupError(f"arena of {size / 2**30:.2f} GiB ({slots} slots) exceeds available memory "
-                           f"{avail / 2**30:.2f} GiB; lower --arena")
+        raise StartupError(f"arena of {show_size(size)} ({slots} slots) exceeds available memory "
+                           f"{show_size(avail)}; lower --arena")
     room = cgroup_memory_room()
     if room is not None and size + 16 * 2**20 > room[0]:   # + Python, readers, buffers
-        raise StartupError(f"arena of {size / 2**30:.2f} GiB ({slots} slots) does not fit the memory cgroup "
-                           f"{room[2]}: {max(room[0], 0) / 2**30:.2f} GiB left of its {room[1] / 2**30:.2f} GiB "
+        raise StartupError(f"arena of {show_size(size)} ({slots} slots) does not fit the memory cgroup "
+                           f"{room[2]}: {show_size(max(room[0], 0))} left of its {show_size(room[1])} "
                            "limit (systemd: MemoryMax=); raise the limit or lower --arena")
     return slots, slot_bytes
 
 
-def claim_endpoint(endpoint: str, arena_sock: str) -> int:
+class Claim:
+    """The endpoint held: the flock'ed lock file's fd and the directories made for it."""
+
+    def __init__(self, fd: int, path: str, made: list[str]):
+        self.fd, self.path, self.made = fd, path, made
+
+    def release(self) -> None:
+        """Unlink the lock file while still holding it, then close: a daemon that opened
+        the same file meanwhile sees it replaced and opens the new one (``claim_endpoint``)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+        _remove_empty(self.made)
+
+
+def claim_endpoint(endpoint: str, arena_sock: str) -> Claim:
     """Make the socket directory; refuse a live daemon's endpoint, clear a dead one's.
 
-    Returns the fd of ``ARENA_SOCK.lock``, flock'ed for the daemon's life: a second
+    Returns the ``Claim`` of ``ARENA_SOCK.lock``, flock'ed for the daemon's life: a second
     ``k3d start`` on the endpoint is refused even while the first is still building its
     arena (its sockets do not answer yet, and binding over them would strand it).  The
     kernel drops the lock when the process dies, however it dies."""
     dirs = [os.path.dirname(arena_sock)]
     if ipc_path(endpoint):
         dirs.append(os.path.dirname(ipc_path(endpoint)))
-    for d in dirs:
-        os.makedirs(d, mode=0o750, exist_ok=True)
-        _check_socket_dir(d)
     lock_path = arena_sock + ".lock"
-    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    made: list[str] = []
+    while True:
+        for d in dirs:
+            made += _makedirs(d)
+            _check_socket_dir(d)
+        try:
+            lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:        # a daemon leaving removed the directory just now
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock)
+            _remove_empty(made)
+            raise StartupError(f"another k3d is starting or serving at {endpoint} (it holds {lock_path}); "
+                               "stop it first") from None
+        try:                             # the file a leaving daemon unlinked is not the lock any more
+            if os.stat(lock_path).st_ino == os.fstat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass
         os.close(lock)
-        raise StartupError(f"another k3d is starting or serving at {endpoint} (it holds {lock_path}); "
-                           "stop it first") from None
+    claim = Claim(lock, lock_path, made)
     try:
         _clear_stale(endpoint, arena_sock)
     except BaseException:
-        os.close(lock)
+        claim.release()
         raise
-    return lock
+    return claim
+
+
+def _makedirs(d: str) -> list[str]:
+    """``os.makedirs(d, 0o750)``; returns the directories it created, outermost first."""
+    missing = []
+    while d and not os.path.isdir(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    made = []
+    for m in reversed(missing):
+        try:
+            os.mkdir(m, 0o750 if m == missing[0] else 0o777)
+            made.append(m)
+        except FileExistsError:
+            pass
+    return made
+
+
+def _remove_empty(dirs: list[str]) -> None:
+    for d in reversed(dirs):             # innermost first; one still in use is not empty
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def _clear_stale(endpoint: str, arena_sock: str) -> None:
@@ -291,7 +348,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             source.close()               # (a stuck reader may still use the fds)
         notifier.close()
         if lock is not None:
-            os.close(lock)
+            lock.release()
 
 
 def with_readers(cfg, source):

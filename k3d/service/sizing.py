@@ -18,12 +18,10 @@ from __future__ import annotations
 import json
 import os
 
+from k3d.sizes import show_size
+
 TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_top_k", "top_k")
 SURPLUS = 1.25          # slots above this many times the model's experts are called waste
-
-
-def human(n: float) -> str:
-    return f"{n / 2**30:.2f}GiB" if n >= 2**30 else f"{n / 2**20:.0f}MiB"
 
 
 def top_k(path: str) -> int | None:
@@ -53,10 +51,10 @@ def arena_warnings(slots: int, slot_bytes: int, model: dict) -> list[str]:
     if slots < need:
         out.append(f"the arena holds {slots} slots but one token pins {need} ({layers} layers x top-{k or 1}"
                    f"{'' if k else ' at least'}): a client will get 'cache full' mid-token; raise --arena to at "
-                   f"least {human(need * slot_bytes)} (--slots {need})")
+                   f"least {show_size(need * slot_bytes, up=True)} (--slots {need})")
     count = model.get("count", 0)
     if count and slots > SURPLUS * count:
         out.append(f"the arena holds {slots} slots but the model has only {count} experts: "
-                   f"{human((slots - count) * slot_bytes)} will never be used; --slots {count} "
-                   f"(--arena {human(count * slot_bytes)}) holds all of it")
+                   f"{show_size((slots - count) * slot_bytes)} will never be used; --slots {count} "
+                   f"(--arena {show_size(count * slot_bytes, up=True)}) holds all of it")
     return out

@@ -106,7 +106,7 @@ ExecStart={exec} start --config /etc/k3d/k3d.toml
 # The socket lives in the RuntimeDirectory (0750, owned by k3d); the
 # environment wins over the config file's endpoint.
 Environment=K3D_ENDPOINT=ipc:///run/k3d/k3d.sock
-# Prometheus /metrics (needs prometheus_client: pip install 'k3d[metrics]').  To move
+# Prometheus /metrics (needs prometheus_client: pip install 'k3d-expert-cache[metrics]').  To move
 # or turn it off: systemctl edit k3d, [Service] Environment=K3D_METRICS=HOST:PORT (or "").
 Environment=K3D_METRICS=127.0.0.1:9484
 RuntimeDirectory=k3d
@@ -251,7 +251,7 @@ def main(args: argparse.Namespace) -> int:
     exec_path = args.exec_path or default_exec()
     if importlib.util.find_spec("prometheus_client") is None:
         print("k3d: warning: the units serve Prometheus metrics on 127.0.0.1:9484, which needs prometheus_client "
-              "where ExecStart runs: pip install 'k3d[metrics]' (or set K3D_METRICS= empty in the unit)",
+              "where ExecStart runs: pip install 'k3d-expert-cache[metrics]' (or set K3D_METRICS= empty in the unit)",
               file=sys.stderr)
     closed = closed_to_others(exec_path)
     if closed:

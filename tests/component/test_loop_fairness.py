@@ -25,7 +25,7 @@ from k3d.sources.safetensors import SafetensorsSource
 
 def test_a_flood_of_big_requests_does_not_starve_small_ones(checkpoint):
     tmp = tempfile.mkdtemp(prefix="k3d-f-", dir=SCRATCH)
-    cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": 8, "readers": 2}, {})
+    cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": 8, "readers": 2, "state_dir": "none"}, {})
     src = SafetensorsSource(checkpoint, DEFAULT_PATTERN)
     n, sb = size_arena(cfg, src.expert_bytes)
     arena = Arena(n, sb)

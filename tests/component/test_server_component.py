@@ -58,7 +58,9 @@ def server(checkpoint):
 
     def start(slots=16, readers=2, **cfg_kw):
         tmp = tempfile.mkdtemp(prefix="k3d-c-", dir=SCRATCH)
-        cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": slots, "readers": readers, **cfg_kw}, {})
+        # state_dir none: these servers test the loop, not warm restarts (no state file to leave)
+        cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": slots, "readers": readers, "state_dir": "none",
+                       **cfg_kw}, {})
         src = Faulty(checkpoint, DEFAULT_PATTERN)
         n, sb = size_arena(cfg, src.expert_bytes)
         arena = Arena(n, sb)
@@ -338,7 +340,7 @@ def test_pipelined_begin_token_still_gets_pinned_slots(server):
 
 def test_shutdown_with_reads_in_flight_answers_shutting_down(checkpoint):
     tmp = tempfile.mkdtemp(prefix="k3d-c-", dir=SCRATCH)
-    cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": 8, "readers": 1}, {})
+    cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": 8, "readers": 1, "state_dir": "none"}, {})
     src = Faulty(checkpoint, DEFAULT_PATTERN)
     src.delay = {(0, i): 0.3 for i in range(4)}
     n, sb = size_arena(cfg, src.expert_bytes)

@@ -1,22 +1,24 @@
 """Shared by the tests/integration/test_hf_*.py files: tiny checkpoints, daemons, references.
 
 Checkpoints are written once per test session by transformers' own
-``save_pretrained`` (``k3d.demo.hf_models``) under one temporary directory.
+``save_pretrained`` (``k3d.demo.hf_models``) under one directory that the session
+removes when it ends (``leftovers.session_dir``).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
+
+from leftovers import session_dir
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", minversion="5")
 
 from k3d.demo import hf_models  # noqa: E402  (after the transformers skip above)
 
-_ROOT = tempfile.mkdtemp(prefix="k3d-hf-tests-")
+_ROOT = session_dir("hf-")
 _CACHE: dict = {}
 
 

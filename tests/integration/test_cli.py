@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from helpers import run_module as run
+from k3d.demo.synthetic import write_checkpoint
 
 
 @pytest.mark.parametrize("argv, usage", [
@@ -100,3 +102,23 @@ def test_watch_json_is_one_object_per_line(tmp_path):
     out, _ = p.communicate(timeout=30)
     lines = [json.loads(line) for line in out.splitlines() if line.strip()]
     assert len(lines) >= 2 and all(x["ok"] is False for x in lines)
+
+
+def test_small_experts_sizes_show_and_paste_back(start_daemon, tmp_path):
+    """Experts of a few KiB: the start-up advice and k3ctl status name sizes in KiB, and the
+    --arena the advice gives, pasted back, is enough."""
+    ckpt = write_checkpoint(str(tmp_path / "tiny"), layers=2, experts=8, hidden=32, inter=16)
+    d = start_daemon(ckpt, "--slots", "100")                     # 16 experts: far more than the model has
+    whole = re.search(r"--slots 16 \(--arena (\S+)\) holds all of it", d.log())
+    assert whole and whole.group(1) == "64KiB", d.log()
+    status = run("k3d.commands.ctl", "status", "--endpoint", d.endpoint)
+    assert re.search(r"arena   400KiB: 100 slots x 4KiB", status.stdout), status.stdout
+    assert d.stop() == 0
+    d = start_daemon(ckpt, "--slots", "1")                       # under one token's pins (2 layers x top-1)
+    low = re.search(r"raise --arena to at least (\S+) \(--slots 2\)", d.log())
+    assert low and low.group(1) == "8KiB", d.log()
+    assert d.stop() == 0
+    for arena, slots in ((whole.group(1), 16), (low.group(1), 2)):
+        d = start_daemon(ckpt, "--arena", arena)
+        assert f"slots={slots} " in d.log() and "warning" not in d.log(), d.log()
+        assert d.stop() == 0

@@ -10,15 +10,11 @@ import time
 import pytest
 
 import k3client
-from helpers import k3ctl, k3d, poll_for
-
-
-def shm():
-    return set(os.listdir("/dev/shm"))
+from helpers import k3ctl, k3d, k3d_shm, poll_for
 
 
 def test_ready_status_sigterm_leaves_nothing(checkpoint, start_daemon):
-    before = shm()
+    before = k3d_shm()
     d = start_daemon(checkpoint, "--arena", "4MiB")
     assert "pre-faulting the arena" in d.log()
     r = k3ctl("status", "--endpoint", d.endpoint, "--json")
@@ -28,7 +24,7 @@ def test_ready_status_sigterm_leaves_nothing(checkpoint, start_daemon):
     human = k3ctl("status", "--endpoint", d.endpoint)
     assert human.returncode == 0 and "hit rate" in human.stdout
     assert d.stop(signal.SIGTERM) == 0
-    assert shm() - before == set()
+    assert k3d_shm() - before == set()
     sock = d.endpoint[len("ipc://"):]
     assert not os.path.exists(sock) and not os.path.exists(sock + ".arena")
     r = k3ctl("status", "--endpoint", d.endpoint)
@@ -42,12 +38,12 @@ def test_sigint_also_exits_zero(checkpoint, start_daemon):
 
 def test_kill9_leaves_nothing_and_next_start_takes_over(checkpoint, start_daemon):
     """The arena is a memfd: nothing is ever in /dev/shm; the next start removes stale sockets."""
-    before = shm()
+    before = k3d_shm()
     d = start_daemon(checkpoint, "--arena", "4MiB")
     with k3client.connect(d.endpoint, name="x") as c:
         c.fetch(0, [1])
     d.stop(signal.SIGKILL)
-    assert shm() - before == set()
+    assert k3d_shm() - before == set()
     d2 = start_daemon(checkpoint, "--arena", "4MiB", endpoint=d.endpoint)
     assert "stale sockets" in d2.log()
     with k3client.connect(d.endpoint, name="y") as c:
@@ -85,12 +81,12 @@ def test_second_daemon_refused_while_the_first_is_still_starting(checkpoint, sta
 def test_stop_during_startup_exits_0(checkpoint, start_daemon, sig):
     """systemctl stop while the arena is still being pre-faulted: a clean exit 0, no
     traceback, the endpoint free for the next start."""
-    before = shm()
+    before = k3d_shm()
     d = start_daemon(checkpoint, "--arena", "3GiB", wait_ready=False)
     _first_progress(d)
     assert d.stop(sig) == 0, d.log()
     assert "Traceback" not in d.log() and "stopped during start-up" in d.log(), d.log()
-    assert shm() == before
+    assert k3d_shm() == before
     again = start_daemon(checkpoint, "--arena", "4MiB", endpoint=d.endpoint)
     assert again.stop() == 0
 
@@ -272,3 +268,41 @@ def test_malformed_endpoint_is_one_line_for_k3ctl_and_client():
 def test_k3ctl_refuses_a_timeout_that_would_wait_for_ever():
     r = k3ctl("status", "--timeout", "-1")
     assert r.returncode == 2 and "--timeout -1: use a positive number of seconds" in r.stderr
+
+
+def test_client_refuses_keys_that_are_not_integers(checkpoint, start_daemon):
+    """1.5 would be served as expert 1 and "0" parsed: both are refused, in one line, before sending."""
+    import numpy as np
+
+    d = start_daemon(checkpoint, "--arena", "4MiB")
+    bad = [((0, [1.5]), "expert must be an integer, not float 1.5"),
+           (("0", [0]), "layer must be an integer, not str '0'"),
+           ((0, [True]), "expert must be an integer, not bool True"),
+           ((True, [0]), "layer must be an integer, not bool True"),
+           ((0, [np.float32(2)]), "expert must be an integer, not float32"),
+           ((0, 3), "experts must be a list of integers, not int 3"),
+           ((0, [0], [(1, 2.0)]), "expert must be an integer, not float 2.0"),
+           ((0, [0], [(1,)]), "must be a (layer, expert) pair")]
+    with k3client.connect(d.endpoint, name="t") as c:
+        for args, message in bad:
+            with pytest.raises(k3client.BadRequest) as e:
+                c.fetch(*args)
+            assert message in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(k3client.BadRequest, match="expert must be an integer, not bool False"):
+            c.predict([(0, False)])
+        ex = c.fetch(np.int64(1), [np.int32(2), 3])
+        assert [(x.layer, x.expert) for x in ex] == [(1, 2), (1, 3)]
+        assert c.status()["stats"]["bad_requests"] == 0      # nothing bad reached the daemon
+
+
+def test_stopped_and_failed_daemons_leave_no_lock_and_no_directory(checkpoint, start_daemon, tmp_path):
+    """The socket directory a daemon made goes when it stops (after serving or failing to
+    start); one it found (tmp_path here) stays, empty."""
+    made = tmp_path / "run" / "k3d"
+    d = start_daemon(checkpoint, "--arena", "4MiB", endpoint=f"ipc://{made}/k3d.sock")
+    assert sorted(os.listdir(made)) == ["k3d.sock", "k3d.sock.arena", "k3d.sock.arena.lock"]
+    assert d.stop() == 0
+    assert os.listdir(tmp_path) == []
+    r = k3d("start", "--source", str(tmp_path / "missing"), "--endpoint", f"ipc://{made}/k3d.sock")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert os.listdir(tmp_path) == []

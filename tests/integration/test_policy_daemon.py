@@ -108,6 +108,11 @@ def test_restart_is_warm_and_bad_state_is_ignored(start_daemon, ckpt):
     assert d.stop() == 0
     files = os.listdir(state)
     assert len(files) == 1 and files[0].startswith("state-")
+    assert f"statistics of this checkpoint in {os.path.join(state, files[0])} (--state-dir none turns this off)" \
+        in d.log()
+    # the same checkpoint on another endpoint: the same file, none added
+    other = start_daemon(ckpt, *args)
+    assert other.stop() == 0 and os.listdir(state) == files
     d = start_daemon(ckpt, *args, endpoint=endpoint)
     with k3client.connect(d.endpoint, name="after") as c:
         deadline = time.monotonic() + 30

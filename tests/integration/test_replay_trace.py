@@ -7,10 +7,14 @@ Skipped where the trace is not on the machine.
 """
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import k3d
 from k3d.commands import replay as replay_cli
 from k3d.commands.cli import main as k3d_main
 from k3d.observe.trace import parse
@@ -33,6 +37,28 @@ def test_shared_trace_figures_and_targets():
     assert all(cyc[s] <= opt[s] for s in opt)
 
 
+def _table(path, header):
+    """{slots: [column %, ...]} of the markdown table under ``header`` in ``path``."""
+    text = Path(path).read_text().split(header, 1)[1]
+    rows = {}
+    for line in text.split("\n\n", 1)[0].splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[int(cells[0])] = [float(c.strip("*% ")) for c in cells[1:] if c.strip().endswith("%") or "%" in c]
+    return rows
+
+
+def test_documented_hit_rates_are_what_replay_gives():
+    """traces/README.md and README.md quote the same figures, and replay reproduces them."""
+    root = Path(SHARED).parents[1]
+    ev = parse(Path(SHARED).read_text().splitlines())
+    ours = {s: [round(100 * run(ev, p, s).hit_rate, 1) for p in ("lru", "cycle", "opt")]
+            for s in (64, 80, 100, 128, 160, 192)}
+    traces = _table(root / "traces" / "README.md", "| slots | LRU | Belady OPT |")
+    readme = _table(root / "README.md", "| slots | LRU | cycle (default) | OPT | cycle − LRU |")
+    assert traces == {s: [v[0], v[2]] for s, v in ours.items()}, traces
+    assert readme == ours, readme
+
+
 def test_cli_json_shape_and_errors(capsys, tmp_path):
     assert k3d_main(["replay", SHARED, "--slots", "100,128", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -53,9 +79,44 @@ def test_cli_sweep_and_plot(capsys, tmp_path):
     png = tmp_path / "curve.png"
     assert replay_cli.main(replay_cli.add_parser(_sub()).parse_args(
         [SHARED, "--slots", "64-70", "--sweep", "--policy", "lru", "--plot", str(png)])) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert out.splitlines()[0].split() == ["slots", "lru", "opt"] and len(out.splitlines()) == 1 + 7 + 1
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert err == f"k3d replay: wrote {png}\n"
+
+
+TINY = "1 L0 n=1 1\n2 L1 n=1 2\n3 L0 n=1 1\n"
+# k3d replay as a user runs it, with matplotlib made unimportable in that process only
+NO_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; from k3d.commands.cli import main; "
+                 "sys.exit(main(sys.argv[1:]))")
+
+
+def _one_line_error(r, *words):
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("k3d replay: error: "), r.stderr
+    assert all(w in r.stderr for w in words), r.stderr
+
+
+def test_empty_trace_is_an_error(tmp_path):
+    for text in ("", "5 c=1 t=0 begin\n"):
+        trace = tmp_path / "t.trace"
+        trace.write_text(text)
+        _one_line_error(k3d("replay", str(trace), "--slots", "4"), "t.trace", "has no fetches")
+
+
+def test_plot_problems_are_one_line_before_any_replay(tmp_path):
+    trace = tmp_path / "t.trace"
+    trace.write_text(TINY)
+    r = subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, "replay", str(trace), "--slots", "2",
+                        "--plot", str(tmp_path / "c.png")], capture_output=True, text=True, timeout=60)
+    _one_line_error(r, "--plot needs matplotlib", "pip install 'k3d-expert-cache[plot]'")
+    missing = tmp_path / "no" / "such" / "c.png"
+    _one_line_error(k3d("replay", str(trace), "--slots", "2", "--plot", str(missing)), f"no directory {missing.parent}")
+    if os.geteuid() != 0:                # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        _one_line_error(k3d("replay", str(trace), "--slots", "2", "--plot", str(ro / "c.png")), f"cannot write in {ro}")
+    assert not list(tmp_path.rglob("*.png"))
 
 
 def _sub():

@@ -34,5 +34,17 @@ def test_far_more_slots_than_experts(tmp_path):
     assert arena_warnings(80, 2**20, model(tmp_path, count=64)) == []
 
 
+def test_small_experts_are_sized_in_a_unit_that_shows_them(tmp_path):
+    """8 KiB experts: the advice names a size that is enough, in KiB, and parses back."""
+    from k3d.sizes import parse_size
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 2}))
+    low = arena_warnings(3, 8192, model(tmp_path, count=64))[0]
+    assert "raise --arena to at least 64KiB (--slots 8)" in low, low
+    high = arena_warnings(100, 8192, model(tmp_path, count=64))[0]
+    assert "288KiB will never be used; --slots 64 (--arena 512KiB) holds all of it" in high, high
+    assert parse_size("512KiB") // 8192 == 64
+
+
 def test_remote_source_has_no_local_config():
     assert arena_warnings(4, 2**20, model("https://example.invalid/m/")) == []

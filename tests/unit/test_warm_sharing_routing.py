@@ -9,7 +9,7 @@ import pytest
 
 from k3d.cache.policy import CyclePolicy
 from k3d.cache.store import Store
-from k3d.cache.warm import Warmup, load, save
+from k3d.cache.warm import KEEP, STALE_TMP_S, Warmup, load, prune, save, state_path
 from k3d.demo.routing import DEMO, routes, statistics
 from k3d.observe.trace import BEGIN, parse
 from k3d.replay.sharing import compare, interleave
@@ -17,6 +17,28 @@ from k3d.replay.sharing import compare, interleave
 
 class FakeSource:
     keys = {(l, e): None for l in range(2) for e in range(4)}
+
+
+def test_state_file_is_named_by_checkpoint_and_old_ones_are_pruned(tmp_path):
+    d = tmp_path / "state"
+    assert state_path(str(d), "ab" * 32) == str(d / f"state-{'ab' * 8}.json")
+    assert prune(str(d), "") == []                       # no directory yet: nothing to do
+    d.mkdir()
+    now = 1_000_000.0
+    paths = []
+    for i in range(KEEP + 3):                            # state-0 oldest ... newest last
+        p = d / f"state-{i}.json"
+        p.write_text("{}")
+        os.utime(p, (now - 100 + i, now - 100 + i))
+        paths.append(str(p))
+    crashed, in_flight, other = d / ".state-a.tmp", d / ".state-b.tmp", d / "notes.txt"
+    for p, age in ((crashed, 2 * STALE_TMP_S), (in_flight, 1), (other, 10 * STALE_TMP_S)):
+        p.write_text("x")
+        os.utime(p, (now - age, now - age))
+    gone = prune(str(d), paths[0], now=now)               # our own file is the oldest: kept anyway
+    assert sorted(gone) == sorted(paths[1:4] + [str(crashed)])
+    assert sorted(os.listdir(d)) == sorted([".state-b.tmp", "notes.txt", "state-0.json"] +
+                                           [f"state-{i}.json" for i in range(4, KEEP + 3)])
 
 
 def test_state_file_round_trip_and_every_bad_file_is_none(tmp_path, caplog):

@@ -57,7 +57,7 @@ class S3Source(RemoteSource):
             import botocore.config
             import botocore.exceptions
         except ImportError:
-            raise SourceError(f"{url}: S3 sources need boto3: pip install 'k3d[s3]'") from None
+            raise SourceError(f"{url}: S3 sources need boto3: pip install 'k3d-expert-cache[s3]'") from None
         self._exc = botocore.exceptions
         split_url(url)
         cfg = botocore.config.Config(max_pool_connections=conns, connect_timeout=timeout, read_timeout=timeout,

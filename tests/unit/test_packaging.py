@@ -1,0 +1,93 @@
+"""Packaging as a user meets it: the distribution's name, the install hints, the test command.
+
+- The distribution is not called ``k3d``: that name on the package index is an
+  unrelated project (3-D plotting for Jupyter), so ``pip install 'k3d[...]'`` would
+  fetch it.  Every ``pip install 'NAME[extra]'`` hint in the code, the units and the
+  README names this project's distribution and an extra it defines.
+- The README's test command and ``.ci/run`` are the same lines, and the CPU torch
+  index is asked only for torch, with short timeouts: where it does not resolve, pip
+  gives up in seconds instead of retrying it for every package.
+- ``--plot``'s matplotlib is an extra of its own, included in ``test``.
+"""
+
+import glob
+import os
+import re
+import subprocess
+import tomllib
+
+import pytest
+
+from helpers import ROOT
+
+with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:
+    PROJECT = tomllib.load(_f)["project"]
+EXTRAS = PROJECT["optional-dependencies"]
+HINT = re.compile(r"pip install -?e? ?'([A-Za-z0-9_.-]+)\[([a-z0-9_,-]+)\]'")
+
+
+def _read(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+def _hinted_files():
+    files = glob.glob("k3d/**/*.py", root_dir=ROOT, recursive=True)
+    files += glob.glob("k3client/**/*.py", root_dir=ROOT, recursive=True)
+    files += glob.glob("systemd/*", root_dir=ROOT) + ["README.md"]
+    return sorted(files)
+
+
+def test_distribution_name_is_not_the_index_k3d():
+    assert PROJECT["name"] != "k3d"
+    assert PROJECT["scripts"] == {"k3d": "k3d.commands.cli:main", "k3ctl": "k3d.commands.ctl:main"}
+
+
+def test_every_install_hint_names_this_distribution_and_a_real_extra():
+    seen = []
+    for path in _hinted_files():
+        for name, extras in HINT.findall(_read(path)):
+            assert name in (PROJECT["name"], "."), f"{path}: pip install '{name}[{extras}]' fetches another project"
+            for extra in extras.split(","):
+                assert extra in EXTRAS, f"{path}: pip install '{name}[{extras}]': no extra {extra!r}"
+            seen.append((path, name))
+    # the daemon's own hints (metrics, s3, hf) are among them: the pattern still matches what they say
+    assert {p for p, n in seen if n == PROJECT["name"]} >= {"k3d/observe/metrics.py", "k3client/hf/__init__.py"}
+    assert not re.search(r"'k3d\[", "\n".join(_read(p) for p in _hinted_files()))
+
+
+def _readme_test_block():
+    blocks = re.findall(r"```sh\n(.*?)```", _read("README.md"), re.S)
+    block = next(b for b in blocks if "python -m pytest" in b and "[test]" in b)
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("python3 -m venv")]
+
+
+def test_readme_test_command_is_what_ci_runs():
+    lines = _readme_test_block()
+    ci = [line for line in _read(".ci/run").splitlines() if line and not line.startswith("#")]
+    at = [ci.index(line) for line in lines]          # ValueError names a README line CI does not run
+    assert at == sorted(at) and len(lines) >= 2
+
+
+def test_cpu_index_is_asked_only_for_torch_and_gives_up_fast():
+    lines = _readme_test_block()
+    cpu = [line for line in lines if "download.pytorch.org" in line]
+    assert len(cpu) == 1 and "--extra-index-url" not in cpu[0]
+    step = cpu[0].split("||")[0].split()
+    assert step[:3] == ["pip", "install", "torch"] and "--index-url" in step
+    assert float(step[step.index("--timeout") + 1]) <= 15 and int(step[step.index("--retries") + 1]) <= 1
+    assert "||" in cpu[0], "without a fallback an unreachable index stops the install"
+
+
+def test_plot_extra_is_part_of_test():
+    assert any(r.startswith("matplotlib") for r in EXTRAS["plot"])
+    assert set(EXTRAS["plot"]) <= set(EXTRAS["test"])
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(ROOT, ".git")) and not os.path.isfile(os.path.join(ROOT, ".git")),
+                    reason="not a git checkout")
+def test_gitignore_covers_virtualenvs_and_build_outputs():
+    paths = [".venv/bin/python", ".venv2/lib/x.py", "venv/bin/python", "build/lib/k3d/cli.py", "dist/k.whl",
+             "k3d_expert_cache.egg-info/PKG-INFO"]
+    r = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert r.stdout.split() == paths, r.stdout + r.stderr
