@@ -6,7 +6,8 @@ Each client process decodes tokens of 16 layers x top-4 of 8 experts (every expe
 resident: the arena holds them all, loaded before the clock starts): per token
 one ``begin_token()`` and 16 ``fetch`` calls, for ``--seconds``.  Reported per N:
 the aggregate fetches/s of all clients, the median of their p50 fetch latencies,
-and the daemon's CPU per fetch (its process CPU time over the run, from psutil).
+and the daemon's CPU per fetch (its process CPU time over the run, from psutil),
+beside the echo server's CPU per round trip.
 Floor, in the same run and with the same N: a bare Python ROUTER echo server in
 its own process, each client a DEALER sending a fetch-sized request and waiting for
 a fetch-sized reply, as fast as it can; the ratio is daemon fetches/s over echo
@@ -104,14 +105,16 @@ def main() -> int:
     try:
         assert echo.stdout.readline().strip() == "ready"
         with harness.Daemon(ckpt, "--slots", LAYERS * EXPERTS, "--log-level", "warning") as d:
-            daemon = psutil.Process(d.pid)
+            daemon, echo_p = psutil.Process(d.pid), psutil.Process(echo.pid)
             for n in counts:
+                ecpu0 = sum(echo_p.cpu_times()[:2])
                 e_rate, e50 = run_clients("echo", echo_ep, n, a.seconds)
+                e_per = (sum(echo_p.cpu_times()[:2]) - ecpu0) / max(1.0, e_rate * a.seconds)
                 cpu0 = sum(daemon.cpu_times()[:2])
                 f_rate, f50 = run_clients(a.hit_path, d.endpoint, n, a.seconds)
                 cpu = sum(daemon.cpu_times()[:2]) - cpu0
                 per_fetch = cpu / max(1.0, f_rate * a.seconds)
-                rows.append((n, f_rate, f50, per_fetch, e_rate, e50))
+                rows.append((n, f_rate, f50, per_fetch, e_rate, e50, e_per))
                 harness.banner("throughput", f"{n} clients: {f_rate:,.0f} fetches/s p50 {f50 * 1e6:.0f}us, "
                                f"daemon {per_fetch * 1e6:.1f}us CPU/fetch | echo {e_rate:,.0f}/s "
                                f"p50 {e50 * 1e6:.0f}us | ratio {f_rate / e_rate:.2f}")
@@ -124,9 +127,10 @@ def main() -> int:
     print(f"throughput: {LAYERS} layers x top-{TOP_K} of {EXPERTS}, all resident, {a.seconds:g}s per run, "
           f"hit path {a.hit_path}")
     print(f"{'clients':>8} {'fetches/s':>11} {'p50 us':>7} {'daemon us CPU/fetch':>20} {'echo/s':>9} "
-          f"{'echo p50 us':>11} {'ratio':>6}")
-    for n, f, f50, cpu, e, e50 in rows:
-        print(f"{n:>8} {f:>11,.0f} {f50 * 1e6:>7.1f} {cpu * 1e6:>20.2f} {e:>9,.0f} {e50 * 1e6:>11.0f} {f / e:>6.2f}")
+          f"{'echo p50 us':>11} {'echo us CPU/req':>16} {'ratio':>6}")
+    for n, f, f50, cpu, e, e50, ecpu in rows:
+        print(f"{n:>8} {f:>11,.0f} {f50 * 1e6:>7.1f} {cpu * 1e6:>20.2f} {e:>9,.0f} {e50 * 1e6:>11.0f} "
+              f"{ecpu * 1e6:>16.2f} {f / e:>6.2f}")
     top = rows[-1]
     ok = top[1] / top[4] >= TARGET
     print(f"throughput: at {top[0]} clients {top[1] / top[4]:.2f}x the echo server (target >= {TARGET}) "

@@ -1,0 +1,101 @@
+"""Component: hits answered in the client from the shared index, against the real server loop.
+
+- a fetch of resident experts sends nothing; the daemon counts it with the
+  client's next message, as the same fetch through the daemon;
+- the index is read-only for clients (sealed memfd), like the arena;
+- a garbage hit report is a one-line error for its sender, and others go on;
+- views of a slot already seen are the same objects (no new mapping);
+- ``hit_path="daemon"`` / ``K3D_HIT_PATH`` keep the round trip; a bad value is one line.
+"""
+
+import mmap
+import os
+import socket
+
+import pytest
+from test_server_component import ask, raw_dealer, server  # noqa: F401 -- the fixture, and its helpers
+
+import k3client
+from helpers import poll_for
+from k3client.protocol import PROTOCOL_VERSION, pack
+
+
+def test_a_hit_sends_nothing_and_is_counted_with_the_next_message(server):  # noqa: F811
+    srv = server()
+    with k3client.connect(srv.cfg.endpoint, name="h") as c:
+        assert c.hit_path == "client"
+        c.fetch(0, [1, 2])                       # misses: through the daemon
+        c.begin_token()
+        before = srv.stats.fetches
+        ex = c.fetch(0, [1, 2])                  # hits: answered here
+        assert [e.slot for e in ex] == [e.slot for e in c.fetch(0, [2, 1])][::-1]
+        assert srv.stats.fetches == before       # the daemon has heard nothing yet
+        c.begin_token()                          # carries the two reports
+        st = srv.stats
+        assert st.fetches == before + 2 and st.hits == 4 and st.misses == 2 and st.client_hits == 4
+        for e in ex:
+            assert bytes(e.memory()) == bytes(c.fetch(0, [e.expert])[0].memory())
+
+
+def test_index_cannot_be_mapped_writable(server):  # noqa: F811
+    srv = server()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(srv.arena_socket)
+        _, fds, _, _ = socket.recv_fds(s, 4096, 2)
+    try:
+        assert len(fds) == 2
+        with pytest.raises(PermissionError):
+            mmap.mmap(fds[1], srv.index.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(OSError):
+            os.write(fds[1], b"x")
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("hits,words", [
+    ("x", "hits must be a list"),
+    ([[0, [1], [10**6]]], "not slots of this arena"),
+    ([[0, [1, 2], [0]]], "is not a [layer, [experts], [slots]] report"),
+    ([[0, [99], [0]]], "(layer 0, expert 99)"),
+    ([[0, [1, 1], [0, 1]]], "duplicate key"),
+])
+def test_garbage_hit_reports_are_one_line_errors_and_others_go_on(server, hits, words):  # noqa: F811
+    srv = server()
+    s = raw_dealer(srv.cfg.endpoint)
+    assert ask(s, pack({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "name": "liar", "hit_path": True}))["ok"]
+    before = srv.stats.hits
+    r = ask(s, pack({"v": PROTOCOL_VERSION, "op": "begin_token", "id": 2, "hits": hits}))
+    assert r["ok"] is False and r["error"]["code"] in ("bad_request", "unknown_expert"), r
+    assert words in r["error"]["message"] and "\n" not in r["error"]["message"]
+    assert srv.stats.hits == before                       # nothing of it was applied
+    s.close()
+    with k3client.connect(srv.cfg.endpoint, name="ok") as c:
+        assert c.fetch(0, [0])[0].expert == 0
+
+
+def test_views_of_a_slot_seen_before_are_reused(server):  # noqa: F811
+    srv = server()
+    with k3client.connect(srv.cfg.endpoint, name="v") as c:
+        name = c.layout[0].name
+        a = c.fetch(1, [3])[0]
+        c.begin_token()
+        b = c.fetch(1, [3])[0]
+        assert a.slot == b.slot and a.array(name) is b.array(name)
+
+
+def test_hit_path_daemon_keeps_the_round_trip(server, monkeypatch):  # noqa: F811
+    srv = server()
+    with k3client.connect(srv.cfg.endpoint, name="d", hit_path="daemon") as c:
+        c.fetch(0, [1])
+        before = srv.stats.fetches
+        c.fetch(0, [1])
+        assert srv.stats.fetches == before + 1 and srv.stats.client_hits == 0
+        me = poll_for(lambda: next((x for x in c.status()["clients"] if x["name"] == "d"), None), 2, "client d")
+        assert me["hit_path"] == "daemon"
+    monkeypatch.setenv("K3D_HIT_PATH", "daemon")
+    with k3client.connect(srv.cfg.endpoint, name="e") as c:
+        assert c.hit_path == "daemon"
+    monkeypatch.setenv("K3D_HIT_PATH", "sometimes")
+    with pytest.raises(k3client.K3Error, match="must be 'client' or 'daemon'"):
+        k3client.connect(srv.cfg.endpoint, name="f")
