@@ -368,7 +368,10 @@ class Client:
         Layers and experts are integers (``int``, numpy or torch integer scalars);
         anything else, ``bool`` included, is refused with ``BadRequest`` before sending."""
         layer = key_int("layer", layer)
-        experts = [key_int("expert", e) for e in items("experts", experts)]
+        if type(experts) is list and all(type(e) is int for e in experts):
+            experts = list(experts)          # a copy: the caller may reuse its list
+        else:
+            experts = [key_int("expert", e) for e in items("experts", experts)]
         preds = key_pairs("predicted", predicted) if predicted else []
         hits = self._hits
         if hits is not None:

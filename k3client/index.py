@@ -14,17 +14,17 @@ Writer (the daemon's server thread, ``k3d.memory.index``): to change an entry it
 stores ``seq + 1`` (odd), then ``word``, then ``seq + 2`` (even); to unpublish
 it clears ``word`` that way, then stores ``retired + 1``.
 
-Reader (``lookup``): loads every ``seq``, then every ``word``, then every ``seq``
-again; an entry whose two seqs differ or are odd is "unknown" (asked of the
-daemon, never guessed).
+Reader (``lookup``): per entry, loads ``seq``, ``word``, ``seq``; an entry whose
+two seqs differ or are odd is "unknown" (asked of the daemon, never guessed).
 
 What it relies on, and why a torn or stale read cannot yield another key's bytes:
 - x86-64 (TSO): stores become visible to other cores in program order, loads are
   not reordered with older loads, and aligned 8-byte accesses are atomic.  So a
   reader that sees the same even ``seq`` before and after its ``word`` load saw a
   ``word`` the writer stored whole, between two of its changes (the seqlock).
-  Python and numpy emit no fences and promise no order; but each numpy gather is
-  a separate C loop run in program order, and the CPU keeps load order.  On other
+  Python emits no fences and promises no order; but each item read of the
+  memoryview is a separate C load, made in program order, and the CPU keeps load
+  order.  On other
   architectures (aarch64 reorders loads) this does not hold without barriers, so
   ``supported()`` is False there and clients ask the daemon for every fetch.
 - An entry only ever names a slot for its own key: a stale entry (one the daemon
@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import mmap
 import platform
-
-import numpy as np
 
 MAGIC = 0x6B3364_696E6478     # "k3d" "indx"
 VERSION = 1
@@ -67,42 +65,50 @@ def index_bytes(layers: int, width: int) -> int:
 
 
 class IndexReader:
-    """Read-only view of the daemon's index."""
+    """Read-only view of the daemon's index.
+
+    Reads go through a memoryview of 8-byte words: each item read is one aligned
+    8-byte load, in program order (no numpy on the hit path: for the handful of
+    keys of one fetch its per-call overhead is most of the cost)."""
 
     def __init__(self, fd: int, size: int):
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        words = np.frombuffer(self._mm, dtype="<u8")
-        if int(words[0]) != MAGIC or int(words[1]) != VERSION:
+        words = memoryview(self._mm).cast("Q")
+        if words[0] != MAGIC or words[1] != VERSION:
+            words.release()
             raise ValueError(f"not a k3d index of version {VERSION}")
         self._words = words
-        self.layers, self.width = int(words[2]), int(words[3])
-        entries = words[HEADER_WORDS:HEADER_WORDS + 2 * self.layers * self.width]
-        self._seq = entries[0::2]
-        self._word = entries[1::2]
+        self.layers, self.width = words[2], words[3]
 
     def retired(self) -> int:
-        return int(self._words[RETIRED])
+        return self._words[RETIRED]
 
     def closed(self) -> bool:
         """The daemon stopped (a killed one cannot say so: the client's pidfd tells)."""
         return bool(self._words[CLOSED])
 
-    def lookup(self, layer: int, experts) -> np.ndarray:
+    def lookup(self, layer: int, experts) -> list[int]:
         """Per expert of ``layer``: its slot << 2 | state, 0 when not resident, -1 when
         unknown (being changed, or outside the index): ask the daemon."""
-        ids = np.asarray(experts, dtype=np.int64)
-        if not (0 <= layer < self.layers) or ids.size == 0 or ids.min() < 0 or ids.max() >= self.width:
-            return np.full(len(ids), -1, dtype=np.int64)
-        ids = ids + layer * self.width
-        s1 = self._seq[ids]              # each gather is one load per entry, in order
-        word = self._word[ids]
-        s2 = self._seq[ids]
-        out = word.astype(np.int64)
-        out[(s1 != s2) | (s1 & 1).astype(bool)] = -1
+        w, width = self._words, self.width
+        if not 0 <= layer < self.layers:
+            return [-1] * len(experts)
+        base = HEADER_WORDS + 2 * layer * width
+        out = []
+        for e in experts:
+            if not 0 <= e < width:
+                out.append(-1)
+                continue
+            i = base + 2 * e
+            s1 = w[i]                    # seq, word, seq: three loads in this order
+            word = w[i + 1]
+            out.append(word if s1 == w[i] and not s1 & 1 else -1)
         return out
 
     def close(self) -> None:
-        self._seq = self._word = self._words = None
+        if self._words is not None:
+            self._words.release()
+            self._words = None
         try:
             self._mm.close()
         except BufferError:

@@ -91,6 +91,8 @@ def key_int(what: str, v) -> int:
     """``v`` as an int if it is an integer (``operator.index``: int, numpy and torch
     integer scalars), never rounding a float or parsing a string; bools are refused
     too: ``True`` would silently mean expert 1."""
+    if type(v) is int:                   # the common case, first: one check per key on the hit path
+        return v
     if not isinstance(v, bool) and type(v).__name__ != "bool_":
         try:
             return operator.index(v)
