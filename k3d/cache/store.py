@@ -143,8 +143,8 @@ class Store:
             self.client_quality(holder[0]).ready += len(keys)
             for layer in dict.fromkeys(k[0] for k in keys):
                 policy.visit(layer)
+            policy.pin_all(have, holder)
             for k, s in zip(keys, have):
-                policy.pin(s, holder)
                 policy.touch(s, k)
             self.stats.fetches += 1
             self.stats.hits += len(keys)
@@ -178,8 +178,7 @@ class Store:
         plan = FetchPlan(slots=[], new_loads=[], waiting=set(), promote=[])
         for layer in dict.fromkeys(k[0] for k in keys):
             policy.visit(layer)
-        for s in resident:                     # pin hits first so no miss evicts them
-            policy.pin(s, holder)
+        policy.pin_all(resident, holder)       # pin hits first so no miss evicts them
         for key, s in zip(keys, have):
             if s is None:
                 s, evicted = self._assign(key, urgent=True, now=now)

@@ -49,6 +49,21 @@ class PinTable:
             hs.add(holder)
         return True
 
+    def pin_all(self, slots, holder) -> None:
+        """``pin`` each of ``slots`` for ``holder``: one lookup of the holder's set for a fetch."""
+        held = self._pins.setdefault(holder, set())
+        holders = self._holders
+        for slot in slots:
+            if slot in held:
+                continue
+            held.add(slot)
+            hs = holders.get(slot)
+            if hs is None:
+                holders[slot] = {holder}
+                self._pinned(slot)
+            else:
+                hs.add(holder)
+
     def release(self, holder) -> list[int]:
         """Drop every pin of ``holder``; returns the slots it held, sorted."""
         held = self._pins.pop(holder, set())
