@@ -49,6 +49,7 @@ def test_scrape_equals_status(checkpoint, start_daemon):
         c.begin_token()
         c.fetch(0, [0, 1])               # hits
         c.predict([(1, 2)])
+        poll_for(lambda: c.status()["arena"]["loading"] == 0, 10, "the prediction's read done")
         m = scrape(url)                  # the client is still attached
         st = k3ctl_json(d.endpoint)
     s = st["stats"]
