@@ -44,7 +44,7 @@ import time
 
 from k3d.cache.parked import Parked, checked_slots
 from k3d.cache.sessions import Session
-from k3d.cache.store import Store
+from k3d.cache.store import PRESSURE_S, Store
 from k3d.observe.latency import FetchLatency, classify
 from k3d.observe.stats import Throughput
 from k3d.reads.loads import Load, Loads
@@ -141,7 +141,7 @@ class Cache:
         store = self.store
         if store.reuse.limbo:
             store.reclaim(now)
-        if store.want or len(store.reuse.readers) > 1:
+        if store.want or now - store.pressed < PRESSURE_S:
             store.make_room(now)
 
     def _trace_fetch(self, s: Session, keys, plan, now: float) -> None:

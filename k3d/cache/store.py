@@ -65,6 +65,7 @@ from k3d.observe.stats import Counters, PredictionStats
 PREDICT = "predict"      # holder tag of a client's outstanding predictions
 
 FREE, LOADING, READY = "free", "loading", "ready"
+PRESSURE_S = 1.0         # seconds after a miss found no free slot during which make_room keeps the reserve
 
 
 @dataclass
@@ -100,6 +101,7 @@ class Store:
 
     def __post_init__(self):
         self.want = 0                                     # slots a refused fetch needed (make_room)
+        self.pressed = float("-inf")                      # when a miss last found no free slot
         self.state = [FREE] * self.slots
         self.slot_key: list[tuple[int, int] | None] = [None] * self.slots
         self.key_slot: dict[tuple[int, int], int] = {}
@@ -155,6 +157,8 @@ class Store:
             evictable = policy.evictable(exclude=resident.union(self.loads))
             now_ok = self.reuse.could_reuse_now(now)
             available = len(self.free) + (evictable if now_ok else 0)
+            if need > len(self.free):
+                self.pressed = now
             if need > available:
                 if need <= len(self.free) + evictable + len(self.reuse.limbo):
                     self.want = max(self.want, need)
@@ -305,9 +309,12 @@ class Store:
         return self.reuse.retire(s, now)
 
     def make_room(self, now: float) -> int:
-        """Evict ahead while several clients read the index, so that slots are free when a
-        miss comes (evicted slots wait for reuse first); returns how many it evicted."""
-        target = max(self.want, self.reserve if len(self.reuse.readers) > 1 else 0)
+        """Evict ahead while several clients read the index and misses have lately found no
+        free slot (within ``PRESSURE_S``), so that slots are free when the next miss comes
+        (evicted slots wait for reuse first); and as many as a refused fetch wanted.  A
+        cache whose working set fits evicts nothing ahead.  Returns how many it evicted."""
+        pressed = now - self.pressed < PRESSURE_S and len(self.reuse.readers) > 1
+        target = max(self.want, self.reserve if pressed else 0)
         evicted = 0
         while len(self.free) + len(self.reuse.limbo) < target:
             s = self._victim()

@@ -129,10 +129,10 @@ def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], lis
         return []
     if not isinstance(raw, list):
         raise BadRequest("hits must be a list of [layer, [experts], [slots]] reports")
-    out, total = [], 0
+    out, total, known = [], 0, source.keys
     for item in raw:
-        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], list)
-                and isinstance(item[2], list) and len(item[1]) == len(item[2]) and item[1]):
+        if not (type(item) is list and len(item) == 3 and type(item[1]) is list
+                and type(item[2]) is list and len(item[1]) == len(item[2]) and item[1]):
             raise BadRequest(f"hits: {str(item)[:80]} is not a [layer, [experts], [slots]] report")
         layer, experts, seen = item
         total += len(experts)
@@ -140,7 +140,12 @@ def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], lis
             raise BadRequest(f"hits report more than {MAX_KEYS} keys in one request")
         if not all(type(s) is int and 0 <= s < slots for s in seen):
             raise BadRequest(f"hits: slots {str(seen)[:80]} are not slots of this arena (0..{slots - 1})")
-        out.append((keys({"hits": [[layer, e] for e in experts]}, "hits", True, source), seen))
+        ks = [(layer, e) for e in experts]
+        # the common case in one pass; keys() below names the first bad key otherwise
+        if type(layer) is not int or not all(type(e) is int and k in known for e, k in zip(experts, ks)) \
+                or len(set(experts)) != len(experts):
+            ks = keys({"hits": [[layer, e] for e in experts]}, "hits", True, source)
+        out.append((ks, seen))
     return out
 
 
