@@ -7,12 +7,13 @@ share one schedule on the system-wide monotonic clock: from ``T0`` on, phases of
 Both attach, print ``ready`` and read the schedule from stdin: one line
 ``T0 PHASE PHASES``.
 
-``python tests/pacing_clients.py polite ENDPOINT CKPT NAME SEED``: until the last
-phase ends, runs tokens of 4 layers (2 experts per layer, a 5 ms pause between
-layers, as a model computing does), verifies every fetched byte against the
-checkpoint, and prints one JSON line: ``{"fetches": [[start, seconds], ...],
-"session": ...}``, every fetch's start (on the monotonic clock) and latency, and
-its own entry of the daemon's status.
+``python tests/pacing_clients.py polite ENDPOINT CKPT NAME SEED``: attached with
+``hit_path="daemon"`` (every fetch a round trip), until the last phase ends, runs
+tokens of 4 layers (2 experts per layer, a 5 ms pause between layers, as a model
+computing does), verifies every fetched byte against the checkpoint, and prints
+one JSON line: ``{"fetches": [[start, seconds], ...], "session": ...}``, every
+fetch's start (on the monotonic clock) and latency, and its own entry of the
+daemon's status.
 
 ``python tests/pacing_clients.py abuser ENDPOINT KEYS``: in every odd phase, sends
 tokens of one ``predict`` of KEYS random keys, as fast as it is answered (each one
@@ -42,7 +43,9 @@ def schedule() -> tuple[float, float, int]:
 
 def polite(endpoint, ckpt, name, seed):
     ref, rng, out = reference(ckpt), random.Random(int(seed)), []
-    with k3client.connect(endpoint, name=name) as c:
+    # every fetch a round trip: pacing shares out the daemon's time, which hits a client
+    # answers from the shared index never take
+    with k3client.connect(endpoint, name=name, hit_path="daemon") as c:
         t0, phase, phases = schedule()
         end = t0 + phase * phases
         while time.monotonic() < end:
