@@ -50,7 +50,7 @@ physical runs per slot of both, from /proc/PID/pagemap.
 
 Per pass, a method's GB/s is the bytes of the pass over the sum of its batch
 times.  Ratios are medians over passes of per-pass ratios (paired: the two
-methods read the same batches, interleaved).  Targets (issue 3): direct >=
+methods read the same batches, interleaved).  Targets: direct >=
 0.9x the O_DIRECT floor, and >= 2.5x mmap demand paging; the 2.5x verdict is
 against the fastest of ``mmap``, ``mmap2x`` and ``mmap1`` in each pass.
 ``floor / fastest mmap`` is printed too: no reader can beat the floor, so where it is under 2.5x the
@@ -387,7 +387,7 @@ def measure(args, path, stride, keys, offset, crcs, total) -> int:
         verdicts.append((p, "direct >= 0.9x floor", r_floor, r_floor >= 0.9))
         verdicts.append((p, "direct >= 2.5x fastest mmap", r_mmap, r_mmap >= 2.5))
     print("(ratios: medians over passes of per-pass ratios)\n")
-    # Issue 3's targets are about cold *misses*, which arrive in routing order; the file-order
+    # The targets are about cold *misses*, which arrive in routing order; the file-order
     # scan is printed for what it shows (mmap's best case), not judged.
     for p, what, x, ok in sorted(verdicts, key=lambda v: v[0] == "routed"):    # targets last
         judged = p == "routed"

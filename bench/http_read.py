@@ -23,7 +23,7 @@ disk).  In one run, interleaved rep by rep in rotating order:
           (``--read-mode buffered``, page cache dropped before each pass).
 
 Reported: GB/s per method (median over reps) and ratios (median of per-rep ratios).
-Targets (issue 4): k3d >= 0.8x floor, >= 3x naive; disk >= 0.8x packed.
+Targets: k3d >= 0.8x floor, >= 3x naive; disk >= 0.8x packed.
 """
 
 from __future__ import annotations

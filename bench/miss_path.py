@@ -19,7 +19,7 @@ the last completion.  Daemon and floor alternate round by round; each rep's
 figure is the median of its rounds; the result is the median over reps (the
 ratio: the median of the per-rep ratios).
 
-Target (issue 2, point 13): daemon >= 0.8x the floor.
+Target: daemon >= 0.8x the floor.
 """
 
 from __future__ import annotations

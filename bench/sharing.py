@@ -12,7 +12,7 @@ hold their views, this process reads each one's PSS, USS and RSS from
 ``/proc/PID/smaps_rollup`` (psutil ``memory_full_info``).  The daemon maps the
 arena too, so each shared page is split over clients + 1 processes.
 
-Target (issue 2, point 13): sum of the clients' PSS <= arena + clients x 150 MiB
+Target: sum of the clients' PSS <= arena + clients x 150 MiB
 (each process reads the arena, none holds a copy).  Repeated ``--reps`` times
 with fresh client processes; the median sum is reported.
 """

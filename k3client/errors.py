@@ -3,7 +3,7 @@
 Every error that crosses the wire is a ``(code, message)`` pair; ``code`` picks
 the exception class on the client side (``from_wire``), ``message`` is a single
 line a person can act on.  The daemon raises these same classes internally and
-one place in the server (``Server._handle``) turns them into error replies
+one place in the daemon's request loop (``k3d.serve.loop``) turns them into error replies
 (any other exception there becomes a plain ``K3Error`` "internal error" reply).
 Plain classes, no state: used from any thread.
 """

@@ -64,6 +64,7 @@ from .errors import BadRequest
 
 PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 20
+MAX_REPLY_BYTES = 64 * MAX_MESSAGE_BYTES    # a client's socket accepts no larger message (ZMQ_MAXMSGSIZE)
 MAX_KEYS = 4096          # keys in one fetch/predict
 MAX_STR = 4096
 MAX_CONTAINER = 4 * MAX_KEYS

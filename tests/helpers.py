@@ -11,6 +11,9 @@ A worker script started as a subprocess adds ``TESTS`` to its own path first.
   time: it returns the first truthy value of ``cond()`` and fails with ``what`` (a
   string, or a callable giving one, e.g. a daemon's log) when ``timeout`` passes first.
   An exception ``cond`` raises (a daemon that exited) ends the wait at once.
+- ``lru_order(policy, slot_key)`` and ``policy_state(policy, slot_key)`` read a cache
+  policy through the surface the store uses (``ranking``, ``export``): the recency order
+  of an LRU policy, and a comparable picture of any policy's state.
 - ``reference(ckpt)`` reads a checkpoint's tensors with ``safetensors.safe_open``, the
   reference reader every served byte is compared with; ``expert_bytes`` assembles from
   it one expert's image as a slot holds it (tensors at their layout offsets), and
@@ -85,6 +88,20 @@ def poll_for(cond: Callable[[], Any], timeout: float = 5.0, what: str | Callable
                 return value
             raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
         time.sleep(interval)
+
+
+# -- a cache policy, through its public surface ---------------------------------------
+def lru_order(policy, slot_key) -> list[int]:
+    """An LRU policy's resident slots, least recently requested first (the next victim
+    first, pins aside).  ``slot_key``: slot -> key, as ``Store.slot_key`` holds it."""
+    slot_of = {k: s for s, k in enumerate(slot_key) if k is not None}
+    return [slot_of[k] for k in reversed(policy.ranking(slot_key))]
+
+
+def policy_state(policy, slot_key) -> tuple:
+    """What a policy would do next, in comparable form: its ranking of the keys and the
+    statistics it exports (equal before and after: the request changed nothing in it)."""
+    return policy.ranking(slot_key), policy.export()
 
 
 # -- reference bytes -----------------------------------------------------------------

@@ -9,7 +9,7 @@ layer into the per-expert layout the daemon would serve:
   the daemon names it by what follows the experts prefix, so a daemon name matches
   a stacked key that ends with ``.{name}``.
 
-Daemon side: ``hello``'s layout (per layer where it says so), the layers and the
+Daemon side: the client's ``layout_of(layer)`` (what ``hello`` said), the layers and the
 expert count it serves.  ``check`` compares layers, experts, names, dtypes and
 shapes and raises ``Mismatch`` with one line naming both sides.  Two checkpoints
 of one architecture with equal shapes (a fine-tune) pass: the daemon does not
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-
-from ..layout import TensorSpec
 
 PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(.+)$")
 
@@ -51,17 +49,6 @@ def local_layers(keys_by_layer: dict[int, list[tuple[str, str, tuple]]]) -> dict
                 ll.stacked[key] = (dtype, tuple(shape[1:]), int(shape[0]) if shape else 0)
         out[layer] = ll
     return out
-
-
-def _daemon_layout(client, layer: int) -> list:
-    """The layout the daemon serves for ``layer``: per layer where it says so, else the one layout."""
-    per_layer = getattr(client, "layouts", None)
-    if isinstance(per_layer, dict) and layer in per_layer:
-        return per_layer[layer]
-    for group in (client.model or {}).get("layouts") or ():     # [[layers], [spec wire...], types]
-        if layer in group[0]:
-            return [TensorSpec.from_wire(w) for w in group[1]]
-    return client.layout
 
 
 def _served_layers(model: dict) -> tuple[list[int] | None, list[int], int | None]:
@@ -96,7 +83,7 @@ def check(client, path: str, local: dict[int, LocalLayer], num_experts: int) -> 
                        f"({len(layers) * num_experts} experts, {num_experts} per layer); {fix}")
     for layer in layers:
         ll = local[layer]
-        served = sorted((s.name, s.dtype, tuple(s.shape)) for s in _daemon_layout(client, layer))
+        served = sorted((s.name, s.dtype, tuple(s.shape)) for s in client.layout_of(layer))
         mine = _match(ll, served, num_experts)
         if mine != served:
             raise Mismatch(f"{where} with layer {layer} experts [{_fmt(served)}], not {path} "

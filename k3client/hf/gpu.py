@@ -52,7 +52,3 @@ def host_unregister(mm) -> None:
     addr = address_of(mm)
     if _registered.pop(addr, None) is not None:
         torch.cuda.cudart().cudaHostUnregister(addr)
-
-
-def is_registered(mm) -> bool:
-    return address_of(mm) in _registered

@@ -106,7 +106,7 @@ def _bind_layers(model, plan: _Plan, model_type: str) -> None:
     client = plan.client
     for name, mod in experts_modules(model).items():
         layer = _layer_of(name)
-        layout = fingerprint._daemon_layout(client, layer)
+        layout = client.layout_of(layer)
         names = tuple(s.name for s in layout)
         fam = families.family_for(mod, model_type, set(names))
         dtype = next(p.dtype for _, p in mod.named_parameters(recurse=False))

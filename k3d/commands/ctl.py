@@ -123,7 +123,7 @@ def render(st: dict) -> str:
         f"{r['recent_bps'] / 1e6:.1f} MB/s last 10s, {r['threads']} readers, "
         f"queued {r['queued_urgent']} urgent / {r['queued_background']} background",
         f"errors  {s['errors']} failed reads, {s['bad_requests']} bad requests, {s['cache_full']} cache full, "
-        f"{s['clients_dead']} dead clients",
+        f"{s['clients_dead']} dead clients, {s.get('replies_dropped', 0)} replies dropped",
     ]
     pq = st.get("prediction")
     if pq:      # prediction quality, in total and per client (k3d.observe.quality)

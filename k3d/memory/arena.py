@@ -24,10 +24,9 @@ Huge pages (``--hugepages``): the memfd is ``MFD_HUGETLB`` (the default huge
 page size, 2 MiB on x86-64), its size rounded up to whole huge pages; slots
 keep their 4096-aligned stride inside it.  Seals and the clients' read-only
 mapping work as above.  Why: an O_DIRECT read into the arena is as fast as its
-pages are physically contiguous (a virtio request carries at most 254
-segments; on this VM 4 KiB pages scattered page by page read at half the speed
-of contiguous ones), and 4 KiB shmem pages are contiguous or not by the luck of
-the free lists; huge pages are contiguous by construction.  They come from the
+pages are physically contiguous (a virtio request carries a bounded number of
+segments: bench/README.md, "huge pages"), and 4 KiB shmem pages are contiguous or
+not by the luck of the free lists; huge pages are contiguous by construction.  They come from the
 pool the administrator reserved (``vm.nr_hugepages``), are not charged to the
 memory cgroup and are never swapped.
 
@@ -112,7 +111,7 @@ class Arena:
                 try:
                     self.thp_bytes, self.thp_why = collapse(self.fd, self.mapped, tick)
                 except OSError as e:
-                    # a seed page that does not fit: the full reservation below says why
+                    # a region's first page does not fit: the full reservation below says why
                     self.thp_why = e.strerror
             try:
                 os.posix_fallocate(self.fd, 0, self.mapped)
@@ -136,7 +135,7 @@ class Arena:
             raise
 
     def _prefault(self, progress):
-        """Touch every page now: first-touch faults are slow here (~1 GB/s)."""
+        """Touch every page now, so that no first-touch fault (slow) lands on a read later."""
         chunk = 64 * 2**20           # progress every 64 MiB: ~10 % steps from a 640 MiB arena up
         t0 = time.monotonic()
         pages = np.frombuffer(self.mm, dtype=np.uint8)

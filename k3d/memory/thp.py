@@ -1,9 +1,9 @@
 """Transparent huge pages for the arena's memfd, with no reservation by the administrator.
 
 Why: an O_DIRECT read into the arena is as fast as the slot's pages are
-physically contiguous (on this VM a virtio request carries at most 254
-segments: 13 MB into scattered 4 KiB pages reads at ~1.9 GB/s, into 2 MiB runs
-at ~2.7 GB/s), and 4 KiB shmem pages are contiguous or not by the luck of the
+physically contiguous (a virtio request carries a bounded number of segments, so
+scattered 4 KiB pages split a read into more requests; bench/README.md,
+"huge pages"), and 4 KiB shmem pages are contiguous or not by the luck of the
 free lists.  ``--hugepages`` fixes that with hugetlb pages, which someone must
 reserve first; this module gets the same 2 MiB runs from ordinary memory.
 
@@ -12,9 +12,9 @@ mapping with PMD-sized folios; for a shmem file those folios belong to the
 *file*, so every mapping of it, at any address (the daemon's own writable one,
 the clients' read-only ones), reads and DMAs into the same 2 MiB runs, even
 where it maps them with 4 KiB page-table entries.  MADV_COLLAPSE ignores the
-sysfs THP policy except ``deny`` (``shmem_enabled`` is ``never`` on this VM and
-it still works).  Its range must be mapped at a PMD-aligned address, which
-Python's ``mmap`` cannot ask for, so ``collapse`` maps the fd a second time
+sysfs THP policy except ``deny`` (it works with ``shmem_enabled`` at ``never``).
+Its range must be mapped at a PMD-aligned address, which Python's ``mmap``
+cannot ask for, so ``collapse`` maps the fd a second time
 through libc at an aligned address inside a PROT_NONE reservation, collapses
 PMD region by PMD region (to count what succeeded), and unmaps it again: no
 Python object ever sees that mapping.
@@ -24,8 +24,8 @@ inside ``length`` become one huge folio each where the kernel finds a free
 2 MiB block (it compacts to make one); the tail after the last whole region,
 and any region it could not collapse, stay 4 KiB pages.  Before collapsing,
 each region gets one 4 KiB page (``posix_fallocate``): a region with no page
-cannot be collapsed, and one with all 512 would be copied page by page
-(measured: 2 GiB in 0.6-2.5 s seeded vs 5.8 s fully allocated).
+cannot be collapsed, and one with all 512 would be copied page by page (several
+times slower; bench/README.md, "huge pages").
 
 Best effort: on a kernel without MADV_COLLAPSE, with ``shmem_enabled=deny``,
 or short of free 2 MiB blocks, fewer regions (or none) are collapsed and the
@@ -110,7 +110,7 @@ def collapse(fd: int, length: int, progress=None) -> tuple[int, str]:
     if not whole:
         return 0, f"the arena is smaller than one {pmd >> 20} MiB region"
     for off in range(0, whole, pmd):
-        os.posix_fallocate(fd, off, mmap.PAGESIZE)   # see the module docstring: a seed per region
+        os.posix_fallocate(fd, off, mmap.PAGESIZE)   # one page per region: see the module docstring
     libc = _libc()
     # reserve whole + pmd of address space so an aligned start fits, then map the file there
     span = whole + pmd

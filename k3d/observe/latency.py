@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 
 RESULTS = ("hit", "miss", "waited")
-# 50 µs .. 10 s: a hit is ~150 µs here, a warm miss a few ms, a cold remote one seconds.
+# 50 µs .. 10 s: from a hit (a round trip) through a warm miss (a memory copy) to a cold remote read.
 BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
            0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

@@ -54,6 +54,8 @@ HELP = {
     "late_hits": "client hits reported after the key had left its slot (the slot waited for reuse)",
     "slots_busy": "fetches told to retry: the slots they needed waited until other clients' views ended",
     "evicted_ahead": "evictions made ahead of misses while several clients answer hits themselves",
+    "replies_dropped": "replies not sent as they were: the client's queue was full (it is not reading), "
+                       "or the reply could not be encoded (an error reply went instead)",
 }
 ARENA_GAUGES = {   # metric name: (status arena field, help)
     "k3d_arena_slots": ("slots", "slots in the arena"),

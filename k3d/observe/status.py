@@ -5,7 +5,8 @@ sections may be added, existing fields keep their meaning):
 - top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``,
   ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
 - ``arena``: sizes, plus the store's gauges (``used``, ``pinned``, ``loading``, ``free``);
-- ``stats``: the monotonic counters (``stats.Counters``);
+- ``stats``: the monotonic counters (``stats.Counters``, and ``replies_dropped``: replies
+  ZeroMQ would not take, counted by ``wire.Replies``);
 - ``fetch_seconds``: the fetch latency histogram by result (``latency.py``);
 - ``readers``: threads, queued parts, held-back parts, throughput;
 - ``reuse``: evicted slots waiting until no client can read them (``waiting``, its
@@ -49,7 +50,7 @@ def build(srv, now: float) -> dict:
                   "slot_bytes": srv.arena.slot_bytes, "expert_bytes": srv.source.expert_bytes,
                   "page_bytes": srv.arena.page_bytes,
                   "thp_bytes": srv.arena.thp_bytes, **srv.store.gauges()},
-        "stats": st.as_dict(),
+        "stats": {**st.as_dict(), "replies_dropped": srv.replies.dropped},
         "policy": srv.cfg.policy,
         "prediction": prediction_section(srv.store, [s.client_id for s in srv.sessions]),
         "warm": srv.warm.status(srv.store),

@@ -19,9 +19,9 @@ Fields are separated by single spaces::
 - The counters on a fetch line are what the daemon counted for that fetch: misses,
   evictions, keys waited on, keys served by a prediction, and the client's
   predictions found unused at its last ``begin_token``.
-- The seed's format (no ``c=``/``t=``, no ``begin`` lines, ids comma-joined or
-  space-separated) still parses: one client, and a new token begins where the
-  layer does not increase.
+- Lines without ``c=``/``t=`` (the first trace format: no ``begin`` lines, ids
+  comma-joined or space-separated) still parse: one client, and a new token begins
+  where the layer does not increase.
 
 ``parse`` raises ``TraceError`` naming the line number of the first malformed line.
 
@@ -161,8 +161,8 @@ def parse(lines, name: str = "trace") -> list[Event]:
         if parsed is None:
             continue
         us, client, ep, kind, keys, recorded = parsed
-        seed = client is None
-        client = 0 if seed else client
+        untagged = client is None          # the first format: one client, no begin lines
+        client = 0 if untagged else client
         if kind == BEGIN:
             events.append(Event(BEGIN, client, us=us))
             epoch[client] = (ep if ep is not None else epoch.get(client, 0)) + 1
@@ -177,7 +177,7 @@ def parse(lines, name: str = "trace") -> list[Event]:
             if client in epoch and ep > epoch[client]:
                 events.append(Event(BEGIN, client, us=us))
             epoch[client] = ep
-        elif kind == FETCH and seed and client in last_layer and keys[0][0] <= last_layer[client]:
+        elif kind == FETCH and untagged and client in last_layer and keys[0][0] <= last_layer[client]:
             events.append(Event(BEGIN, client, us=us))
         if kind == FETCH:
             last_layer[client] = keys[0][0]

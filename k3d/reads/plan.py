@@ -16,11 +16,10 @@ def readers_for(kind: str, cpus: int | None) -> int:
 
     - ``safetensors`` / ``gguf`` (buffered reads, the page cache usually warm): a
       warm miss is a memory copy, CPU-bound, and more threads than 2 per core only
-      contend (2 cores here: 0.65-0.72x raw preadv with 8 readers, 0.75-0.90x with
-      4), so 2 per CPU, 2 to 8.
+      contend, so 2 per CPU, 2 to 8.
     - ``packed`` (O_DIRECT, or buffered and dropped after reading: always cold),
-      ``http`` / ``s3`` / remote: latency-bound, so COLD_READERS requests in flight
-      (1 MiB requests: 8 read faster than 4 on the disk here, 16 no faster).
+      ``http`` / ``s3`` / remote: latency-bound, so COLD_READERS requests in flight.
+    bench/README.md ("reader threads") has the measurements behind both.
     """
     if kind in ("safetensors", "gguf"):
         return max(2, min(COLD_READERS, 2 * (cpus or 1)))

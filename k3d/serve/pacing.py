@@ -13,7 +13,9 @@ the thread that spent them (``time.thread_time``): the server loop's handling
 of its requests and the reader threads' reads for its loads.  Usage decays
 exponentially with time constant ``TAU`` seconds, so ``usage / TAU`` is a
 moving CPU rate.  Because every client's usage decays alike, the total decays
-alike too and is kept in one number (exact, O(1) per charge).
+alike too and is kept in one number (exact).  Cost: ``charge`` is O(1);
+``delay`` and ``active`` are O(attached clients): they scan every client's usage
+for the ones active now.
 
 Rule: while ``n`` clients are active (charged within ``ACTIVE`` seconds) and
 ``n > share``, a client may use at most ``share`` times the average client's

@@ -9,9 +9,16 @@ clients' decode limits).
 
 ``open_endpoint`` binds the socket (the daemon, before start-up);
 ``decode`` and ``keys`` raise the typed errors of ``k3client.errors``; the
-server's ``_handle`` turns them into replies.  A reply to a peer that is gone
-(ROUTER_MANDATORY) or flooding is dropped with a debug line: nothing a client
-does stops the loop.
+loop turns them into replies.  ``Replies`` never waits to send (nothing a
+client does stops the loop), so a reply ZeroMQ will not take is dropped:
+- to a peer that is gone (ROUTER_MANDATORY): nobody waits for it; a debug line;
+- to a peer whose queue is at the send high-water mark (it is not reading its
+  replies): counted (``dropped``, status ``stats.replies_dropped``) and logged
+  as a warning, once per peer until a reply to it gets through again.  No error
+  reply can reach it then: its queue is the one that is full;
+- a reply that cannot be encoded, or is larger than a client's socket accepts
+  (``MAX_REPLY_BYTES``), would leave its client waiting its whole timeout: an
+  error reply with the same id goes instead, counted and logged too.
 
 Thread: the server thread owns the socket once the start-up responder
 (``service/starting.py``) has handed it over; these functions keep no state.
@@ -19,6 +26,7 @@ Thread: the server thread owns the socket once the start-up responder
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -29,6 +37,7 @@ from k3client.errors import BadRequest, K3Error, ProtocolMismatch, UnknownExpert
 from k3client.protocol import (
     MAX_KEYS,
     MAX_MESSAGE_BYTES,
+    MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
     pack,
     unpack,
@@ -150,10 +159,13 @@ def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], lis
 
 
 class Replies:
-    """Sends replies on the ROUTER socket, stamped with this run's ``gen``."""
+    """Sends replies on the ROUTER socket, stamped with this run's ``gen``; ``dropped``
+    counts the replies that did not go as they were (see the module docstring)."""
 
     def __init__(self, sock: zmq.Socket, gen: int):
         self.sock, self.gen = sock, gen
+        self.dropped = 0
+        self._full: set[bytes] = set()     # peers warned of a full queue, until a reply gets through
 
     def ok(self, routing: bytes, rid, fields: dict) -> None:
         reply = {"id": rid, "ok": True, "gen": self.gen}
@@ -169,6 +181,29 @@ class Replies:
 
     def _send(self, routing: bytes, reply: dict) -> None:
         try:
-            self.sock.send_multipart([routing, pack(reply)], zmq.NOBLOCK)
-        except zmq.ZMQError as e:   # peer gone (ROUTER_MANDATORY) or flooding
-            log.debug("dropping reply to a gone peer: %s", e)
+            data = pack(reply)
+            why = f"{len(data)} bytes, more than a client accepts ({MAX_REPLY_BYTES})" \
+                if len(data) > MAX_REPLY_BYTES else None
+        except (TypeError, ValueError, OverflowError) as e:   # msgpack's refusals: a bug in a handler
+            why = f"not encodable ({type(e).__name__}: {e})"[:300]
+        if why is not None:
+            self.dropped += 1
+            log.error("reply to request %r not sent, an error reply goes instead: %s", reply.get("id"), why)
+            data = pack({"id": reply.get("id"), "ok": False, "gen": self.gen, "error": {
+                "code": K3Error.code, "message": f"internal error in k3d: the reply could not be sent ({why})"}})
+        try:
+            self.sock.send_multipart([routing, data], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:     # the peer is gone (ROUTER_MANDATORY): nobody waits
+                log.debug("dropping a reply to a peer that is gone")
+                return
+            self.dropped += 1                     # the send high-water mark: the peer is not reading
+            if routing not in self._full:
+                if len(self._full) > 1024:        # peers that left while flooding: forget them
+                    self._full.clear()
+                self._full.add(routing)
+                log.warning("dropping replies to a client whose queue is full (it is not reading its "
+                            "replies; %d dropped in all so far): %s", self.dropped, e)
+            return
+        if self._full:
+            self._full.discard(routing)

@@ -1,11 +1,11 @@
 """CRC-32 (zlib's polynomial) of expert bytes: the checksum of packed files and the disk tier.
 
 Every expert read from a packed file or the disk tier is checksummed before it
-is served, so this sits on the cold-miss path: zlib's crc32 runs at ~4-5 GB/s
-here, about a fifth of a cold batch's time on a fast disk; zlib-ng's
-(``zlib-ng`` on PyPI, a declared dependency) computes the same function with
-PCLMUL/VPCLMUL at ~30 GB/s and, like zlib's, releases the GIL, so reader
-threads checksum in parallel.  zlib's is the fallback where zlib-ng cannot be
+is served, so this sits on the cold-miss path, where zlib's crc32 is a
+noticeable share of a cold batch's time on a fast disk; zlib-ng's (``zlib-ng``
+on PyPI, a declared dependency) computes the same function with PCLMUL/VPCLMUL,
+several times faster, and, like zlib's, releases the GIL, so reader threads
+checksum in parallel (bench/README.md, "checksums").  zlib's is the fallback where zlib-ng cannot be
 imported: the values are identical, so files written with one verify with the
 other.
 
@@ -16,9 +16,7 @@ thread that completes the expert combines the parts' crcs.
 ``CrcPipeline`` takes the checksum off a reader's critical path: a companion
 thread folds piece k into the running crc while its reader already waits on
 piece k+1's read, so the reader's requests go out back to back as a raw
-reader's would (measured: checksumming in line cost a cold O_DIRECT batch
-~6 % against raw preads, in a pipeline ~1-3 %).  Only the last piece's crc is
-left after the last read.
+reader's would.  Only the last piece's crc is left after the last read.
 
 Thread-safety: ``crc32``, ``crc32_combine`` and ``crc32_of_parts`` are pure.  A ``CrcPipeline``
 belongs to one caller thread at a time (``feed``/``finish`` from that thread

@@ -95,11 +95,9 @@ FORMAT = "k3d-pack"
 VERSION = 2                     # written when layers' layouts differ; uniform packs stay version 1
 MAX_HEADER = 1 << 30
 READ_MODES = ("buffered", "direct")
-# Bytes per read request (and checksummed piece).  Measured on this VM's virtio disk
-# (cold, O_DIRECT into 2 MiB pages, batches of four 13.2 MB experts, requests of each
-# size interleaved): 4 threads x 4 MiB 2.24 GB/s, 4 x 1 MiB 2.42, 8 x 1 MiB 2.48,
-# 16 x 512 KiB 2.58: more, smaller requests in flight beat fewer large ones, and 1 MiB
-# keeps the checksum left after a piece's last read short.  With the default 8 readers.
+# Bytes per read request (and checksummed piece): more, smaller requests in flight
+# read a cold disk faster than fewer large ones, and a small piece keeps the checksum
+# left after its last read short (bench/README.md, "request size").
 CHUNK = 1 << 20
 
 

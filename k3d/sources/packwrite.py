@@ -41,8 +41,6 @@ from .base import PAGE, Source, SourceError
 from .checksum import crc32
 from .packed import FORMAT, MAGIC, PARTIAL, VERSION
 
-_TMPFILE = True                 # write packs as O_TMPFILE where the file system can (tests turn it off)
-
 
 class _Progress:
     """A progress bar on stderr: redrawn in place on a terminal, a line per 10% otherwise."""
@@ -103,7 +101,7 @@ def _create(out: str) -> tuple[int, str | None]:
     O_TMPFILE makes a file with no name until ``_publish`` links it in, so a killed
     pack leaves nothing behind and two packs to one OUT never share a file.  Where
     the file system lacks it: ``OUT.partial``, refused by ``read_header``."""
-    if _TMPFILE and os.path.isdir("/proc/self/fd"):      # linkat needs /proc to name the fd
+    if os.path.isdir("/proc/self/fd"):      # linkat needs /proc to name the fd
         try:
             return os.open(os.path.dirname(os.path.abspath(out)),
                            os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644), None

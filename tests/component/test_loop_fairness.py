@@ -3,22 +3,29 @@
 Two raw DEALER clients queue requests before the loop runs: one floods big
 requests (512 keys each), the other sends small ones.  The loop must serve the
 small client's requests in the turns between the big ones, by cost, not one
-for one in arrival order.  The order is observed at ``Server._handle``.
+for one in arrival order.
+
+Delivery is certain, not waited for: the clients reach the loop's ROUTER over
+``inproc`` (bound beside its ipc endpoint), where a message is in the ROUTER's
+queue when ``send`` returns, so the loop sees all of them waiting on its first
+pass.  The order is read from the replies: the big requests come without hello
+(each is refused, one ``bad_requests`` apiece) and the small ones ask for
+``status``, whose counters say how many big requests were served before it.
 """
 
 from __future__ import annotations
 
 import tempfile
 import threading
-import time
 
 import zmq
 
 from conftest import SCRATCH
-from k3client.protocol import PROTOCOL_VERSION, pack
+from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 from k3d.config import DEFAULT_PATTERN, resolve
 from k3d.memory.arena import Arena
 from k3d.serve.loop import Server
+from k3d.serve.wire import open_endpoint
 from k3d.service.daemon import size_arena
 from k3d.sources.safetensors import SafetensorsSource
 
@@ -29,44 +36,35 @@ def test_a_flood_of_big_requests_does_not_starve_small_ones(checkpoint):
     src = SafetensorsSource(checkpoint, DEFAULT_PATTERN)
     n, sb = size_arena(cfg, src.expert_bytes)
     arena = Arena(n, sb)
-    srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
-    order = []
-    handle = srv._handle
-
-    def observed(routing, *rest):
-        order.append(routing)
-        return handle(routing, *rest)
-    srv._handle = observed
     ctx = zmq.Context()
+    router = open_endpoint(ctx, cfg.endpoint)
+    router.bind("inproc://fairness")
+    srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena", sock=router)
     big, small = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    big.setsockopt(zmq.ROUTING_ID, b"big")
-    small.setsockopt(zmq.ROUTING_ID, b"small")
-    for s in (big, small):
+    for s, name in ((big, b"big"), (small, b"small")):
+        s.setsockopt(zmq.ROUTING_ID, name)
         s.setsockopt(zmq.LINGER, 0)
-        s.connect(cfg.endpoint)
+        s.connect("inproc://fairness")
     keys = [[0, e % 16] for e in range(512)]
     for i in range(20):       # queued before the loop runs: it sees them all waiting
         big.send(pack({"v": PROTOCOL_VERSION, "op": "predict", "id": i, "keys": keys}))
     for i in range(20):
-        small.send(pack({"v": PROTOCOL_VERSION, "op": "predict", "id": i, "keys": [[0, 1]]}))
-    time.sleep(0.5)           # let ZeroMQ's I/O thread deliver them to the ROUTER
+        small.send(pack({"v": PROTOCOL_VERSION, "op": "status", "id": i}))
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     try:
-        for s in (big, small):
-            for _ in range(20):
-                assert s.poll(10000)
-                s.recv()
-        assert len(order) == 40
+        refused = [unpack(big.recv()) for _ in range(20) if big.poll(10000)]
+        served = [unpack(small.recv()) for _ in range(20) if small.poll(10000)]
+        assert len(refused) == 20 and all(r["error"]["code"] == "not_attached" for r in refused), refused[:1]
+        assert len(served) == 20 and all(r["ok"] for r in served)
+        before = [r["status"]["stats"]["bad_requests"] for r in served]   # big ones served before each
         # every small request is served before the flood's fourth big one (arrival order, or
         # one for one, would put the last small one after the 19th big one)
-        last_small = max(i for i, r in enumerate(order) if r == b"small")
-        assert order[:last_small].count(b"big") <= 3, order
+        assert before[-1] <= 3, before
     finally:
-        srv.request_stop()
-        t.join(10)
         big.close()
         small.close()
-        ctx.term()
+        srv.request_stop()
+        t.join(10)
         arena.close()
         src.close()

@@ -1,5 +1,5 @@
 """Offline restart: a remote source with a disk tier starts from its kept headers while the origin
-is down, serves what the disk holds, and fetches the rest once the origin answers again (issue 14).
+is down, serves what the disk holds, and fetches the rest once the origin answers again.
 
 The origin is the project's fault server (``tests/faulty_http.py``), stopped and started again on
 the same port; every expert served is compared with ``safetensors.safe_open``.

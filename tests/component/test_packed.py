@@ -298,10 +298,16 @@ def _killed_pack(checkpoint, out, tmpfile: bool, at: str):
     read), "publish" (data and header written and fsynced, not yet named OUT) or
     "rename" (the finished file linked beside an existing OUT, not yet renamed over it)."""
     code = textwrap.dedent(f"""
-        import os, signal
+        import errno, os, signal
         import k3d.sources.packwrite as packed
         from k3d.sources import open_source
-        packed._TMPFILE = {tmpfile!r}
+        if not {tmpfile!r}:             # a file system without O_TMPFILE, as the kernel says it
+            real_open = os.open
+            def no_tmpfile(path, flags, *a, **k):
+                if flags & os.O_TMPFILE == os.O_TMPFILE:
+                    raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+                return real_open(path, flags, *a, **k)
+            os.open = no_tmpfile
         src = open_source({checkpoint!r}, {DEFAULT_PATTERN!r})
         real, n = src.read, [0]
         def read(ext, slot):

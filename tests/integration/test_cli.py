@@ -1,4 +1,4 @@
-"""Integration: what a person typing ``k3d`` / ``k3ctl`` sees (issue 14, CLI polish and live view)."""
+"""Integration: what a person typing ``k3d`` / ``k3ctl`` sees (help, errors, the live view)."""
 
 import json
 import os

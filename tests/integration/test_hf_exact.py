@@ -8,7 +8,7 @@ the reference is the same checkpoint loaded by transformers with
 import pytest
 from hf_common import checkpoint, daemon_args, eager, prompt, torch
 
-# the four named by issue 12, then two computed because their eager loop is Mixtral's (checked by source)
+# the four families first supported, then two computed because their eager loop is Mixtral's (checked by source)
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "phimoe"]
 
 

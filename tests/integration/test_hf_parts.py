@@ -18,9 +18,12 @@ from k3client.hf.gpu import address_of  # noqa: E402
 from k3client.layout import TensorSpec  # noqa: E402
 
 
-class FakeClient:        # the three attributes fingerprint.check reads from a connected client
+class FakeClient:        # what fingerprint.check reads from a connected client
     def __init__(self, layout, model):
         self.layout, self.model, self.endpoint = layout, model, "ipc:///x"
+
+    def layout_of(self, layer):
+        return self.layout
 
 
 def _per_expert(layers, experts, shapes):

@@ -1,4 +1,4 @@
-"""Integration: ``k3d start --disk-cache`` while the HTTP origin is down (issue 14, offline restart)."""
+"""Integration: ``k3d start --disk-cache`` while the HTTP origin is down (offline restart)."""
 
 import glob
 import json

@@ -25,7 +25,7 @@ SHARED = str(Path(__file__).resolve().parents[2] / "traces" / "mixtral8x7b-gsm8k
 
 
 def test_shared_trace_figures_and_targets():
-    """The issue's anchors (OPT exactly as measured there) and the default's targets."""
+    """Anchors (OPT exactly as first measured on this trace) and the default's targets."""
     ev = parse(Path(SHARED).read_text().splitlines())
     lru = {s: run(ev, "lru", s).hit_rate for s in (64, 100, 128, 192)}
     cyc = {s: run(ev, "cycle", s).hit_rate for s in (64, 100, 128, 192)}

@@ -1,11 +1,18 @@
-"""Integration: a starting daemon is visible (issue 14, start-up you can see)."""
+"""Integration: a starting daemon is visible, and clients can wait for it.
+
+The daemon runs under ``GATED_DAEMON``: the real CLI, held at its first
+pre-fault step until the test creates a gate file, and saying in its log whom
+its start-up responder answered.  So "still starting" and "a client was
+already waiting" are states the test reaches on purpose, never races it may
+lose: nothing here depends on how fast this machine pre-faults an arena.
+"""
 
 import json
 import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
@@ -15,58 +22,126 @@ from helpers import poll_for, run_module
 LINE = re.compile(r"^starting: (opening the source|sizing the arena|collapsing the arena into huge pages|"
                   r"pre-faulting the arena)( [\d.]+/[\d.]+ (GiB|MiB) \(\d+ %\)(, ~\d+ s left)?)?$")
 
+# ``k3d start`` held at its first pre-fault step (after that step's progress is published)
+# until the file argv[1] exists; its start-up responder logs "gate: answered OP from NAME".
+GATED_DAEMON = r"""
+import os, sys, time
+gate = sys.argv.pop(1)
+from k3d.memory.arena import Arena
+from k3d.service.starting import StartupResponder
+from k3client.protocol import unpack
+
+prefault = Arena._prefault
+def held_prefault(self, progress):
+    def tick(done, total, seconds, what):
+        progress(done, total, seconds, what)
+        if not os.path.exists(gate):
+            print("gate: holding at", what, done, "of", total, file=sys.stderr, flush=True)
+            while not os.path.exists(gate):
+                time.sleep(0.01)
+    return prefault(self, tick)
+Arena._prefault = held_prefault
+
+answer = StartupResponder._answer
+def logged_answer(self, routing, frames):
+    answer(self, routing, frames)
+    try:
+        msg = unpack(frames[0])
+        print(f"gate: answered {msg.get('op')} from {msg.get('name')}", file=sys.stderr, flush=True)
+    except Exception:
+        pass
+StartupResponder._answer = logged_answer
+
+from k3d.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
 
 def k3ctl(*args):
     """``k3ctl status ARGS``."""
     return run_module("k3d.commands.ctl", "status", *args, timeout=30)
 
 
-def wait_for(pred, what, timeout=60):
-    poll_for(pred, timeout, what, interval=0.02)
+def start_gated(start_daemon, checkpoint, tmp_path, **kw):
+    """A gated daemon (a 1 GiB arena in plain pages: 16 pre-fault steps) and its gate file."""
+    gate = tmp_path / "gate"
+    d = start_daemon(checkpoint, "--arena", "1GiB", "--no-thp", wait_ready=False,
+                     launcher=[sys.executable, "-c", GATED_DAEMON, str(gate)], **kw)
+    return d, gate
 
 
-def test_status_and_clients_while_starting(checkpoint, start_daemon):
-    d = start_daemon(checkpoint, "--arena", "2GiB", wait_ready=False)
-    r = None
+def in_log(d, text):
+    """``text`` is in the daemon's log (RuntimeError with the log if it exited)."""
+    if text in d.log():
+        return True
+    if d.proc.poll() is not None:
+        raise RuntimeError(f"daemon exited {d.proc.returncode}:\n{d.log()}")
+    return False
 
-    def answered_starting():
-        nonlocal r
-        r = k3ctl("--endpoint", d.endpoint)
-        assert d.proc.poll() is None, d.log()
-        return r.returncode == 3 or "k3d: ready" in d.log()
 
-    wait_for(answered_starting, "no starting status")
-    if r.returncode != 3:
-        pytest.skip("the 2 GiB arena was ready before k3ctl could ask")
-    assert LINE.match(r.stdout.strip()), r.stdout
+def test_status_and_clients_while_starting(checkpoint, start_daemon, tmp_path):
+    d, gate = start_gated(start_daemon, checkpoint, tmp_path)
+    poll_for(lambda: in_log(d, "gate: holding at pre-faulting"), 60, lambda: f"the gate:\n{d.log()}")
+
+    r = k3ctl("--endpoint", d.endpoint)
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert LINE.match(r.stdout.strip()) and "pre-faulting the arena" in r.stdout, r.stdout
     j = k3ctl("--endpoint", d.endpoint, "--json")
-    if j.returncode == 3:
-        st = json.loads(j.stdout)
-        assert st["state"] == "starting" and st["pid"] == d.pid and "phase" in st
-        with pytest.raises(k3client.Starting, match="is starting .*connect\\(wait=SECONDS\\)"):
-            k3client.connect(d.endpoint, name="eager")
-    with k3client.connect(d.endpoint, name="patient", wait=120) as c:   # waits until ready
-        assert "k3d: ready" in d.log()
-        assert c.fetch(0, [1])[0].expert == 1
+    assert j.returncode == 3
+    st = json.loads(j.stdout)
+    assert st["state"] == "starting" and st["pid"] == d.pid
+    assert st["phase"] == "pre-faulting the arena" and 0 < st["done"] < st["total"]
+    with pytest.raises(k3client.Starting, match="is starting .*connect\\(wait=SECONDS\\)"):
+        k3client.connect(d.endpoint, name="eager")
+
+    got = {}
+
+    def patient():        # waits until ready (its own client, on its own thread)
+        try:
+            with k3client.connect(d.endpoint, name="patient", wait=120) as c:
+                got["ready_when_attached"] = "k3d: ready" in d.log()
+                got["expert"] = c.fetch(0, [1])[0].expert
+        except Exception as e:   # noqa: BLE001 -- reported by the asserts below
+            got["error"] = repr(e)
+    t = threading.Thread(target=patient)
+    t.start()
+    try:
+        poll_for(lambda: in_log(d, "gate: answered hello from patient"), 60,
+                 lambda: f"the patient client to be told 'starting':\n{d.log()}")
+        assert "k3d: ready" not in d.log()
+    finally:
+        gate.touch()
+        t.join(120)
+    assert got == {"ready_when_attached": True, "expert": 1}, got
     assert k3ctl("--endpoint", d.endpoint).returncode == 0
-    # not a terminal: one line per ~10 % per phase, not one per chunk
-    lines = [line for line in d.log().splitlines() if "GiB (" in line]
-    assert 2 <= len(lines) <= 2 * 12, lines
+    # not a terminal: one line per ~10 % per phase, not one per step
+    lines = [line for line in d.log().splitlines() if "iB (" in line]
+    assert 2 <= len(lines) <= 12, lines
     assert d.stop(signal.SIGTERM) == 0
 
 
 def test_connect_wait_for_a_daemon_not_there_yet(checkpoint, start_daemon, tmp_path):
     endpoint = f"ipc://{tmp_path}/k.sock"
-    with pytest.raises(k3client.DaemonNotRunning):
-        k3client.connect(endpoint, name="early")
-    t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-c", (
+    waiter = subprocess.Popen([sys.executable, "-c", (
         "import sys, k3client\n"
+        "try:\n"
+        f"    k3client.connect({endpoint!r}, name='probe')\n"
+        "except k3client.DaemonNotRunning:\n"
+        "    print('absent', flush=True)\n"
         f"c = k3client.connect({endpoint!r}, name='waiter', wait=120)\n"
-        "print(c.fetch(0, [2])[0].expert)\n")], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)            # the waiter is already waiting (nothing to observe: no daemon yet)
-    d = start_daemon(checkpoint, "--arena", "4MiB", endpoint=endpoint)
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 0 and out.strip() == "2"
-    assert time.monotonic() - t0 >= 0.5
+        "print(c.fetch(0, [2])[0].expert, flush=True)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert waiter.stdout.readline().strip() == "absent"     # it found no daemon, then began to wait
+        d, gate = start_gated(start_daemon, checkpoint, tmp_path, endpoint=endpoint)
+        poll_for(lambda: in_log(d, "gate: answered hello from waiter"), 60,
+                 lambda: f"the waiter to be told 'starting':\n{d.log()}")
+        assert waiter.poll() is None                             # still waiting, not failed
+        gate.touch()
+        out, _ = waiter.communicate(timeout=120)
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.wait(10)
+    assert waiter.returncode == 0 and out.strip() == "2"
     assert d.stop() == 0

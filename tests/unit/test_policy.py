@@ -46,7 +46,7 @@ def test_demote_and_exclude():
     for s in range(4):
         p.insert(s)
     p.demote(3)
-    assert p.lru_order()[0] == 3
+    assert p.victim() == 3
     assert p.victim(exclude={3}) == 0
     assert p.evictable(exclude={3, 0}) == 2
 
@@ -56,7 +56,7 @@ def test_remove_drops_recency_and_pins():
     p.insert(7)
     p.pin(7, "h")
     p.remove(7)
-    assert not p.is_ready(7) and not p.pinned(7)
+    assert not p.has(7) and not p.pinned(7)
     assert p.held("h") == set()
     p.check()
 

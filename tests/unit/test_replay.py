@@ -10,7 +10,7 @@ from k3d.replay.engine import min_slots, run
 
 def test_seed_lines_begin_a_token_where_the_layer_does_not_increase():
     lines = ["100 L0 n=2 miss=0 evict=0 wait=0 pf=0 pfu=0 7 0",
-             "200 L1 n=2 miss=0 evict=0 wait=0 pf=0 pfu=0 3,6",      # the seed's comma-joined ids
+             "200 L1 n=2 miss=0 evict=0 wait=0 pf=0 pfu=0 3,6",      # the first format's comma-joined ids
              "300 L0 n=2 miss=0 evict=0 wait=0 pf=0 pfu=0 1 2"]
     ev = parse(lines)
     assert [e.kind for e in ev] == [FETCH, FETCH, BEGIN, FETCH]

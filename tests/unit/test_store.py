@@ -2,6 +2,7 @@
 
 import pytest
 
+from helpers import lru_order
 from k3client.errors import CacheFull, QuotaExceeded
 from k3d.cache.store import LOADING, READY, Store
 
@@ -40,13 +41,13 @@ def test_evicts_lru_unpinned_and_only_that():
 def test_cache_full_changes_nothing():
     st = Store(2)
     ready(st, st.fetch((1, 0), [(0, 0), (0, 1)]))
-    before = (dict(st.key_slot), st.policy.lru_order(), st.stats.as_dict())
+    before = (dict(st.key_slot), lru_order(st.policy, st.slot_key), st.stats.as_dict())
     with pytest.raises(CacheFull, match=r"2 of 2 slots pinned"):
         st.fetch((2, 0), [(0, 0), (0, 5)])
     after_stats = st.stats.as_dict()
     assert after_stats.pop("cache_full") == 1
     before[2].pop("cache_full")
-    assert (dict(st.key_slot), st.policy.lru_order(), after_stats) == before
+    assert (dict(st.key_slot), lru_order(st.policy, st.slot_key), after_stats) == before
     assert not st.policy.held((2, 0))
     st.check()
 
@@ -70,7 +71,7 @@ def test_predictions_stop_at_first_without_a_slot_and_unused_are_demoted():
     st.complete(started[0], None)
     released, unused = st.end_epoch(1, (1, 0))
     assert (released, unused) == (2, 1)
-    assert st.policy.lru_order()[0] == started[0]      # demoted: next victim
+    assert st.policy.victim() == started[0]      # demoted: next victim
     assert st.stats.prefetched == 1 and st.stats.prefetch_unused == 1
     st.check()
 
@@ -121,5 +122,5 @@ def test_unused_prediction_fetched_while_loading_is_not_demoted():
     st.end_epoch(9, (9, 0))                  # predictor moved on: counted unused
     st.fetch((2, 0), [(1, 5)])               # but another client needs it now
     st.complete(s, None)
-    assert st.policy.lru_order()[-1] == s    # most recently used, not the next victim
+    assert lru_order(st.policy, st.slot_key)[-1] == s    # most recently used, not the next victim
     st.check()

@@ -5,8 +5,8 @@ begin_token, client death, and read completion (ok or failed) on a small
 store (6 slots, 24 keys), with and without a pin quota.  The model keeps what
 the server keeps: the parked fetches (``Pending``) and the rule that a fetch
 is answered only once every one of its slots is READY and still holds its
-key (``Server._checked_slots``); a failed read answers its waiters with an
-error.
+key (``k3d.cache.parked.checked_slots``); a failed read answers its waiters
+with an error.
 
 Invariants, checked after every step (plus ``store.check()``):
 - a pinned slot is never evicted or rewritten: every pin the model expects is
@@ -24,6 +24,7 @@ Invariants, checked after every step (plus ``store.check()``):
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from helpers import policy_state
 from k3client.errors import CacheFull, QuotaExceeded
 from k3d.cache.policy import make
 from k3d.cache.store import FREE, LOADING, PREDICT, READY, Store
@@ -53,9 +54,11 @@ class StoreMachine(RuleBasedStateMachine):
         return (c, self.epoch[c])
 
     def snapshot(self):
-        s = self.store
+        s, pol = self.store, self.store.policy
+        holders = [h for c in self.live for h in (self.holder(c), (PREDICT, c))]
         return (tuple(s.state), tuple(s.slot_key), dict(s.key_slot), tuple(s.free), tuple(sorted(s.loads)),
-                s.policy.snapshot(), {h: set(v) for h, v in s.policy._pins.items()},
+                policy_state(pol, s.slot_key), {h: set(pol.held(h)) for h in holders},
+                [pol.pinned(slot) for slot in range(SLOTS)],
                 dict(s.predicted_by), {c: set(v) for c, v in s.predictions.items()})
 
     def pinned_now(self):
@@ -227,7 +230,7 @@ class StoreCycle(StoreMachine):
 
 # Budget (the unit layer runs in under 15 s): at most 70 x 50 steps for the plain machine,
 # 60 x 50 for the cycle-policy one and 40 x 50 for the quota one (hypothesis's own
-# bookkeeping, ~0.8 ms a step, is the cost; was 150 x 60 each).  Measured against ten bugs
+# bookkeeping, ~0.8 ms a step, is the cost).  Measured against ten bugs
 # injected into the store (bench/README.md, "the stateful test's budget"): the unit layer
 # still catches every one; the rarest for these machines (the capacity check counting the
 # fetch's own hits as evictable) is also pinned down by test_store.py.  A failure found

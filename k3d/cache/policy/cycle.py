@@ -206,7 +206,7 @@ class CyclePolicy(PinTable):
     def admits(self, key, slot: int, confidence: float) -> bool:
         return self.score(self._key[slot]) > self.score(key, p=confidence)
 
-    # -- warm restart and tests ------------------------------------------------
+    # -- warm restart -----------------------------------------------------------
     def ranking(self, slot_key=None) -> list[tuple]:
         """Every key seen, most likely to be picked first (ties: layer, expert)."""
         return sorted(self._stat, key=lambda k: (-self.rate(k), k))
@@ -237,11 +237,6 @@ class CyclePolicy(PinTable):
             if st[0] > 0:
                 self._fwd[key] = self._forward(st)
         self._cand.clear()
-
-    def snapshot(self):
-        """Comparable state (tests: a refused request changes nothing)."""
-        return (dict(self._key), {k: tuple(v) for k, v in self._stat.items()}, dict(self._visits),
-                self._current)
 
     def check(self) -> None:
         self.check_pins()

@@ -1,4 +1,4 @@
-"""Plain LRU plus pins (the seed's policy, ``--policy lru``).  Pure: see ``base``.
+"""Plain LRU plus pins (``--policy lru``).  Pure: see ``base``.
 
 State: ``_order``, the resident slots (loading or ready), least recently
 *requested* first: an OrderedDict used as an ordered set.  A slot enters it when its
@@ -46,8 +46,6 @@ class LruPolicy(PinTable):
     def has(self, slot: int) -> bool:
         return slot in self._order
 
-    is_ready = has     # the seed's name, kept for callers that still use it
-
     # -- choosing -----------------------------------------------------------
     def victim(self, exclude=()) -> int | None:
         """The least recently used unpinned slot not in ``exclude``."""
@@ -63,13 +61,6 @@ class LruPolicy(PinTable):
     def admits(self, key, slot: int, confidence: float) -> bool:
         """LRU knows nothing of reuse: a prediction may evict any unpinned slot."""
         return True
-
-    def lru_order(self) -> list[int]:
-        return list(self._order)
-
-    def snapshot(self):
-        """Comparable state (tests: a refused request changes nothing)."""
-        return list(self._order)
 
     # -- warm restart ---------------------------------------------------------
     def ranking(self, slot_key) -> list[tuple]:

@@ -102,8 +102,5 @@ class OptPolicy(PinTable):
     def admits(self, key, slot: int, confidence: float) -> bool:
         return True
 
-    def snapshot(self):
-        return dict(self._due)
-
     def check(self) -> None:
         self.check_pins()

@@ -249,7 +249,8 @@ class RemoteSource(Source, metaclass=abc.ABCMeta):
         return self.tiers.fingerprint(key)
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Wait until queued disk writes are done (tests, shutdown)."""
+        """Wait (at most ``timeout`` s) until the write-behind queue has drained: every expert
+        fetched so far is then in the disk tier."""
         self.tiers.flush(timeout)
 
     # -- status --------------------------------------------------------------------------------

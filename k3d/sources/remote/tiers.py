@@ -310,7 +310,7 @@ class Tiers:
                 self._wq.task_done()
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Wait until queued disk writes are done (tests, shutdown)."""
+        """Wait (at most ``timeout`` s) until queued disk writes are done (``close`` drains so)."""
         deadline = time.monotonic() + timeout
         while self._writer is not None and time.monotonic() < deadline:
             with self._mu:
