@@ -54,7 +54,7 @@ from .endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable
 from .hits import LocalHits, hit_path_mode
 from .layout import TensorSpec, layouts_from_wire
 from .lease import end_heartbeat, heartbeat
-from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, items, key_int, key_pairs, pack, unpack
+from .protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, items, key_int, key_pairs, pack, unpack
 from .views import Expert
 
 _UNSET = object()
@@ -138,7 +138,7 @@ class Client:
         self._sock_ino = self._socket_inode()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 64 * MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         try:
             self._sock.connect(self.endpoint)
         except zmq.ZMQError as e:
@@ -350,6 +350,12 @@ class Client:
             return reply
 
     # -- public API ---------------------------------------------------------
+    @property
+    def arena(self):
+        """The read-only mapping of the attached daemon's arena (None while detached); a
+        re-attach maps a new one (compare ``gen``)."""
+        return self._mm
+
     def layout_of(self, layer: int) -> list[TensorSpec]:
         """Layer ``layer``'s expert layout: ``layout`` unless the model's layers differ
         (``layouts`` then holds every layer's; ``Expert.array`` uses its own layer's)."""

@@ -24,7 +24,8 @@ Ops (the ``op_*`` handler docstrings in ``k3d.serve.loop`` are the full spec):
 - ``hits {hits}`` -> no reply: reports sent without waiting (when many accumulate).
 - ``begin_token {hits}`` -> ``{epoch, released}``.
 - ``heartbeat {client_id, gen}`` -> no reply (sent from the client's lease thread;
-  one for another daemon generation is ignored).
+  one for another daemon generation is ignored, one from another process than the
+  client's renews nothing).
 - ``status {}`` -> ``{status: {...}}`` (the dict ``k3ctl status --json`` prints); no
   hello needed.
 - ``bye {hits}`` -> ``{}``; releases everything the client held.

@@ -114,7 +114,7 @@ class Runtime:
             self._restarts = self.client.restarts
             self.held = 0
         if self.host_register is not None and self._gen != self.client.gen:
-            self.host_register(self.client._mm)
+            self.host_register(self.client.arena)
             self._gen = self.client.gen
 
     # -- the experts call --------------------------------------------------------

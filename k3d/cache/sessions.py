@@ -138,10 +138,14 @@ class Sessions:
         self.by_routing.pop(s.routing, None)
         self.by_id.pop(s.client_id, None)
 
-    def heartbeat(self, client_id, now: float) -> None:
+    def heartbeat(self, client_id, sender_pid, now: float) -> bool:
+        """Renew ``client_id``'s lease if the sender owns it (its pid, where the peer
+        credentials say it: ipc); False when it renewed nothing."""
         s = self.by_id.get(client_id) if type(client_id) is int else None
-        if s is not None:
-            s.last_seen = now
+        if s is None or (sender_pid is not None and s.pid is not None and sender_pid != s.pid):
+            return False
+        s.last_seen = now
+        return True
 
     def expired(self, now: float, lease_s: float) -> list[tuple[Session, str]]:
         """Sessions whose process is gone or whose lease ran out, with the reason."""

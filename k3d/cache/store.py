@@ -450,7 +450,7 @@ class Store:
         return load
 
     def check(self) -> None:
-        """Assert the invariants (tests call this after every step)."""
+        """Assert the invariants listed above."""
         self.policy.check()
         for key, s in self.key_slot.items():
             assert self.slot_key[s] == key and self.state[s] != FREE

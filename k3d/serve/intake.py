@@ -46,8 +46,8 @@ class Intake:
 
     def receive(self) -> None:
         """Take the requests waiting on the socket into ``turns``.  The socket's EVENTS
-        (~1 µs) says whether another request waits; a failing recv (zmq.Again) would
-        cost several µs."""
+        says whether another request waits: asking it is cheaper than a recv failing
+        with zmq.Again (bench/README.md, "intake")."""
         for _ in range(RECV_BATCH):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)

@@ -352,12 +352,17 @@ class Server:
         return {"epoch": s.epoch, "released": released}
 
     def op_heartbeat(self, s, routing, msg, frame, t0):
-        """heartbeat {client_id, gen?} -> no reply; renews the client's lease.
+        """heartbeat {client_id, gen?} -> no reply; renews the lease of a client the sender owns.
 
-        A heartbeat for another generation (queued while this daemon was
-        restarting) is ignored: its client_id names someone else here."""
+        One sent from another process than the client's (ipc peer credentials)
+        renews nothing and counts as a bad request.  A heartbeat for another
+        generation (queued while this daemon was restarting) is ignored: its
+        client_id names someone else here."""
         if msg.get("gen", self.gen) == self.gen:
-            self.sessions.heartbeat(msg.get("client_id"), time.monotonic())
+            client_id = msg.get("client_id")
+            if not self.sessions.heartbeat(client_id, peer_cred(frame)[2], time.monotonic()) \
+                    and type(client_id) is int and client_id in self.sessions.by_id:
+                self.stats.bad_requests += 1
         return NO_REPLY
 
     def op_status(self, s, routing, msg, frame, t0):
