@@ -202,10 +202,7 @@ class Store:
             else:
                 policy.touch(s, key)
             if s in self.predicted_by:
-                by = self.predicted_by.pop(s)
-                self.predictions[by].discard(s)
-                self.client_quality(by).prefetch_hits += 1
-                plan.prefetched_hits += 1
+                plan.prefetched_hits += self._prediction_used(s)
             plan.slots.append(s)
         st = self.stats
         st.fetches += 1
@@ -245,10 +242,7 @@ class Store:
                 policy.pin(s, holder)
             policy.touch(s, key)
             if s in self.predicted_by:
-                by = self.predicted_by.pop(s)
-                self.predictions[by].discard(s)
-                self.client_quality(by).prefetch_hits += 1
-                plan.prefetched_hits += 1
+                plan.prefetched_hits += self._prediction_used(s)
         st = self.stats
         st.fetches += 1
         st.hits += len(keys)
@@ -257,6 +251,13 @@ class Store:
         st.prefetch_hits += plan.prefetched_hits
         self.client_quality(client).ready += len(keys)
         return plan
+
+    def _prediction_used(self, s: int) -> int:
+        """A fetch took predicted slot ``s``: it counts for its predictor.  Returns 1."""
+        by = self.predicted_by.pop(s)
+        self.predictions[by].discard(s)
+        self.client_quality(by).prefetch_hits += 1
+        return 1
 
     def _all_plain_hits(self, have: list) -> bool:
         """Every key READY, none a pending prediction, no quota: nothing can refuse."""
