@@ -10,11 +10,10 @@
 
 import random
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from k3d.cache.predict import AutoPrefetch, CoPredictor, auto_id
 from k3d.cache.policy import make
+from k3d.cache.predict import AutoPrefetch, CoPredictor, auto_id
 from k3d.cache.store import Store
 from k3d.observe.trace import AUTO, BEGIN, FETCH, Event
 from k3d.replay.engine import run
