@@ -15,8 +15,8 @@ Model, per target layer ``m`` and expert ``e``:
   layer's picks, each shrunk towards ``pop`` by ``prior`` pseudo-counts), so a
   layer whose picks say nothing adds nothing;
 - the raw score is then *calibrated*: its bin's measured hit frequency (``cal_hit /
-  cal_n``, every candidate of every proposal is resolved when its layer's fetch
-  comes) replaces it.  A confidence is thus a measured frequency, not a model's
+  cal_n``; every candidate of every proposal that was not resident is resolved
+  when its layer's fetch comes) replaces it.  A confidence is thus a measured frequency, not a model's
   belief: on a stream where the context carries no information every bin converges
   to the base rate and nothing clears ``min_prob``.
 
@@ -32,13 +32,14 @@ from __future__ import annotations
 import numpy as np
 
 BINS = 20                               # calibration bins over the raw probability
+CAL_PRIOR = 10.0                        # pseudo-candidates at the base rate in each bin
 
 
 class CoPredictor:
     name = "coact"
 
     def __init__(self, layers: int = 1, experts: int = 1, depth: int = 4, prior: float = 2.0,
-                 window: int = 4096, min_prob: float = 0.4):
+                 window: int = 4096, min_prob: float = 0.3):
         self.layers, self.experts = max(1, layers), max(1, experts)
         self.depth, self.prior, self.window, self.min_prob = depth, prior, window, min_prob
         L, D, E = self.layers, depth, self.experts
@@ -66,15 +67,15 @@ class CoPredictor:
     def _observe_layer(self, client: int, m: int, picks) -> None:
         pend = self._pending.pop(client, None)
         if pend is not None and pend[0] == m:      # resolve the calibration of the last proposal
-            bins = pend[1]
-            np.add.at(self.cal_n, bins, 1)
-            np.add.at(self.cal_hit, bins[picks], 1)
+            _, bins, cand = pend
+            self.cal_n += np.bincount(bins[cand], minlength=BINS)
+            self.cal_hit += np.bincount(bins[picks[cand[picks]]], minlength=BINS)
         recent = self._context(client, m)
         self.visits[m] += 1
         self.pop[m, picks] += 1
         for d, a in recent:
             self.seen[m, d - 1, a] += 1
-            self.co[m, d - 1][np.ix_(a, picks)] += 1
+            self.co[m, d - 1][a[:, None], picks] += 1      # (a, picks) pairs, each once: both are sets
         if self.visits[m] >= self.window:
             for arr in (self.visits[m:m + 1], self.pop[m], self.seen[m], self.co[m]):
                 arr //= 2
@@ -101,27 +102,29 @@ class CoPredictor:
 
     # -- predicting ---------------------------------------------------------------
     def scores(self, client: int, m: int):
-        """Raw probability that each expert of layer ``m`` is picked, from the client's context."""
+        """(raw probability that each expert of layer ``m`` is picked given the client's
+        context, its plain pick rate)."""
         E = self.experts
         v = int(self.visits[m])
-        k = max(1, self._k.get(client, 1))
+        k = min(max(1, self._k.get(client, 1)), E - 1) if E > 1 else 1
+        # pop <= visits and k < E keep pm, and so every q below, strictly inside (0, 1)
         pm = (self.pop[m] + k / E) / (v + 1.0)
-        pm = np.clip(pm, 1e-4, 1 - 1e-4)
         base = np.log(pm / (1 - pm))
         z = base.copy()
         for d, a in self._context(client, m):
-            num = self.co[m, d - 1][a] + self.prior * pm          # [len(a), E]
-            den = self.seen[m, d - 1, a][:, None] + self.prior
-            q = np.clip((num / den).mean(axis=0), 1e-4, 1 - 1e-4)
+            # mean over a of (co[a, e] + prior * pm) / (seen[a] + prior), as one product
+            w = 1.0 / (self.seen[m, d - 1, a] + self.prior)
+            q = (w @ self.co[m, d - 1][a] + self.prior * w.sum() * pm) / len(a)
             z += np.log(q / (1 - q)) - base
-        return 1.0 / (1.0 + np.exp(-z))
+        return 1.0 / (1.0 + np.exp(-z)), pm
 
-    def calibrated(self, raw):
-        """(bins, confidence): each raw score's bin and that bin's measured hit rate
-        (shrunk towards the raw score while the bin has few resolved candidates)."""
+    def calibrated(self, raw, base):
+        """(bins, confidence): each raw score's bin and that bin's measured hit rate,
+        shrunk towards ``base`` (the expert's plain pick rate) while the bin has few
+        resolved candidates: a bin must show it beats the base rate before it is trusted."""
         bins = np.minimum((raw * BINS).astype(np.int64), BINS - 1)
         n, h = self.cal_n[bins], self.cal_hit[bins]
-        return bins, (h + 4.0 * raw) / (n + 4.0)
+        return bins, (h + CAL_PRIOR * base) / (n + CAL_PRIOR)
 
     def propose(self, client: int, layer: int, budget: int, resident) -> list[tuple[tuple[int, int], float]]:
         """Up to ``budget`` keys of ``layer`` not ``resident(key)``, with confidence at least
@@ -129,20 +132,23 @@ class CoPredictor:
         client's fetch of ``layer`` measures the calibration."""
         if not 0 <= layer < self.layers or client not in self._recent:
             return []
-        raw = self.scores(client, layer)
-        bins, conf = self.calibrated(raw)
-        self._pending[client] = (layer, bins)
+        raw, base = self.scores(client, layer)
+        bins, conf = self.calibrated(raw, base)
+        # Calibrated on the candidates not resident only: those are the ones read ahead,
+        # and being evicted already says something (a key the policy let go is picked
+        # less often than its score's bin says on average).
+        cand = np.array([not resident((layer, e)) for e in range(self.experts)], bool)
+        self._pending[client] = (layer, bins, cand)
         if budget <= 0:
             return []
-        order = np.lexsort((np.arange(self.experts), -conf))       # best first; ties: lower expert
+        order = np.argsort(-conf, kind="stable")                   # best first; ties: lower expert
         out = []
         for e in order:
             c = float(conf[e])
             if c < self.min_prob:
                 break
-            key = (layer, int(e))
-            if not resident(key):
-                out.append((key, c))
+            if cand[e]:
+                out.append(((layer, int(e)), c))
                 if len(out) >= budget:
                     break
         return out

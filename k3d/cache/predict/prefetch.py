@@ -21,7 +21,8 @@ Guarantees:
   predictions (pinned until that client's next token, as every prediction) can
   never make a later fetch of the token find the cache full.
 - Each proposal passes the policy's ``admits`` (``Store.predict``); proposals
-  below the predictor's calibrated ``min_prob`` are never made.
+  below the predictor's calibrated ``min_prob`` are never made, and the expected
+  share of predictions used stays at least ``precision`` (``_afford``).
 - Predictions never cross a token boundary: a proposal for the next token's
   layers would be demoted at ``begin_token`` before its fetch.
 
@@ -44,11 +45,17 @@ def auto_id(client: int) -> int:
 
 
 class AutoPrefetch:
-    def __init__(self, store, predictor, budget: int = 0, read_lead: int | None = None):
+    def __init__(self, store, predictor, budget: int = 0, read_lead: int | None = None,
+                 precision: float = 0.5, credit_cap: float = 4.0):
         """``read_lead``: None (the daemon): a used prediction is late when its slot is
         still LOADING.  An int (replay, where reads complete at once): late when fewer
-        than ``read_lead`` fetches came between the prediction and its use."""
+        than ``read_lead`` fetches came between the prediction and its use.
+        ``precision``: the share of predictions expected to be used, kept on average
+        (see ``_afford``); ``credit_cap`` bounds how much a run of sure predictions
+        may lend to later unsure ones."""
         self.store, self.predictor, self.budget, self.read_lead = store, predictor, budget, read_lead
+        self.precision, self.credit_cap = precision, credit_cap
+        self.credit = 0.0
         self.fetches = 0
         self._out: dict[int, tuple] = {}         # slot -> (client, key, fetch count when predicted)
         self.used_in_time = 0
@@ -85,13 +92,31 @@ class AutoPrefetch:
         budget = min(budget, self._room())
         store = self.store
         props = p.propose(client, layer, max(0, budget), store.key_slot.__contains__)
-        if not props:
+        proposed = self._afford(props)
+        if not proposed:
             return [], []
-        proposed = [k for k, _ in props]
         started = store.predict(auto_id(client), proposed)
+        conf = dict(props)
         for s in started:
-            out[s] = (client, store.slot_key[s], self.fetches)
+            key = store.slot_key[s]
+            out[s] = (client, key, self.fetches)
+            self.credit += conf[key] - self.precision
+        self.credit = min(self.credit, self.credit_cap)
         return proposed, started
+
+    def _afford(self, props) -> list:
+        """The proposals (best first) whose confidences keep the expected share used at
+        ``precision`` or more, counting every prediction started so far: a sure one
+        (confidence above ``precision``) earns credit an unsure one may spend.  So the
+        expected unused share stays at most ``1 - precision`` (the confidences are
+        measured frequencies, ``CoPredictor.calibrated``)."""
+        credit, keys = self.credit, []
+        for key, c in props:
+            if credit + c - self.precision < 0:
+                break
+            credit += c - self.precision
+            keys.append(key)
+        return keys
 
     def end_token(self, client: int) -> None:
         self._release(client)
