@@ -11,6 +11,7 @@ Routing is a deterministic cross-layer pattern, so there is something to learn.
 """
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -103,3 +104,21 @@ def test_a_client_predicting_itself_is_not_displaced(start_daemon, ckpt):
             assert not own & auto
     got = replay(trace, "coact")             # the client's own predictions replay as its own
     assert got["prefetched"] - got["auto_prefetched"] == mine["prefetched"]
+
+
+def test_a_restarted_daemon_predicts_from_its_first_token(start_daemon, ckpt):
+    state = tempfile.mkdtemp(prefix="pstate-", dir=SCRATCH)
+    endpoint = f"ipc://{tempfile.mkdtemp(prefix='p-', dir=SCRATCH)}/k.sock"
+    args = ("--slots", "24", "--state-dir", state)
+    d = start_daemon(ckpt, *args, endpoint=endpoint)
+    with k3client.connect(d.endpoint, name="before") as c:
+        drive(c, 40, predict=False)
+    assert d.stop() == 0
+    (name,) = os.listdir(state)
+    assert json.load(open(os.path.join(state, name)))["predictor_state"]["predictor"] == "coact"
+    d = start_daemon(ckpt, *args, endpoint=endpoint)
+    with k3client.connect(d.endpoint, name="after") as c:
+        drive(c, 1, predict=False)
+        auto = c.status()["prediction"]["daemon"]
+    assert d.stop() == 0
+    assert auto["issued"] >= LAYERS // 2 and auto["used"] >= auto["issued"] // 2, auto
