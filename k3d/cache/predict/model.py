@@ -52,6 +52,7 @@ class CoPredictor:
         self._recent: dict[int, list] = {}      # client -> [(layer, experts array)], newest last
         self._pending: dict[int, tuple] = {}    # client -> (target layer, bins of its candidates)
         self._k: dict[int, int] = {}            # client -> keys in its last fetch
+        self._ctx: dict[int, tuple] = {}        # client -> (target layer, _context's arrays)
 
     # -- learning ---------------------------------------------------------------
     def observe(self, client: int, keys) -> None:
@@ -70,12 +71,13 @@ class CoPredictor:
             _, bins, cand = pend
             self.cal_n += np.bincount(bins[cand], minlength=BINS)
             self.cal_hit += np.bincount(bins[picks[cand[picks]]], minlength=BINS)
-        recent = self._context(client, m)
+        ctx = self._context(client, m)
         self.visits[m] += 1
         self.pop[m, picks] += 1
-        for d, a in recent:
-            self.seen[m, d - 1, a] += 1
-            self.co[m, d - 1][a[:, None], picks] += 1      # (a, picks) pairs, each once: both are sets
+        if ctx is not None:
+            di, ai, _ = ctx                        # (distance, expert) pairs, each once: picks are sets
+            self.seen[m][di, ai] += 1
+            self.co[m][di[:, None], ai[:, None], picks] += 1
         if self.visits[m] >= self.window:
             for arr in (self.visits[m:m + 1], self.pop[m], self.seen[m], self.co[m]):
                 arr //= 2
@@ -84,21 +86,37 @@ class CoPredictor:
             hist.clear()
         hist.append((m, picks))
         del hist[:-self.depth]
+        self._ctx.pop(client, None)
 
-    def _context(self, client: int, m: int) -> list:
-        """[(distance, experts)] of the client's recent layers before ``m`` in this pass."""
-        out = []
+    def _context(self, client: int, m: int):
+        """The client's recent layers before ``m`` in this pass, as index arrays: distance
+        - 1 and expert per pick, and the matrix that averages over each layer's picks
+        (one row per context layer).  None: no context.  Cached until the client's next fetch."""
+        got = self._ctx.get(client)
+        if got is not None and got[0] == m:
+            return got[1]
+        di, ai, groups = [], [], []
         for layer, picks in self._recent.get(client, ()):
             d = m - layer
             if 1 <= d <= self.depth:
-                out.append((d, picks))
-        return out
+                groups.append((len(ai), len(picks)))
+                di += [d - 1] * len(picks)
+                ai += picks.tolist()
+        ctx = None
+        if groups:
+            avg = np.zeros((len(groups), len(ai)))
+            for row, (start, n) in enumerate(groups):
+                avg[row, start:start + n] = 1.0 / n
+            ctx = (np.array(di, np.int64), np.array(ai, np.int64), avg)
+        self._ctx[client] = (m, ctx)
+        return ctx
 
     def forget(self, client: int) -> None:
         """``client`` left: its context goes (what it taught stays)."""
         self._recent.pop(client, None)
         self._pending.pop(client, None)
         self._k.pop(client, None)
+        self._ctx.pop(client, None)
 
     # -- predicting ---------------------------------------------------------------
     def scores(self, client: int, m: int):
@@ -110,12 +128,14 @@ class CoPredictor:
         # pop <= visits and k < E keep pm, and so every q below, strictly inside (0, 1)
         pm = (self.pop[m] + k / E) / (v + 1.0)
         base = np.log(pm / (1 - pm))
-        z = base.copy()
-        for d, a in self._context(client, m):
-            # mean over a of (co[a, e] + prior * pm) / (seen[a] + prior), as one product
-            w = 1.0 / (self.seen[m, d - 1, a] + self.prior)
-            q = (w @ self.co[m, d - 1][a] + self.prior * w.sum() * pm) / len(a)
-            z += np.log(q / (1 - q)) - base
+        ctx = self._context(client, m)
+        if ctx is None:
+            return pm, pm
+        di, ai, avg = ctx
+        # per context layer: mean over its picks a of (co[a, e] + prior * pm) / (seen[a] + prior)
+        w = 1.0 / (self.seen[m][di, ai] + self.prior)
+        q = avg @ (self.co[m][di, ai] * w[:, None]) + (self.prior * (avg @ w))[:, None] * pm
+        z = np.log(q / (1 - q)).sum(axis=0) - (len(avg) - 1) * base
         return 1.0 / (1.0 + np.exp(-z)), pm
 
     def calibrated(self, raw, base):
