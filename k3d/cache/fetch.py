@@ -142,7 +142,7 @@ class Cache:
             self.trace.begin(now, s.client_id, s.epoch)
         released, unused = self.store.end_epoch(s.client_id, s.holder)
         if self.auto is not None:             # after the client's own, as k3d replay does
-            self.auto.end_token(s.client_id, now)
+            self.auto.end_token(s.client_id)
         self.store.reuse.new_token(s.client_id)
         s.pfu += unused
         if s.pf_started:

@@ -126,12 +126,12 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
         timing.issued(started)
         return started
 
-    def flush():
+    def flush(predict=True):
         nonlocal pending
         c, keys, got, n, _ = pending
         pending = None
         before = set(store.key_slot)
-        _, started = auto.after_fetch(c, keys, got, n)
+        _, started = auto.after_fetch(c, keys, got, n, predict=predict)
         if started and store.stats.evictions:
             audit.predicted(before - set(store.key_slot), [store.slot_key[s] for s in started])
         for s in started:
@@ -146,8 +146,10 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
                 if predictions:
                     pending[3] += len(predict(c, ev.keys))
                 continue
-            if not marked or (kind == AUTO and c == pending[0]):
+            if not marked:
                 flush()
+            else:       # the daemon ran its predictor where an auto line follows; else (a
+                flush(predict=kind == AUTO and c == pending[0])   # reported fetch) it only learned
         if kind == FETCH:
             try:
                 timing.fetching(ev.keys)
@@ -183,7 +185,7 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
             if auto is not None:
                 auto.drop(c)
     if pending is not None:
-        flush()
+        flush(predict=not marked)
     st = store.stats
     daemon = PredictionStats()
     for cid, q in [*store.quality.items(), (-1, auto.gone if auto else PredictionStats())]:

@@ -61,9 +61,7 @@ from k3client.errors import (
 )
 from k3d.cache.fetch import Cache
 from k3d.cache.policy import make as make_policy
-from k3d.cache.predict import DEFAULT as PREDICT_DEFAULT
-from k3d.cache.predict import AutoPrefetch
-from k3d.cache.predict import make as make_predictor
+from k3d.cache.predict import DEFAULT as PREDICT_DEFAULT, AutoPrefetch, make as make_predictor
 from k3d.cache.reuse import Reuse, reserve_for
 from k3d.cache.sessions import REAP_INTERVAL, Session, Sessions, identify
 from k3d.cache.store import Store

@@ -86,7 +86,10 @@ def test_replay_reproduces_the_daemons_own_predictions(start_daemon, ckpt):
     assert off["prefetched"] == 0 and off["hit_rate"] < got["hit_rate"]
 
 
-def test_a_client_predicting_itself_is_not_displaced(start_daemon, ckpt):
+def test_a_client_predicting_itself_is_not_displaced(start_daemon, ckpt, monkeypatch):
+    # every fetch a round trip: predictions sent with hit reports (``hits``) may be dropped
+    # by the deferred slot reuse, which the trace does not record (see k3d/cache/store.py)
+    monkeypatch.setenv("K3D_HIT_PATH", "daemon")
     trace = tempfile.mktemp(prefix="own-", suffix=".trace", dir=SCRATCH)
     d = start_daemon(ckpt, "--slots", "24", "--trace", trace, "--state-dir", "none", "--predict-budget", "2")
     with k3client.connect(d.endpoint, name="own") as c:
@@ -96,14 +99,18 @@ def test_a_client_predicting_itself_is_not_displaced(start_daemon, ckpt):
     assert d.stop() == 0
     assert mine["prefetched"] > 0 and st["prediction"]["daemon"]["issued"] > 0
     lines = open(trace).read().splitlines()
+    triples = 0
     for i, line in enumerate(lines):       # in each fetch: its own predictions first, then the daemon's
-        if " predict " in line:
-            assert " L" in lines[i - 1] and lines[i + 1].split()[3] == "auto", lines[i - 1:i + 2]
+        if " predict " in line and lines[i + 1].split()[3] == "auto":
+            assert " L" in lines[i - 1], lines[i - 1:i + 2]
             own = {tuple(map(int, k.split(":"))) for k in line.split()[4:]}
             auto = {tuple(map(int, k.split(":"))) for k in lines[i + 1].split()[4:]}
             assert not own & auto
-    got = replay(trace, "coact")             # the client's own predictions replay as its own
-    assert got["prefetched"] - got["auto_prefetched"] == mine["prefetched"]
+            triples += 1
+    assert triples > 0
+    for predictor in ("recorded", "coact"):   # the client's own predictions replay as its own
+        got = replay(trace, predictor)
+        assert got["prefetched"] - got["auto_prefetched"] == mine["prefetched"], (predictor, got, st["stats"])
 
 
 def test_a_restarted_daemon_predicts_from_its_first_token(start_daemon, ckpt):

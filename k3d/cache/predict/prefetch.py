@@ -4,11 +4,13 @@
 ``k3d replay`` (``k3d.replay.engine``) call, with the same arguments at the same
 points, so a replay reproduces the daemon's predictions exactly:
 
-- ``after_fetch(client, keys, slots, client_started)``: after a fetch is planned and
-  the client's own predictions (``predicted=``) were applied.  It counts the daemon's
-  predictions this fetch used (in time, or late: still being read), lets the
-  predictor learn the fetch, then asks it for the layer after this one and hands
-  the proposals to ``Store.predict``.  Returns the slots to read (BACKGROUND).
+- ``after_fetch(client, keys, slots, client_started, now)``: after a fetch is
+  planned and the client's own predictions (``predicted=``) were applied.  It
+  counts the daemon's predictions this fetch used (in time, or late: still being
+  read), lets the predictor learn the fetch, then asks it for the layer after this
+  one and hands the proposals to ``Store.predict``.  Returns the keys proposed and
+  the slots to read (BACKGROUND).  ``predict=False`` (a fetch the client answered
+  itself and reported later: it is past that layer) only counts and learns.
 - ``end_token(client)``: the client began its next token: the daemon's predictions
   for it are released and the unused ones demoted and counted (``Store.end_epoch``).
 - ``drop(client)``: the client left: as ``end_token``, and its context goes.
@@ -63,7 +65,8 @@ class AutoPrefetch:
         self.gone = PredictionStats()            # the daemon's figures for clients that left
 
     # -- the hooks ----------------------------------------------------------------
-    def after_fetch(self, client: int, keys, slots, client_started: int = 0) -> tuple[list, list[int]]:
+    def after_fetch(self, client: int, keys, slots, client_started: int = 0, now: float = 0.0,
+                    predict: bool = True) -> tuple[list, list[int]]:
         """Learn ``client``'s fetch of ``keys`` (planned in ``slots``), then predict.
         Returns (the keys handed to ``Store.predict``, the slots it started)."""
         self.fetches += 1
@@ -85,6 +88,8 @@ class AutoPrefetch:
                     self.used_in_time += 1
         p = self.predictor
         p.observe(client, keys)
+        if not predict:
+            return [], []
         layer = p.next_layer(client)
         budget = (self.budget or len(keys)) - client_started
         if layer is None or layer == 0:          # the next token's first layer: see Guarantees
@@ -95,7 +100,7 @@ class AutoPrefetch:
         proposed = self._afford(props)
         if not proposed:
             return [], []
-        started = store.predict(auto_id(client), proposed)
+        started = store.predict(auto_id(client), proposed, now)
         conf = dict(props)
         for s in started:
             key = store.slot_key[s]
