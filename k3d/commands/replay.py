@@ -18,7 +18,8 @@ prefetch_waited, prefetch_unused, auto_prefetched, ...}}}}``.
 that predictor class as the daemon does (``AutoPrefetch``: after each fetch and its
 client's predictions, where the trace's ``auto`` lines say the daemon ran it);
 ``recorded`` replays the trace's ``auto`` lines as they were (exact even for a daemon
-that started warm); ``none`` leaves them out.  Default: the daemon's default predictor.
+that started warm); ``none`` leaves them out.  Default: as the daemon by default (``Config.predict``:
+``auto`` runs its predictor, else none).
 ``--read-lead N``: the read model for ``prefetch_ready``/``prefetch_waited``: a used
 prediction was ready before its request when N or more fetches came between them
 (reads complete at once in a replay; hits and misses do not depend on it).
@@ -61,7 +62,7 @@ def add_parser(sub):
     p.add_argument("--plot", metavar="FILE.png", help="draw the curve to FILE.png (needs matplotlib: the plot extra)")
     p.add_argument("--no-predictions", dest="predictions", action="store_false",
                    help="ignore the trace's predict lines")
-    p.add_argument("--predictor", default=PREDICT_DEFAULT,
+    p.add_argument("--predictor", default=PREDICT_DEFAULT if Config.predict == "auto" else "none",
                    help=f"the daemon's own predictor: {', '.join(sorted(PREDICTORS))}, recorded (the trace's "
                    "auto lines as they were) or none (default %(default)s)")
     p.add_argument("--read-lead", dest="read_lead", type=int, default=1,

@@ -130,7 +130,7 @@ class Server:
         if cfg.predict == "auto":           # the daemon's own predictions (k3d/cache/predict/)
             self.cache.auto = AutoPrefetch(self.store, make_predictor(
                 PREDICT_DEFAULT, 1 + max(l for l, _ in source.keys), 1 + max(e for _, e in source.keys)),
-                cfg.predict_budget)
+                cfg.predict_budget, known=frozenset(source.keys))
             self.warm.adopt(self.cache.auto.predictor)
         self.cache.preload(self.warm.preload(self.store))   # behind every urgent read
 

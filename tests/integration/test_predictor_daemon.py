@@ -63,7 +63,7 @@ def replay(trace: str, predictor: str) -> dict:
 
 def test_replay_reproduces_the_daemons_own_predictions(start_daemon, ckpt):
     trace = tempfile.mktemp(prefix="auto-", suffix=".trace", dir=SCRATCH)
-    d = start_daemon(ckpt, "--slots", "24", "--trace", trace, "--state-dir", "none")
+    d = start_daemon(ckpt, "--slots", "24", "--trace", trace, "--state-dir", "none", "--predict", "auto")
     with k3client.connect(d.endpoint, name="plain") as c:
         drive(c, 60, predict=False)
         mine = c.status()["prediction"]["clients"][str(c.client_id)]
@@ -91,7 +91,8 @@ def test_a_client_predicting_itself_is_not_displaced(start_daemon, ckpt, monkeyp
     # by the deferred slot reuse, which the trace does not record (see k3d/cache/store.py)
     monkeypatch.setenv("K3D_HIT_PATH", "daemon")
     trace = tempfile.mktemp(prefix="own-", suffix=".trace", dir=SCRATCH)
-    d = start_daemon(ckpt, "--slots", "24", "--trace", trace, "--state-dir", "none", "--predict-budget", "2")
+    d = start_daemon(ckpt, "--slots", "24", "--trace", trace, "--state-dir", "none", "--predict", "auto",
+                     "--predict-budget", "2")
     with k3client.connect(d.endpoint, name="own") as c:
         drive(c, 40, predict=True)
         st = c.status()
@@ -116,7 +117,7 @@ def test_a_client_predicting_itself_is_not_displaced(start_daemon, ckpt, monkeyp
 def test_a_restarted_daemon_predicts_from_its_first_token(start_daemon, ckpt):
     state = tempfile.mkdtemp(prefix="pstate-", dir=SCRATCH)
     endpoint = f"ipc://{tempfile.mkdtemp(prefix='p-', dir=SCRATCH)}/k.sock"
-    args = ("--slots", "24", "--state-dir", state)
+    args = ("--slots", "24", "--state-dir", state, "--predict", "auto")
     d = start_daemon(ckpt, *args, endpoint=endpoint)
     with k3client.connect(d.endpoint, name="before") as c:
         drive(c, 40, predict=False)

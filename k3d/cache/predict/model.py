@@ -174,11 +174,14 @@ class CoPredictor:
         return out
 
     def next_layer(self, client: int) -> int | None:
-        """The layer after ``client``'s last fetch in the cycle (None: none yet)."""
+        """The first layer after ``client``'s last fetch that has been fetched before (a
+        model may have dense layers between its MoE layers); None: none yet, or the
+        last fetch was the last such layer (the next one is in the next token)."""
         hist = self._recent.get(client)
         if not hist:
             return None
-        return (hist[-1][0] + 1) % self.layers
+        later = np.flatnonzero(self.visits[hist[-1][0] + 1:])
+        return None if not len(later) else hist[-1][0] + 1 + int(later[0])
 
     def remaining(self, client: int) -> int:
         """Keys ``client``'s current pass still needs (layers after its last, times its

@@ -48,15 +48,17 @@ def auto_id(client: int) -> int:
 
 class AutoPrefetch:
     def __init__(self, store, predictor, budget: int = 0, read_lead: int | None = None,
-                 precision: float = 0.5, credit_cap: float = 4.0):
+                 precision: float = 0.5, credit_cap: float = 4.0, known=None):
         """``read_lead``: None (the daemon): a used prediction is late when its slot is
         still LOADING.  An int (replay, where reads complete at once): late when fewer
         than ``read_lead`` fetches came between the prediction and its use.
         ``precision``: the share of predictions expected to be used, kept on average
         (see ``_afford``); ``credit_cap`` bounds how much a run of sure predictions
-        may lend to later unsure ones."""
+        may lend to later unsure ones.  ``known``: the keys that exist (a container;
+        None: every key the predictor names), so nothing else is ever proposed."""
         self.store, self.predictor, self.budget, self.read_lead = store, predictor, budget, read_lead
         self.precision, self.credit_cap = precision, credit_cap
+        self.known = known
         self.credit = 0.0
         self.fetches = 0
         self._out: dict[int, tuple] = {}         # slot -> (client, key, fetch count when predicted)
@@ -92,11 +94,13 @@ class AutoPrefetch:
             return [], []
         layer = p.next_layer(client)
         budget = (self.budget or len(keys)) - client_started
-        if layer is None or layer == 0:          # the next token's first layer: see Guarantees
+        if layer is None:                        # the next token's first layer: see Guarantees
             return [], []
         budget = min(budget, self._room())
         store = self.store
-        props = p.propose(client, layer, max(0, budget), store.key_slot.__contains__)
+        key_slot, known = store.key_slot, self.known
+        props = p.propose(client, layer, max(0, budget),
+                          key_slot.__contains__ if known is None else lambda k: k in key_slot or k not in known)
         proposed = self._afford(props)
         if not proposed:
             return [], []
