@@ -87,8 +87,8 @@ def test_replay_reproduces_the_daemons_own_predictions(start_daemon, ckpt):
 
 
 def test_a_client_predicting_itself_is_not_displaced(start_daemon, ckpt, monkeypatch):
-    # every fetch a round trip: predictions sent with hit reports (``hits``) may be dropped
-    # by the deferred slot reuse, which the trace does not record (see k3d/cache/store.py)
+    # every fetch a round trip, so that each fetch line has its client's predict line
+    # and the daemon's auto line right after it
     monkeypatch.setenv("K3D_HIT_PATH", "daemon")
     trace = tempfile.mktemp(prefix="own-", suffix=".trace", dir=SCRATCH)
     d = start_daemon(ckpt, "--slots", "24", "--trace", trace, "--state-dir", "none", "--predict", "auto",
