@@ -1,5 +1,6 @@
-"""Policy figures for README: LRU, the default (cycle) and Belady's OPT on real and
-generated routing, plus replay speed on a ~10^6-access trace.
+"""Policy figures for README: LRU, the default (cycle), the default with the daemon's
+own predictor (``coact``: no client predictions in these traces) and Belady's OPT on
+real and generated routing, plus replay speed on a ~10^6-access trace.
 
 Generated traces come from ``k3d.demo.routing.SyntheticRouter`` with other statistics
 than the shared Mixtral trace (more experts, top-6/8, other skew and reuse); sizes are
@@ -52,10 +53,15 @@ def table(name: str, events, experts: int) -> None:
     floor = min_slots(events)
     sizes = sorted({max(floor, int(f * L * experts)) for f in FRACTIONS})
     print(f"\n{name}: {L} layers x {experts} experts, one token pins up to {floor}")
-    print(f"{'slots':>6} {'lru':>7} {'cycle':>7} {'opt':>7} {'cycle-lru':>10}")
+    print(f"{'slots':>6} {'lru':>7} {'cycle':>7} {'+coact':>7} {'opt':>7} {'cycle-lru':>10} "
+          f"{'+coact/opt':>10} {'read ahead':>10} {'unused':>7}")
     for s in sizes:
-        r = {p: 100 * run(events, p, s, predictions=False, layers=L).hit_rate for p in ("lru", "cycle", "opt")}
-        print(f"{s:>6} {r['lru']:6.1f}% {r['cycle']:6.1f}% {r['opt']:6.1f}% {r['cycle'] - r['lru']:+9.1f}",
+        r = {p: 100 * run(events, p, s, predictions=False, layers=L, predictor="none").hit_rate
+             for p in ("lru", "cycle", "opt")}
+        a = run(events, "cycle", s, predictions=False, layers=L, predictor="coact")
+        unused = f"{100 * a.prefetch_unused / a.prefetched:6.1f}%" if a.prefetched else "      -"
+        print(f"{s:>6} {r['lru']:6.1f}% {r['cycle']:6.1f}% {100 * a.hit_rate:6.1f}% {r['opt']:6.1f}% "
+              f"{r['cycle'] - r['lru']:+9.1f} {a.hit_rate * 100 / r['opt']:10.2f} {a.prefetched:>10} {unused}",
               flush=True)
 
 
@@ -67,11 +73,12 @@ def speed(tmp: str) -> None:
     parse_s = time.perf_counter() - t0
     n = sum(len(e.keys) for e in events if e.kind == "fetch")
     print(f"\nspeed: {n} accesses, parsed in {parse_s:.1f}s")
-    for p in ("lru", "cycle", "opt"):
+    for p, pred in (("lru", "none"), ("cycle", "none"), ("cycle", "coact"), ("opt", "none")):
         t0, c0 = time.perf_counter(), time.process_time()
-        r = run(events, p, 1024, predictions=False)
+        r = run(events, p, 1024, predictions=False, predictor=pred)
+        p = p if pred == "none" else f"{p}+{pred}"
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        print(f"  {p:<6} 1024 slots: {dt:5.1f}s wall, {cpu:5.1f}s CPU ({n / cpu / 1e3:.0f}k accesses per CPU second), "
+        print(f"  {p:<12} 1024 slots: {dt:5.1f}s wall, {cpu:5.1f}s CPU ({n / cpu / 1e3:.0f}k accesses per CPU second), "
               f"hit rate {100 * r.hit_rate:.1f}%", flush=True)
 
 

@@ -28,6 +28,9 @@ from k3d.sizes import parse_size
 # The eviction policies a user may name (``k3d.cache.policy.POLICIES`` implements
 # exactly these; config is read before, and without, the cache).
 POLICY_NAMES = ("cycle", "lru")
+# Who predicts: auto (the client's predictions, then the daemon's own predictor),
+# client (only what clients name), off (nothing is read ahead).
+PREDICT_MODES = ("auto", "client", "off")
 DEFAULT_PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
 
 
@@ -58,6 +61,8 @@ class Config:
     hugepages: bool = False           # arena in hugetlb pages (vm.nr_hugepages must hold it)
     thp: bool = True                  # without hugepages: collapse the arena into transparent huge pages
     policy: str = "cycle"             # eviction policy, one of POLICY_NAMES
+    predict: str = "client"           # who predicts, one of PREDICT_MODES (k3d/cache/predict/)
+    predict_budget: int = 0           # predictions per fetch, client's first; 0: as many as the fetch has keys
     state_dir: str = ""               # warm-restart statistics; resolved: $STATE_DIRECTORY (systemd),
                                       # else $XDG_STATE_HOME/k3d, else ~/.local/state/k3d; "none": off
     state_every_s: float = 60.0       # seconds between saves of the statistics (and one at shutdown)
@@ -194,6 +199,8 @@ _CONVERTERS = {
     "endpoint": _endpoint,
     "hugepages": _bool,
     "policy": _one_of(*POLICY_NAMES),
+    "predict": _one_of(*PREDICT_MODES),
+    "predict_budget": _int_in(0, 4096),
     "state_every_s": _positive,
     "warm_slots": _share,
     "thp": _bool,

@@ -11,7 +11,13 @@ The loop validates a request and makes one call here, with the client's session:
   layer, its experts and the slots it saw), applied as hits in order
   (``Store.report``), each traced as a fetch line;
 - ``predict``: slots for predicted keys, read BACKGROUND, within the client's
-  prediction room (pin quota, and the waste throttle below);
+  prediction room (pin quota, and the waste throttle below); none with
+  ``--predict off`` (``client_predictions`` False);
+- the daemon's own predictions (``--predict auto``; ``auto``, an
+  ``AutoPrefetch`` from ``k3d.cache.predict``, None otherwise): after each fetch
+  and the client's predictions, the predictor learns the fetch and fills what is
+  left of the fetch's budget (``_auto``: its reads BACKGROUND, an ``auto`` trace
+  line); a reported fetch only teaches it (the client has moved on);
 - ``begin_token``: reports, then the client's pins go, its unused predictions are
   counted and demoted, and its prediction-waste share moves;
 - ``drop``: a client leaves or dies: pins released, held-back reads go on as
@@ -66,6 +72,8 @@ class Cache:
         self.recent = Throughput()
         self.reads = Loads(readers, source, arena)
         self.parked = Parked(store, replies, source.path, latency)
+        self.client_predictions = True   # False: --predict off
+        self.auto = None                 # AutoPrefetch: the daemon's own predictions (--predict auto)
 
     # -- the ops -----------------------------------------------------------------
     def fetch(self, s: Session, rid: int, keys, predicted, hits, t0: float) -> None:
@@ -85,8 +93,9 @@ class Cache:
             self.reads.waited_on(slot, s.client_id)
         s.fetches += 1
         self._trace_fetch(s, keys, plan, now)
-        if predicted:
-            self.predict(s, predicted, now)
+        started = self.predict(s, predicted, now) if predicted else 0
+        if self.auto is not None:             # the daemon's own, after the client's
+            self._auto(s, keys, plan, started, now)
         result = classify(plan.misses, plan.waited)
         if plan.waiting:
             self.parked.park(s, rid, keys, plan.slots, plan.waiting, t0, result)
@@ -100,11 +109,15 @@ class Cache:
             plan = self.store.report(s.holder, keys, seen)
             s.fetches += 1
             self._trace_fetch(s, keys, plan, now)
+            if self.auto is not None:         # learn only: the client is past this layer
+                self.auto.after_fetch(s.client_id, keys, plan.slots, predict=False)
 
     def predict(self, s: Session, keys, now: float) -> int:
         """Start background reads of ``keys`` not resident; returns how many started.
         The route trace gets the keys as the store gets them (``k3d replay``
         reproduces the prefetch counters from them)."""
+        if not self.client_predictions:
+            return 0
         store = self.store
         keys = list(dict.fromkeys(keys))
         if store.pin_quota:
@@ -128,6 +141,8 @@ class Cache:
         if self.trace is not None:
             self.trace.begin(now, s.client_id, s.epoch)
         released, unused = self.store.end_epoch(s.client_id, s.holder)
+        if self.auto is not None:             # after the client's own, as k3d replay does
+            self.auto.end_token(s.client_id)
         self.store.reuse.new_token(s.client_id)
         s.pfu += unused
         if s.pf_started:
@@ -154,12 +169,24 @@ class Cache:
                 self.trace = None
         s.pfu = 0
 
+    def _auto(self, s: Session, keys, plan, client_started: int, now: float) -> None:
+        """The daemon's predictions after ``s``'s fetch (the one call site): learn, propose,
+        read BACKGROUND.  The trace gets an ``auto`` line even when empty: it marks where
+        the predictor ran, so ``k3d replay`` runs it at the same point."""
+        proposed, started = self.auto.after_fetch(s.client_id, keys, plan.slots, client_started, now)
+        if self.trace is not None:
+            self.trace.auto(now, s.client_id, s.epoch, proposed)
+        if started:
+            self._start(started, urgent=False, owner=s.client_id)
+
     def drop(self, s: Session, reason: str) -> int:
         """``s`` is gone (the caller removes the session).  Returns the pins released."""
         if self.trace is not None:
             self.trace.bye(time.monotonic(), s.client_id)
         released, _ = self.store.end_epoch(s.client_id, s.holder)
         self.store.forget_client(s.client_id)
+        if self.auto is not None:
+            self.auto.drop(s.client_id)
         self.store.reuse.leave(s.client_id)
         # Its held-back reads go on as background reads (another client may fetch
         # those keys: that promotes them), never ahead of the urgent reads of others.

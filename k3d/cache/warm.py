@@ -8,7 +8,8 @@ save is whole)::
 
     {"format": "k3d-policy-state", "version": 1, "model": FINGERPRINT, "policy": NAME,
      "saved_unix": T, "hot": [[layer, expert], ...],      # hottest first
-     "policy_state": {...}}                               # the policy's own export()
+     "policy_state": {...},                               # the policy's own export()
+     "predictor_state": {...}}                            # the daemon's predictor's state(), if any
 
 ``FINGERPRINT`` names the checkpoint and its layout (source kind, path, keys, layout
 names and sizes): a file written for another checkpoint or layout is *foreign*.
@@ -27,6 +28,9 @@ is missing, unreadable, corrupt, of another format or version, or foreign: a bad
 state file never stops a start.  ``Warmup`` then queues BACKGROUND reads of the
 hottest keys into free slots (behind every client's urgent read, never evicting)
 and reports its progress for status.
+
+With ``--predict auto`` the predictor's counts are kept too (``adopt``): a
+restarted daemon predicts from its first token.
 
 Owned by the server thread; no locking.
 """
@@ -90,12 +94,15 @@ def fingerprint(source) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def save(path: str, source_print: str, policy_name: str, hot: list, policy_state: dict) -> None:
+def save(path: str, source_print: str, policy_name: str, hot: list, policy_state: dict,
+         predictor_state: dict | None = None) -> None:
     """Write the state atomically (tmp + fsync + rename); OSError is the caller's to log."""
     d = os.path.dirname(path)
     os.makedirs(d, mode=0o700, exist_ok=True)
     doc = {"format": FORMAT, "version": VERSION, "model": source_print, "policy": policy_name,
            "saved_unix": round(time.time(), 3), "hot": [list(k) for k in hot], "policy_state": policy_state}
+    if predictor_state is not None:
+        doc["predictor_state"] = predictor_state
     fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=d)
     try:
         with os.fdopen(fd, "w") as f:
@@ -191,12 +198,23 @@ class WarmState:
             except OSError as e:
                 log.warning("warm restart: cannot prune %s: %s", cfg.state_dir, e)
         self.warmup: Warmup | None = None
+        self.predictor = None                 # the daemon's predictor (adopt), saved beside the policy
         self._doc = load(self.path, self.print, source.keys) if self.enabled else None
         if self._doc is not None and self._doc.get("policy") == cfg.policy:
             try:
                 store.policy.restore(self._doc["policy_state"])
             except ValueError as e:
                 log.warning("warm restart: ignoring the saved %s statistics in %s: %s", cfg.policy, self.path, e)
+
+    def adopt(self, predictor) -> None:
+        """Save ``predictor``'s state from now on, and restore the saved one (before ``preload``)."""
+        self.predictor = predictor
+        saved = self._doc.get("predictor_state") if self._doc is not None else None
+        if isinstance(saved, dict):
+            try:
+                predictor.restore(saved)
+            except ValueError as e:
+                log.warning("warm restart: ignoring the saved predictor state in %s: %s", self.path, e)
 
     def preload(self, store) -> list[int]:
         """Slots to read BACKGROUND now: the saved hot set, into free slots only."""
@@ -219,7 +237,8 @@ class WarmState:
         if not self.enabled:
             return
         try:
-            save(self.path, self.print, self.policy_name, store.ranking()[:store.slots], store.policy.export())
+            save(self.path, self.print, self.policy_name, store.ranking()[:store.slots], store.policy.export(),
+                 None if self.predictor is None else self.predictor.state())
         except OSError as e:
             log.error("warm restart: cannot write %s: %s", self.path, e)
 

@@ -78,6 +78,12 @@ def _start_parser(sub):
                    "slower (default: collapse the arena into 2 MiB transparent huge pages at start; "
                    "bench/startup.py measures both)")
     p.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default {D.policy})")
+    p.add_argument("--predict", help="who reads ahead: auto (clients' predictions, then the daemon's own, learned "
+                   "from the access stream), client (only clients' predictions) or off "
+                   f"(default {D.predict})")
+    p.add_argument("--predict-budget", dest="predict_budget", type=int,
+                   help="predictions per fetch, the client's own first (0: as many as the fetch has keys; "
+                   f"default {D.predict_budget})")
     p.add_argument("--state-dir", dest="state_dir",
                    help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")
     p.add_argument("--metrics", metavar="HOST:PORT",

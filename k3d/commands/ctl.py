@@ -128,6 +128,11 @@ def render(st: dict) -> str:
     pq = st.get("prediction")
     if pq:      # prediction quality, in total and per client (k3d.observe.quality)
         lines.append(f"        {prediction_line(pq['total'])}")
+        a = pq.get("daemon")
+        if a:   # the daemon's own predictor (--predict auto)
+            lines.append(f"auto    {a['predictor']}: {a['issued']} read ahead, used {a['used_in_time']} in time / "
+                         f"{a['used_late']} late, {a['unused']} unused ({a['unused_bytes'] / 2**20:.1f} MiB), "
+                         f"{a['refused']} refused")
     w = st.get("warm") or {}
     if "planned" in w:
         lines.append(f"warm    {st.get('policy', '')} statistics from {w['state_file']}: pre-loaded {w['ready']} of "

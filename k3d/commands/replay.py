@@ -3,14 +3,28 @@
 ::
 
     k3d replay TRACE --slots N[,N...] [--policy P[,P...]] [--json] [--sweep] [--plot FILE.png]
-                     [--no-predictions] [--clients N --offset TOKENS]
+                     [--no-predictions] [--predictor NAME|recorded|none] [--read-lead N]
+                     [--clients N --offset TOKENS]
 
 Prints hits, misses, evictions and hit rate per policy and size, OPT (exact, under
 the same pins) beside them.  ``--sweep`` replays every size from the smallest the
 trace allows (one token's pins) to the first ``--slots`` value's range end, the
 arena sizing curve; ``--plot`` draws it (matplotlib, an optional extra).  ``--json``
-prints ``{"default": NAME, "results": {POLICY: {SLOTS: {hits, misses, evictions,
-hit_rate}}}}``.  ``--clients N`` interleaves N copies of the trace (each offset by
+prints ``{"default": NAME, "predictor": NAME, "results": {POLICY: {SLOTS: {hits,
+misses, evictions, hit_rate, prefetched, prefetch_hits, prefetch_ready,
+prefetch_waited, prefetch_unused, auto_prefetched, ...}}}}``.
+
+``--predictor``: the daemon's own predictions (``k3d.cache.predict``).  A name runs
+that predictor class as the daemon does (``AutoPrefetch``: after each fetch and its
+client's predictions, where the trace's ``auto`` lines say the daemon ran it);
+``recorded`` replays the trace's ``auto`` lines as they were (exact even for a daemon
+that started warm); ``none`` leaves them out.  Default: as the daemon by default (``Config.predict``:
+``auto`` runs its predictor, else none).
+``--read-lead N``: the read model for ``prefetch_ready``/``prefetch_waited``: a used
+prediction was ready before its request when N or more fetches came between them
+(reads complete at once in a replay; hits and misses do not depend on it).
+
+``--clients N`` interleaves N copies of the trace (each offset by
 ``--offset`` tokens, later ones starting later) and compares one shared arena of S
 slots with N private arenas of S/N (``k3d.replay.sharing``).
 
@@ -28,6 +42,7 @@ import os
 import sys
 
 from k3d.cache.policy import POLICIES, UnknownPolicy, make
+from k3d.cache.predict import DEFAULT as PREDICT_DEFAULT, PREDICTORS, UnknownPredictor, make as make_predictor
 from k3d.config import Config
 from k3d.observe.trace import TraceError, read
 from k3d.replay import sharing
@@ -47,6 +62,14 @@ def add_parser(sub):
     p.add_argument("--plot", metavar="FILE.png", help="draw the curve to FILE.png (needs matplotlib: the plot extra)")
     p.add_argument("--no-predictions", dest="predictions", action="store_false",
                    help="ignore the trace's predict lines")
+    p.add_argument("--predictor", default=PREDICT_DEFAULT if Config.predict == "auto" else "none",
+                   help=f"the daemon's own predictor: {', '.join(sorted(PREDICTORS))}, recorded (the trace's "
+                   "auto lines as they were) or none (default %(default)s)")
+    p.add_argument("--read-lead", dest="read_lead", type=int, default=1,
+                   help="a used prediction counts ready if this many fetches came between it and its use, "
+                   "else waited (default %(default)s)")
+    p.add_argument("--predict-budget", dest="predict_budget", type=int, default=0,
+                   help="predictions per fetch, the client's first (0: as many as the fetch has keys)")
     p.add_argument("--clients", type=int, default=1,
                    help="interleave N offset copies: one shared arena of S vs N private ones of S/N")
     p.add_argument("--offset", type=int, default=None, help="tokens between the copies' starts (default: trace/N)")
@@ -79,6 +102,8 @@ def main(args) -> int:
         for n in names:
             if n != "opt":
                 make(n)                   # UnknownPolicy lists the known ones
+        if args.predictor not in ("recorded", "none"):
+            make_predictor(args.predictor)
         names = [n for n in names if n != "opt"] + ["opt"]
         if args.clients > 1:
             return sharing.main(args, events, names)
@@ -87,14 +112,16 @@ def main(args) -> int:
         low = [s for s in sizes if s < floor]
         if low:
             raise ValueError(f"--slots {low[0]} is below one token's pins: this trace needs at least {floor} slots")
-    except (TraceError, UnknownPolicy, ValueError) as e:
+    except (TraceError, UnknownPolicy, UnknownPredictor, ValueError) as e:
         print(f"k3d replay: error: {e}", file=sys.stderr)
         return 2
     layers = layers_of(events)
-    results = {n: {s: run(events, n, s, predictions=args.predictions, layers=layers) for s in sizes}
+    predictor = None if args.predictor == "recorded" else args.predictor
+    results = {n: {s: run(events, n, s, predictions=args.predictions, layers=layers, predictor=predictor,
+                          read_lead=args.read_lead, budget=args.predict_budget) for s in sizes}
                for n in names}
     if args.json:
-        print(json.dumps({"default": Config.policy, "trace": args.trace,
+        print(json.dumps({"default": Config.policy, "predictor": args.predictor, "trace": args.trace,
                           "accesses": sum(len(e.keys) for e in events if e.kind == "fetch"),
                           "results": {n: {str(s): r.as_dict() for s, r in rs.items()} for n, rs in results.items()}}))
     else:
@@ -131,7 +158,8 @@ def render(results: dict, default: str, curve: bool = False) -> str:
         lines = ["slots  " + "  ".join(f"{mark[n]:>8}" for n in names)]
         lines += [f"{s:>5}  " + "  ".join(f"{100 * results[n][s].hit_rate:7.1f}%" for n in names) for s in sizes]
     else:
-        lines = [f"slots  {'policy':<9} {'hit rate':>8} {'hits':>9} {'misses':>9} {'evictions':>9}  vs lru"]
+        lines = [f"slots  {'policy':<9} {'hit rate':>8} {'hits':>9} {'misses':>9} {'evictions':>9} "
+                 f"{'prefetched':>10} {'unused':>7}  vs lru"]
         for s in sizes:
             for n in names:
                 r = results[n][s]
@@ -139,7 +167,7 @@ def render(results: dict, default: str, curve: bool = False) -> str:
                 if "lru" in results and n != "lru":
                     vs = f"{100 * (r.hit_rate - results['lru'][s].hit_rate):+6.1f}"
                 lines.append(f"{s:>5}  {mark[n]:<9} {100 * r.hit_rate:7.1f}% {r.hits:>9} {r.misses:>9} "
-                             f"{r.evictions:>9}  {vs}")
+                             f"{r.evictions:>9} {r.prefetched:>10} {r.prefetch_unused:>7}  {vs}")
     lines.append("(* the default policy; opt: Belady's OPT under the same pins, the bound)")
     return "\n".join(lines)
 

@@ -120,6 +120,16 @@ def parse_hostport(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+AUTO = {   # status prediction.daemon -> k3d_auto_prefetch_<field>_total
+    "issued": "background reads the daemon's own predictor started",
+    "used_in_time": "the daemon's predictions fetched after their read had finished",
+    "used_late": "the daemon's predictions fetched while still being read (the fetch waited)",
+    "unused": "the daemon's predictions nobody fetched before their client's next token",
+    "unused_bytes": "bytes read for the daemon's predictions nobody fetched",
+    "refused": "the daemon's predictions not read: the only victim was expected to be reused sooner",
+}
+
+
 def families(st: dict):
     """The metric families for one status dict (prometheus_client objects)."""
     # prometheus_client is the optional ``metrics`` extra: imported only when --metrics is used
@@ -157,6 +167,10 @@ def families(st: dict):
             buckets = [(repr(le), n) for le, n in zip(lat["le"], d["buckets"])] + [("+Inf", d["count"])]
             h.add_metric([result], buckets, d["sum"])
         yield h
+    auto = (st.get("prediction") or {}).get("daemon")
+    if auto:                                   # the daemon's own predictions (--predict auto)
+        for field, text in AUTO.items():
+            yield CounterMetricFamily(f"k3d_auto_prefetch_{field}", text, value=auto[field])
     tiers = (st.get("model") or {}).get("tiers") or {}
     o = tiers.get("origin")
     if o:

@@ -29,10 +29,18 @@ def total(store) -> PredictionStats:
     return out
 
 
-def section(store, client_ids) -> dict:
-    """``status["prediction"]``: {"total": {...}, "clients": {id: {...}}}."""
-    return {"total": total(store).as_dict(),
-            "clients": {str(c): store.client_quality(c).as_dict() for c in client_ids}}
+def section(store, client_ids, auto=None) -> dict:
+    """``status["prediction"]``: {"total": {...}, "clients": {id: {...}}, "daemon": {...}}.
+
+    ``total`` covers every prediction (clients' and the daemon's); ``clients`` a
+    client's own; ``daemon`` (``--predict auto`` only: ``AutoPrefetch.as_dict``)
+    the daemon's own predictor's: issued, used (in time / late), unused,
+    unused_bytes, refused."""
+    out = {"total": total(store).as_dict(),
+           "clients": {str(c): store.client_quality(c).as_dict() for c in client_ids}}
+    if auto is not None:
+        out["daemon"] = auto.as_dict()
+    return out
 
 
 def line(q: dict) -> str:

@@ -15,8 +15,9 @@ sections may be added, existing fields keep their meaning):
 - ``clients``: one entry per attached session, where its hits are answered
   (``hit_path``: ``client`` from the shared index, or ``daemon``), with its recent CPU share of the
   daemon (``cpu_share``) and how often and how long it was held back (``pacing.py``);
-- ``policy`` (its name), ``prediction`` (quality in total and per client id:
-  ``quality.py``), ``warm`` (the state file and the warm restart's pre-load progress).
+- ``policy`` (its name), ``predict`` (auto, client or off), ``prediction``
+  (quality in total, per client id, and the daemon's own predictions: ``quality.py``),
+  ``warm`` (the state file and the warm restart's pre-load progress).
 
 Pure reads of the server's state: called on the server thread (``op_status``,
 the loop's systemd status), never changes anything.
@@ -52,7 +53,8 @@ def build(srv, now: float) -> dict:
                   "thp_bytes": srv.arena.thp_bytes, **srv.store.gauges()},
         "stats": {**st.as_dict(), "replies_dropped": srv.replies.dropped},
         "policy": srv.cfg.policy,
-        "prediction": prediction_section(srv.store, [s.client_id for s in srv.sessions]),
+        "predict": srv.cfg.predict,
+        "prediction": prediction_section(srv.store, [s.client_id for s in srv.sessions], srv.cache.auto),
         "warm": srv.warm.status(srv.store),
         "fetch_seconds": srv.latency.as_dict(),
         "readers": {"threads": srv.reads.threads, "queued_urgent": urgent,

@@ -6,6 +6,7 @@ Fields are separated by single spaces::
 
     <µs> c=<client> t=<epoch> L<layer> n=<keys> miss=<m> evict=<e> wait=<w> pf=<p> pfu=<u> <id> <id> ...
     <µs> c=<client> t=<epoch> predict <layer>:<expert> <layer>:<expert> ...
+    <µs> c=<client> t=<epoch> auto [<layer>:<expert> ...]
     <µs> c=<client> t=<epoch> begin
     <µs> c=<client> bye
 
@@ -16,6 +17,9 @@ Fields are separated by single spaces::
   go), ``bye`` its leaving or being dropped.  ``predict`` lines are predictions, from
   ``predict`` or from a fetch's ``predicted`` (written after the fetch, as they are
   applied).
+- ``auto`` lines are the daemon's own predictions for the client (``--predict auto``),
+  written after every fetch and its ``predict`` line, even when empty: they mark
+  where the daemon's predictor ran, so ``k3d replay`` runs it at the same point.
 - The counters on a fetch line are what the daemon counted for that fetch: misses,
   evictions, keys waited on, keys served by a prediction, and the client's
   predictions found unused at its last ``begin_token``.
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("k3d")
 
-FETCH, PREDICT, BEGIN, BYE = "fetch", "predict", "begin", "bye"
+FETCH, PREDICT, AUTO, BEGIN, BYE = "fetch", "predict", "auto", "begin", "bye"
 COUNTERS = ("miss", "evict", "wait", "pf", "pfu")
 
 
@@ -78,6 +82,10 @@ class RouteTrace:
             ids = " ".join(f"{l}:{e}" for l, e in keys)
             self._write(f"{self._head(now, client, epoch)} predict {ids}\n")
 
+    def auto(self, now: float, client: int, epoch: int, keys: list[tuple[int, int]]) -> None:
+        ids = "".join(f" {l}:{e}" for l, e in keys)
+        self._write(f"{self._head(now, client, epoch)} auto{ids}\n")
+
     def begin(self, now: float, client: int, epoch: int) -> None:
         self._write(f"{self._head(now, client, epoch)} begin\n")
 
@@ -91,7 +99,7 @@ class RouteTrace:
 
 @dataclass(slots=True)
 class Event:
-    kind: str                          # FETCH, PREDICT, BEGIN or BYE
+    kind: str                          # FETCH, PREDICT, AUTO, BEGIN or BYE
     client: int
     keys: list = field(default_factory=list)
     counts: tuple | None = None        # a fetch's recorded (miss, evict, wait, pf, pfu), if any
@@ -123,7 +131,7 @@ def parse_line(line: str):
             client = int(tok[2:])
         elif tok.startswith("t="):
             epoch = int(tok[2:])
-        elif tok in (PREDICT, BEGIN, BYE):
+        elif tok in (PREDICT, AUTO, BEGIN, BYE):
             kind = tok
         elif tok[0] == "L":
             layer = int(tok[1:])

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from k3client.errors import CacheFull
 from k3d.cache.policy import make
 from k3d.cache.policy.opt import OptPolicy
+from k3d.cache.predict import AutoPrefetch, auto_id, make as make_predictor
 from k3d.cache.store import Store
-from k3d.observe.trace import BEGIN, BYE, FETCH, PREDICT
+from k3d.observe.stats import PredictionStats
+from k3d.observe.trace import AUTO, BEGIN, BYE, FETCH, PREDICT
 
 
 class ReplayError(ValueError):
@@ -38,6 +40,11 @@ class Result:
     bg_evictions: int = 0           # evictions made by background reads (predictions)
     bg_evicted_current: int = 0     # ... of an expert the current token of any client used
     bg_evicted_sooner: int = 0      # ... of an expert requested again before the prediction was used
+    prefetch_ready: int = 0         # prefetch_hits whose read was done before the request (read model)
+    prefetch_waited: int = 0        # ... whose request waited for the read
+    auto_prefetched: int = 0        # the daemon's own predictions (included in prefetched)
+    auto_hits: int = 0
+    auto_unused: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -49,7 +56,10 @@ class Result:
                 "hit_rate": round(self.hit_rate, 6), "prefetched": self.prefetched,
                 "prefetch_hits": self.prefetch_hits, "prefetch_unused": self.prefetch_unused,
                 "prefetch_refused": self.prefetch_refused, "bg_evictions": self.bg_evictions,
-                "bg_evicted_current": self.bg_evicted_current, "bg_evicted_sooner": self.bg_evicted_sooner}
+                "bg_evicted_current": self.bg_evicted_current, "bg_evicted_sooner": self.bg_evicted_sooner,
+                "prefetch_ready": self.prefetch_ready, "prefetch_waited": self.prefetch_waited,
+                "auto_prefetched": self.auto_prefetched, "auto_hits": self.auto_hits,
+                "auto_unused": self.auto_unused}
 
 
 def layers_of(events) -> int:
@@ -72,23 +82,77 @@ def min_slots(events) -> int:
     return best
 
 
-def run(events, policy: str, slots: int, predictions: bool = True, layers: int | None = None) -> Result:
-    """Replay ``events`` with ``slots`` slots under the policy called ``policy`` ("opt": Belady)."""
+def experts_of(events) -> int:
+    return 1 + max((k[1] for ev in events for k in ev.keys), default=0)
+
+
+def run(events, policy: str, slots: int, predictions: bool = True, layers: int | None = None,
+        predictor: str | None = None, read_lead: int = 1, budget: int = 0, experts: int | None = None) -> Result:
+    """Replay ``events`` with ``slots`` slots under the policy called ``policy`` ("opt": Belady).
+
+    ``predictor``: the daemon's own predictions.  None: the trace's ``auto`` lines as
+    recorded; "none": none; a name from ``k3d.cache.predict.PREDICTORS``: that class,
+    run through ``AutoPrefetch`` (as the daemon does) where the trace's ``auto`` lines
+    say the daemon ran it, else right after each fetch and its ``predict`` line.
+    ``read_lead``: a used prediction was ready before the request when at least this
+    many fetches came between it and its use, else its request waited (reads
+    complete at once here, so this is the model of read time)."""
     layers = layers_of(events) if layers is None else layers
     if policy == "opt":
         pol = OptPolicy([k for ev in events if ev.kind == FETCH for k in ev.keys])
-        predictions = False
+        predictions, predictor = False, "none"
     else:
         pol = make(policy, layers)
     store = Store(slots, policy=pol)
+    auto = None
+    if predictor not in (None, "none"):
+        model = make_predictor(predictor, layers, experts_of(events) if experts is None else experts)
+        auto = AutoPrefetch(store, model, budget=budget, read_lead=read_lead)
+    marked = auto is not None and any(ev.kind == AUTO for ev in events)
     epoch: dict[int, int] = {}
     complete = store.complete
     cache_full = 0
     audit = _Audit()
+    timing = _Timing(store, read_lead)
+    pending = None                  # [client, keys, slots, client predictions started, predict line seen]
+
+    def predict(client, keys):
+        before = set(store.key_slot)
+        started = store.predict(client, keys)
+        if store.stats.evictions:
+            audit.predicted(before - set(store.key_slot), [store.slot_key[s] for s in started])
+        for s in started:
+            complete(s, None)
+        timing.issued(started)
+        return started
+
+    def flush(predict=True):
+        nonlocal pending
+        c, keys, got, n, _ = pending
+        pending = None
+        before = set(store.key_slot)
+        _, started = auto.after_fetch(c, keys, got, n, predict=predict)
+        if started and store.stats.evictions:
+            audit.predicted(before - set(store.key_slot), [store.slot_key[s] for s in started])
+        for s in started:
+            complete(s, None)
+        timing.issued(started)
+
     for ev in events:
         kind, c = ev.kind, ev.client
+        if pending is not None:
+            if kind == PREDICT and c == pending[0] and not pending[4]:
+                pending[4] = True       # the fetch's own predicted= keys come first
+                if predictions:
+                    pending[3] += len(predict(c, ev.keys))
+                continue
+            if not marked:
+                flush()
+            else:       # the daemon ran its predictor where an auto line follows; else (a
+                flush(predict=kind == AUTO and c == pending[0])   # reported fetch) it only learned
         if kind == FETCH:
             try:
+                timing.fetching(ev.keys)
                 plan = store.fetch((c, epoch.get(c, 0)), ev.keys)
             except CacheFull:
                 cache_full += 1
@@ -98,25 +162,64 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
                 complete(s, None)
             for s in plan.promote:
                 complete(s, None)
+            if auto is not None:
+                pending = [c, ev.keys, plan.slots, 0, False]
         elif kind == PREDICT:
             if predictions:
-                before = set(store.key_slot)
-                started = store.predict(c, ev.keys)
-                if store.stats.evictions:
-                    audit.predicted(before - set(store.key_slot), [store.slot_key[s] for s in started])
-                for s in started:
-                    complete(s, None)
+                predict(c, ev.keys)
+        elif kind == AUTO:
+            if predictor is None and ev.keys:
+                predict(auto_id(c), ev.keys)
         elif kind == BEGIN:
             audit.token_ends(c)
             e = epoch.get(c, 0)
             store.end_epoch(c, (c, e))
+            store.end_epoch(auto_id(c), None)
+            if auto is not None:
+                auto.end_token(c)
             epoch[c] = e + 1
         elif kind == BYE:
             store.end_epoch(c, (c, epoch.pop(c, 0)))
             store.forget_client(c)
+            store.end_epoch(auto_id(c), None)
+            if auto is not None:
+                auto.drop(c)
+    if pending is not None:
+        flush(predict=not marked)
     st = store.stats
+    daemon = PredictionStats()
+    for cid, q in [*store.quality.items(), (-1, auto.gone if auto else PredictionStats())]:
+        if cid < 0:
+            for name in vars(q):
+                setattr(daemon, name, getattr(daemon, name) + getattr(q, name))
     return Result(st.hits, st.misses, st.evictions, st.prefetched, st.prefetch_hits, st.prefetch_unused,
-                  st.prefetch_refused, cache_full, audit.evictions, audit.current, audit.sooner)
+                  st.prefetch_refused, cache_full, audit.evictions, audit.current, audit.sooner,
+                  timing.ready, timing.waited, daemon.prefetched, daemon.prefetch_hits, daemon.prefetch_unused)
+
+
+class _Timing:
+    """The read-time model: a used prediction was ready if ``lead`` fetches came between."""
+
+    def __init__(self, store, lead: int):
+        self.store, self.lead = store, lead
+        self.n = 0
+        self.at: dict[int, int] = {}      # predicted slot -> fetch count when predicted
+        self.ready = self.waited = 0
+
+    def issued(self, slots) -> None:
+        for s in slots:
+            self.at[s] = self.n
+
+    def fetching(self, keys) -> None:
+        self.n += 1
+        st = self.store
+        for k in keys:
+            s = st.key_slot.get(k)
+            if s is not None and s in st.predicted_by:
+                if self.n - self.at.get(s, self.n) >= self.lead:
+                    self.ready += 1
+                else:
+                    self.waited += 1
 
 
 class _Audit:

@@ -61,6 +61,7 @@ from k3client.errors import (
 )
 from k3d.cache.fetch import Cache
 from k3d.cache.policy import make as make_policy
+from k3d.cache.predict import DEFAULT as PREDICT_DEFAULT, AutoPrefetch, make as make_predictor
 from k3d.cache.reuse import Reuse, reserve_for
 from k3d.cache.sessions import REAP_INTERVAL, Session, Sessions, identify
 from k3d.cache.store import Store
@@ -125,6 +126,12 @@ class Server:
                            self.intake.charge)
         self.cache.trace = self.trace
         self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
+        self.cache.client_predictions = cfg.predict != "off"
+        if cfg.predict == "auto":           # the daemon's own predictions (k3d/cache/predict/)
+            self.cache.auto = AutoPrefetch(self.store, make_predictor(
+                PREDICT_DEFAULT, 1 + max(l for l, _ in source.keys), 1 + max(e for _, e in source.keys)),
+                cfg.predict_budget, known=frozenset(source.keys))
+            self.warm.adopt(self.cache.auto.predictor)
         self.cache.preload(self.warm.preload(self.store))   # behind every urgent read
 
     # -- loop -----------------------------------------------------------------
@@ -313,7 +320,9 @@ class Server:
         (hit + waited); misses take free or evicted slots and are read URGENT, split
         into parts across readers.  Replies once every key is ready, slots in
         request order.  ``predicted`` is handled as ``predict`` after the fetch is
-        planned.  Errors: cache full (nothing changes), slots busy (retry),
+        planned (ignored with ``--predict off``); then, with ``--predict auto``, the
+        daemon's own predictions fill what is left of the fetch's prediction budget.
+        Errors: cache full (nothing changes), slots busy (retry),
         quota, unknown or duplicate keys, a failed read."""
         s = self._attached(s)
         keys = self._keys(msg, "keys", unique=True)

@@ -1,0 +1,34 @@
+"""Predictors: pure, deterministic learners of the access stream that propose keys to read ahead.
+
+``PREDICTORS`` maps the names ``k3d replay --predictor`` accepts to their classes;
+``make`` builds one for a model of ``layers`` x ``experts``.  ``AutoPrefetch``
+(``prefetch``) drives one through the store, for the daemon and for replay alike.
+
+A predictor's API (the only caller is ``AutoPrefetch``)::
+
+    observe(client, keys)                     client fetched keys (request order)
+    propose(client, layer, budget, resident)  -> [(key, confidence)], best first
+    next_layer(client) / remaining(client)    where the client is in its pass
+    forget(client)                            the client left
+    state() / restore(state)                  what a warm restart keeps (JSON-able)
+"""
+
+from k3d.cache.predict.model import CoPredictor
+from k3d.cache.predict.prefetch import AutoPrefetch, auto_id
+
+PREDICTORS = {"coact": CoPredictor}
+DEFAULT = "coact"
+
+
+class UnknownPredictor(ValueError):
+    pass
+
+
+def make(name: str, layers: int = 1, experts: int = 1):
+    cls = PREDICTORS.get(name)
+    if cls is None:
+        raise UnknownPredictor(f"unknown predictor {name!r}; known predictors: {', '.join(sorted(PREDICTORS))}")
+    return cls(layers=layers, experts=experts)
+
+
+__all__ = ["DEFAULT", "PREDICTORS", "AutoPrefetch", "CoPredictor", "UnknownPredictor", "auto_id", "make"]

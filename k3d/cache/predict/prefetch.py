@@ -1,0 +1,170 @@
+"""The daemon's own predictions: a predictor driven by the fetch stream, through the store.
+
+``AutoPrefetch`` is the one piece both the daemon (``k3d.cache.fetch.Cache``) and
+``k3d replay`` (``k3d.replay.engine``) call, with the same arguments at the same
+points, so a replay reproduces the daemon's predictions exactly:
+
+- ``after_fetch(client, keys, slots, client_started, now)``: after a fetch is
+  planned and the client's own predictions (``predicted=``) were applied.  It
+  counts the daemon's predictions this fetch used (in time, or late: still being
+  read), lets the predictor learn the fetch, then asks it for the layer after this
+  one and hands the proposals to ``Store.predict``.  Returns the keys proposed and
+  the slots to read (BACKGROUND).  ``predict=False`` (a fetch the client answered
+  itself and reported later: it is past that layer) only counts and learns.
+- ``end_token(client)``: the client began its next token: the daemon's predictions
+  for it are released and the unused ones demoted and counted (``Store.end_epoch``).
+- ``drop(client)``: the client left: as ``end_token``, and its context goes.
+
+Guarantees:
+- A client's own predictions come first: the daemon fills what is left of the
+  fetch's budget (``budget``, or the fetch's key count when 0).
+- Never more predictions than free + evictable slots beyond what every client's
+  current token still needs (``CoPredictor.remaining``), so the daemon's
+  predictions (pinned until that client's next token, as every prediction) can
+  never make a later fetch of the token find the cache full.
+- Each proposal passes the policy's ``admits`` (``Store.predict``); proposals
+  below the predictor's calibrated ``min_prob`` are never made, and the expected
+  share of predictions used stays at least ``precision`` (``_afford``).
+- Predictions never cross a token boundary: a proposal for the next token's
+  layers would be demoted at ``begin_token`` before its fetch.
+
+The daemon's predictions are kept under a client id of their own per client,
+``-1 - client`` (``auto_id``), so the store's per-client prediction quality keeps
+them apart from the client's own predictions, and the client's
+``end_epoch`` never touches them (``end_token`` does).
+
+Pure: the store, the predictor and integers; the caller starts the reads.
+"""
+
+from __future__ import annotations
+
+from k3d.observe.stats import PredictionStats
+
+
+def auto_id(client: int) -> int:
+    """The store's client id for the daemon's predictions on behalf of ``client``."""
+    return -1 - client
+
+
+class AutoPrefetch:
+    def __init__(self, store, predictor, budget: int = 0, read_lead: int | None = None,
+                 precision: float = 0.5, credit_cap: float = 4.0, known=None):
+        """``read_lead``: None (the daemon): a used prediction is late when its slot is
+        still LOADING.  An int (replay, where reads complete at once): late when fewer
+        than ``read_lead`` fetches came between the prediction and its use.
+        ``precision``: the share of predictions expected to be used, kept on average
+        (see ``_afford``); ``credit_cap`` bounds how much a run of sure predictions
+        may lend to later unsure ones.  ``known``: the keys that exist (a container;
+        None: every key the predictor names), so nothing else is ever proposed."""
+        self.store, self.predictor, self.budget, self.read_lead = store, predictor, budget, read_lead
+        self.precision, self.credit_cap = precision, credit_cap
+        self.known = known
+        self.credit = 0.0
+        self.fetches = 0
+        self._out: dict[int, tuple] = {}         # slot -> (client, key, fetch count when predicted)
+        self.used_in_time = 0
+        self.used_late = 0
+        self.gone = PredictionStats()            # the daemon's figures for clients that left
+
+    # -- the hooks ----------------------------------------------------------------
+    def after_fetch(self, client: int, keys, slots, client_started: int = 0, now: float = 0.0,
+                    predict: bool = True) -> tuple[list, list[int]]:
+        """Learn ``client``'s fetch of ``keys`` (planned in ``slots``), then predict.
+        Returns (the keys handed to ``Store.predict``, the slots it started)."""
+        self.fetches += 1
+        out = self._out
+        if out:
+            store = self.store
+            for s, key in zip(slots, keys):
+                o = out.get(s)
+                if o is None or o[1] != key:
+                    continue
+                del out[s]
+                if self.read_lead is None:
+                    late = store.state[s] == "loading"
+                else:
+                    late = self.fetches - o[2] < self.read_lead
+                if late:
+                    self.used_late += 1
+                else:
+                    self.used_in_time += 1
+        p = self.predictor
+        p.observe(client, keys)
+        if not predict:
+            return [], []
+        layer = p.next_layer(client)
+        budget = (self.budget or len(keys)) - client_started
+        if layer is None:                        # the next token's first layer: see Guarantees
+            return [], []
+        budget = min(budget, self._room())
+        store = self.store
+        key_slot, known = store.key_slot, self.known
+        props = p.propose(client, layer, max(0, budget),
+                          key_slot.__contains__ if known is None else lambda k: k in key_slot or k not in known)
+        proposed = self._afford(props)
+        if not proposed:
+            return [], []
+        started = store.predict(auto_id(client), proposed, now)
+        conf = dict(props)
+        for s in started:
+            key = store.slot_key[s]
+            out[s] = (client, key, self.fetches)
+            self.credit += conf[key] - self.precision
+        self.credit = min(self.credit, self.credit_cap)
+        return proposed, started
+
+    def _afford(self, props) -> list:
+        """The proposals (best first) whose confidences keep the expected share used at
+        ``precision`` or more, counting every prediction started so far: a sure one
+        (confidence above ``precision``) earns credit an unsure one may spend.  So the
+        expected unused share stays at most ``1 - precision`` (the confidences are
+        measured frequencies, ``CoPredictor.calibrated``)."""
+        credit, keys = self.credit, []
+        for key, c in props:
+            if credit + c - self.precision < 0:
+                break
+            credit += c - self.precision
+            keys.append(key)
+        return keys
+
+    def end_token(self, client: int) -> None:
+        self._release(client)
+
+    def drop(self, client: int) -> None:
+        self._release(client)
+        self.predictor.forget(client)
+        q = self.store.quality.pop(auto_id(client), None)
+        if q is not None:
+            for name in vars(q):
+                setattr(self.gone, name, getattr(self.gone, name) + getattr(q, name))
+
+    def _release(self, client: int) -> None:
+        me = auto_id(client)
+        self.store.end_epoch(me, None)
+        for s in [s for s, o in self._out.items() if o[0] == client]:
+            del self._out[s]
+
+    def _room(self) -> int:
+        """Slots a prediction may take now: free + evictable, less what every client's
+        current token still needs."""
+        st, p = self.store, self.predictor
+        need = sum(p.remaining(c) for c in p.clients())
+        return len(st.free) + st.policy.evictable() - need
+
+    # -- figures ---------------------------------------------------------------------
+    def totals(self) -> PredictionStats:
+        """The daemon's predictions summed over clients (present and gone)."""
+        out = PredictionStats()
+        for c, q in [*self.store.quality.items(), (None, self.gone)]:
+            if c is None or c < 0:
+                for name in vars(q):
+                    setattr(out, name, getattr(out, name) + getattr(q, name))
+        return out
+
+    def as_dict(self) -> dict:
+        """For status and metrics: issued, used in time, used late, unused, refused, bytes read for nothing."""
+        q = self.totals()
+        return {"predictor": self.predictor.name, "issued": q.prefetched, "used": q.prefetch_hits,
+                "used_in_time": self.used_in_time, "used_late": self.used_late,
+                "unused": q.prefetch_unused, "unused_bytes": q.unused_bytes, "refused": q.refused,
+                "precision": round(q.prefetch_hits / q.prefetched, 4) if q.prefetched else None}

@@ -1,0 +1,144 @@
+"""The daemon's predictor on hand-made integer streams, and its glue through the store.
+
+- a deterministic cross-layer pattern is learned fully: once seen, every next-layer
+  expert is proposed, and the replay turns every demand miss after the first tokens
+  into a prediction hit;
+- a random stream: the calibration finds no information, so after the first tokens
+  nothing is read ahead and the hit rate is never below the predictor-off run;
+- the same stream gives the same proposals; state()/restore() carries them.
+"""
+
+import random
+
+from hypothesis import given, settings, strategies as st
+
+from k3d.cache.policy import make
+from k3d.cache.predict import AutoPrefetch, CoPredictor, auto_id
+from k3d.cache.store import Store
+from k3d.observe.trace import AUTO, BEGIN, FETCH, Event
+from k3d.replay.engine import run
+
+L, E = 6, 8
+
+
+def pattern_token(t: int) -> list[list[int]]:
+    """Layer 0 picks one of four pairs; every later layer's pair is a fixed function of it."""
+    a = t % 4
+    return [[(2 * a + 3 * l) % E, (2 * a + 3 * l + 1) % E] for l in range(L)]
+
+
+def events_of(tokens) -> list[Event]:
+    ev = []
+    for route in tokens:
+        for layer, experts in enumerate(route):
+            ev.append(Event(FETCH, 1, [(layer, e) for e in experts]))
+        ev.append(Event(BEGIN, 1))
+    return ev
+
+
+def test_learns_a_cross_layer_pattern_fully():
+    p = CoPredictor(L, E)
+    for t in range(200):                       # proposing measures the calibration: budget 0
+        for layer, experts in enumerate(pattern_token(t)):
+            p.observe(1, [(layer, e) for e in experts])
+            p.propose(1, layer + 1, 0, lambda k: False)
+    for t in range(200, 204):
+        route = pattern_token(t)
+        for layer in range(L - 1):
+            p.observe(1, [(layer, e) for e in route[layer]])
+            got = p.propose(1, layer + 1, 2, lambda k: False)
+            assert sorted(k for k, _ in got) == sorted((layer + 1, e) for e in route[layer + 1])
+            assert all(c > 0.9 for _, c in got)
+
+
+def test_replay_turns_the_pattern_into_prediction_hits():
+    ev = events_of(pattern_token(t) for t in range(300))
+    off = run(ev, "cycle", 2 * L, predictor="none")
+    on = run(ev, "cycle", 2 * L, predictor="coact")
+    # one token's pins is the whole cache: nothing may be read ahead, nothing changes
+    assert on.prefetched == 0 and (on.hits, on.misses) == (off.hits, off.misses)
+    off = run(ev, "cycle", 2 * L + 4, predictor="none")
+    on = run(ev, "cycle", 2 * L + 4, predictor="coact")
+    assert on.cache_full == 0 and on.hit_rate > off.hit_rate
+    # once learned (the first half), layers 1.. are all read ahead: the second half's
+    # misses are layer 0's at most (two per token), and nothing is read for nothing
+    half = run(ev[:len(ev) // 2], "cycle", 2 * L + 4, predictor="coact")
+    assert on.misses - half.misses <= 2 * 150, (on, half)
+    assert on.prefetch_unused - half.prefetch_unused == 0
+    assert on.auto_prefetched == on.prefetched and on.auto_hits == on.prefetch_hits
+
+
+def random_tokens(n: int, seed: int):
+    rng = random.Random(seed)
+    return [[rng.sample(range(E), 2) for _ in range(L)] for _ in range(n)]
+
+
+def test_random_stream_does_nothing_harmful():
+    ev = events_of(random_tokens(400, 7))
+    for slots in (2 * L, 2 * L + 4, 3 * L, 5 * L):
+        off = run(ev, "cycle", slots, predictor="none")
+        on = run(ev, "cycle", slots, predictor="coact")
+        assert on.cache_full == 0
+        assert on.hit_rate >= off.hit_rate - 0.01, (slots, on, off)
+        # only while the calibration is still empty (the first tokens): then nothing
+        assert on.prefetched <= 0.02 * (on.hits + on.misses), (slots, on)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 10**6), st.integers(2 * L, 6 * L))
+def test_deterministic_and_no_cache_full(seed, slots):
+    ev = events_of(random_tokens(30, seed) + [pattern_token(t) for t in range(30)])
+    a = run(ev, "cycle", slots, predictor="coact")
+    b = run(ev, "cycle", slots, predictor="coact")
+    assert a == b and a.cache_full == 0
+
+
+def test_recorded_auto_lines_replay_like_the_class():
+    """What the daemon writes (auto lines after each fetch) replays to the same counters."""
+    store = Store(2 * L + 4, policy=make("cycle", L))
+    auto = AutoPrefetch(store, CoPredictor(L, E))
+    ev = []
+    for t in range(150):
+        for layer, experts in enumerate(pattern_token(t)):
+            keys = [(layer, e) for e in experts]
+            plan = store.fetch((1, t), keys)
+            for s in plan.new_loads:
+                store.complete(s, None)
+            proposed, started = auto.after_fetch(1, keys, plan.slots, 0)
+            for s in started:
+                store.complete(s, None)
+            ev += [Event(FETCH, 1, keys), Event(AUTO, 1, proposed)]
+        store.end_epoch(1, (1, t))
+        auto.end_token(1)
+        ev.append(Event(BEGIN, 1))
+    want = (store.stats.hits, store.stats.misses, store.stats.prefetched, store.stats.prefetch_unused)
+    for predictor in (None, "coact"):
+        r = run(ev, "cycle", 2 * L + 4, predictor=predictor)
+        assert (r.hits, r.misses, r.prefetched, r.prefetch_unused) == want
+    assert store.quality[auto_id(1)].prefetched == store.stats.prefetched > 0
+    assert auto.as_dict()["issued"] == store.stats.prefetched
+
+
+def test_state_round_trip_and_bad_state():
+    p = CoPredictor(L, E)
+    for t in range(50):
+        for layer, experts in enumerate(pattern_token(t)):
+            p.observe(1, [(layer, e) for e in experts])
+            p.propose(1, layer + 1, 0, lambda k: False)
+    q = CoPredictor(L, E)
+    q.restore(p.state())
+    assert q.state() == p.state()
+    for r in (p, q):
+        r.observe(2, [(0, 0), (0, 1)])
+    got = q.propose(2, 1, 2, lambda k: False)
+    assert [k for k, _ in got] == [(1, 3), (1, 4)] and got == p.propose(2, 1, 2, lambda k: False)
+    before = q.state()
+    for bad in ({}, {"predictor": "coact", "depth": 4, "layers": 1, "experts": 1, "visits": [[99, 1]], "pop": [],
+                     "seen": [], "co": [], "cal_n": [0] * 20, "cal_hit": [0] * 20}):
+        try:
+            q.restore(bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("bad state accepted")
+    assert q.state() == before
