@@ -34,7 +34,7 @@ def request(op: str, rid: int, **fields) -> bytes:
 
 def test_replies_a_client_does_not_read_are_counted_and_warned(checkpoint, caplog):
     tmp = tempfile.mkdtemp(prefix="k3d-r-", dir=SCRATCH)
-    cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": 8, "readers": 2}, {})
+    cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": 8, "readers": 2, "state_dir": "none"}, {})
     src = SafetensorsSource(checkpoint, DEFAULT_PATTERN)
     arena = Arena(*size_arena(cfg, src.expert_bytes))
     ctx = zmq.Context()
