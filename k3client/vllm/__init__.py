@@ -1,0 +1,70 @@
+"""k3client.vllm: vLLM serves a MoE model whose routed experts come from the k3d daemon.
+
+Installed with ``pip install 'k3d[vllm]'``, this package is a vLLM general plugin
+(entry point ``vllm.general_plugins`` -> ``k3d = k3client.vllm:register``), so every
+vLLM process loads it: the front end, the engine core, the workers.  Loading it
+changes nothing by itself; a model is served through k3d only when its engine
+gets ``additional_config={"k3d": {...}}`` (``--additional-config`` on ``vllm
+serve``)::
+
+    LLM(model="/models/Qwen3-30B-A3B", enforce_eager=True,
+        additional_config={"k3d": {"endpoint": "ipc:///run/k3d/k3d.sock", "predict": True}})
+
+What ``register`` installs, through vLLM's own extension points:
+
+- ``RoutedExperts`` (a ``PluggableLayer``) is replaced out of tree by
+  ``experts.K3dRoutedExperts``: with the ``k3d`` key its quant method allocates no
+  expert parameter and computes the experts from arena views; without it, the
+  class is vLLM's own, unchanged;
+- the ``auto``/``safetensors`` load formats get ``loader.K3dLoader``, vLLM's
+  ``DefaultModelLoader`` that, with the ``k3d`` key, connects to the daemon first,
+  checks it serves this checkpoint and never reads the routed-expert tensors.
+
+Computed: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2/V3 (gated SiLU experts, as
+vLLM runs them, its own router picking the experts).  Any other family (gpt-oss's
+clamped SwiGLU, quantized experts) is refused at load in one line naming it.
+Covered vLLM versions: ``SUPPORTED_VLLM`` (the plugin refuses others in one line
+rather than guess at internals that change between releases).
+"""
+
+from __future__ import annotations
+
+SUPPORTED_VLLM = ("0.32",)      # the releases the tests ran against (major.minor)
+_registered = False
+
+
+def _check_version() -> None:
+    import vllm
+
+    mm = ".".join(vllm.__version__.split(".")[:2])
+    if mm not in SUPPORTED_VLLM:
+        raise ImportError(f"k3client.vllm supports vLLM {', '.join(SUPPORTED_VLLM)} (found {vllm.__version__}); "
+                          "pin vllm to a covered release or remove the k3d additional_config")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` hook: called in every vLLM process, before any model is built.
+
+    Idempotent.  A vLLM outside ``SUPPORTED_VLLM`` gets one warning and nothing is
+    installed: raising here would break every vLLM process on the host, k3d or not."""
+    global _registered
+    if _registered:
+        return
+    try:
+        _check_version()
+    except ImportError as e:
+        import logging
+
+        logging.getLogger("k3client.vllm").warning("%s; the k3d plugin is not installed in this process", e)
+        return
+    from . import experts, loader
+
+    experts.install()
+    loader.install()
+    _registered = True
+
+
+def stats(model) -> dict:
+    """The k3d counters of a model served through k3d (``LLM.apply_model(k3client.vllm.stats)``)."""
+    rt = getattr(model, "k3d", None)
+    return rt.stats.as_dict() if rt is not None else {}
