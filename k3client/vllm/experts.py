@@ -22,9 +22,11 @@ is one epoch (``begin_token`` from a forward pre-hook the loader installs), and 
 group that does not fit beside the epoch's pins starts a new one.
 
 What is refused, in one line naming the model type (``FamilyError``), when the
-model is built: activations other than gated SiLU/GELU (gpt-oss's clamped
-SwiGLU among them), expert biases, router weights applied on the input, quantized
-experts, and tensor/expert parallelism (each rank would compute whole experts).
+model is built: activations other than gated SiLU/GELU, expert biases, router
+weights applied on the input, quantized experts, and tensor/expert parallelism
+(each rank would compute whole experts).  A family whose experts class is a
+subclass of ``RoutedExperts`` (gpt-oss's ``GptOssRoutedExperts``) is not replaced
+out of tree; the loader finds its layers unbound and refuses it the same way.
 
 Caller's obligations: the runtime is bound (``layer._k3d``) by ``loader.K3dLoader``
 before the first forward; forwards run on the thread that loaded the model.
@@ -47,6 +49,8 @@ from . import settings
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+SUPPORTED = ("it computes gated SiLU/GELU experts without bias, built by vLLM's RoutedExperts, on one rank "
+             "(Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2/V3)")
 
 
 def _model_type() -> str:
@@ -72,9 +76,7 @@ def _refuse(layer, moe_config, quant_config) -> None:
     elif moe_config.moe_parallel_config.tp_size > 1 or moe_config.moe_parallel_config.use_ep:
         why = "tensor or expert parallelism"
     if why is not None:
-        raise FamilyError(f"k3client.vllm cannot compute the experts of model type {mt!r} ({why}); it computes "
-                          f"gated {'/'.join(ACTIVATIONS)} experts without bias (Qwen3-MoE, Qwen2-MoE, Mixtral, "
-                          "DeepSeek-V2/V3) on one rank")
+        raise FamilyError(f"k3client.vllm cannot compute the experts of model type {mt!r} ({why}); {SUPPORTED}")
 
 
 class _Math:

@@ -32,6 +32,7 @@ import os
 import re
 
 import torch
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
@@ -41,7 +42,7 @@ from k3client.hf.checkpoint import Files, LazyTensor
 from k3client.hf.families import FamilyError, Standard
 
 from . import settings
-from .experts import VllmLayer, VllmRuntime, _Math, is_k3d
+from .experts import SUPPORTED, VllmLayer, VllmRuntime, _Math, is_k3d
 
 FORMATS = ("auto", "safetensors", "hf")
 EXPERT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.")
@@ -145,9 +146,11 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRun
                                   names, mod.k3d_params_dtype, mod.top_k)
         modules[layer] = mod
     if sorted(layers) != checkpoint_layers:
-        raise FamilyError(f"model type {_model_type(model)!r}: vLLM built MoE layers {sorted(layers)} through "
-                          f"RoutedExperts but {path} has routed experts in layers {checkpoint_layers}; "
-                          "k3client.vllm cannot serve this family")
+        # a family whose experts class subclasses RoutedExperts (gpt-oss) is not replaced out of tree
+        own = sorted({type(m).__name__ for m in model.modules() if isinstance(m, RoutedExperts) and not is_k3d(m)})
+        raise FamilyError(f"k3client.vllm cannot compute the experts of model type {_model_type(model)!r} "
+                          f"(vLLM builds them with {', '.join(own) or 'no RoutedExperts'}; the checkpoint has "
+                          f"routed experts in layers {checkpoint_layers}); {SUPPORTED}")
     register = gpu.host_register if torch.cuda.is_available() else None
     rt = VllmRuntime(client, layers, predict=st.predict, host_register=register)
     for layer, mod in modules.items():
