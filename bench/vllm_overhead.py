@@ -13,9 +13,11 @@ and the repetitions alternate between them, so both see the same machine load.
 Per batch size B (B prompts of 8 tokens at once, greedy): the decode time per
 step is ``(t(1 + tokens) - t(1)) / tokens`` (prefill and call overhead cancel);
 reported as ms per step and per output token, its median over ``--reps``, the
-ratio k3d / plain, the fetch time per MoE layer per step, and how many experts a
-step fetched per layer against B x top-k.  The tokens must be equal (exit 1
-otherwise).  Random weights route nothing like trained ones; this measures the
+ratio k3d / plain, the fetch time per MoE layer per forward, and how many experts
+a step fetched per layer against B x top-k.  In float32 the tokens must be equal
+(exit 1 otherwise); in bfloat16 (the default) the per-expert sums round in
+another order than vLLM's fused kernel, so greedy paths may part: the share of
+equal tokens is printed.  Random weights route nothing like trained ones; this measures the
 machinery's cost per step, not a real model's hit rate.
 """
 
@@ -83,7 +85,7 @@ def main() -> int:
                     help="the engines' dtype; the checkpoint is bf16, so float32 casts each fetched expert")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="k3d-vb-")
-    ok, rows = True, []
+    ok, rows, agree = True, [], []
     try:
         path = vllm_models.write(a.family, os.path.join(tmp, a.family), hidden=a.hidden, inter=a.inter,
                                  layers=a.layers)
@@ -105,6 +107,7 @@ def main() -> int:
                     t, got = step_time(k3d, prompts, a.tokens)
                     tk.append(t)
                     ok &= got == want
+                    agree += [x == y for g, w in zip(got, want) for x, y in zip(g, w)]
                 s1 = stats(k3d)
                 for llm in (plain, k3d):
                     llm.llm_engine.engine_core.shutdown()
@@ -125,8 +128,8 @@ def main() -> int:
               f"k3d {1e3 * mk:7.2f} ms/step   ratio {mk / mp:.2f}x")
         print("           fetch per layer per step " + "  ".join(f"L{k} {v:.3f} ms" for k, v in per_layer.items())
               + f"; experts fetched per layer-step {union:.1f} of {routed:.1f} routed (tokens x top-k)")
-    print(f"  same tokens: {ok}")
-    return 0 if ok else 1
+    print(f"  same tokens: {ok} ({sum(agree)}/{len(agree)} equal, position by position)")
+    return 0 if ok or a.dtype != "float32" else 1
 
 
 if __name__ == "__main__":

@@ -67,4 +67,6 @@ def register() -> None:
 def stats(model) -> dict:
     """The k3d counters of a model served through k3d (``LLM.apply_model(k3client.vllm.stats)``)."""
     rt = getattr(model, "k3d", None)
-    return rt.stats.as_dict() if rt is not None else {}
+    if rt is None:
+        return {}
+    return {**rt.stats.as_dict(), "daemon_restarts": rt.client.restarts}

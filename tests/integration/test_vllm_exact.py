@@ -5,21 +5,26 @@ Per family: a real ``k3d start`` serves a tiny checkpoint written by
 greedy, several prompts, batched and one at a time).  Qwen3-MoE also checks
 what the vLLM process holds and reads: the engine loads its own copy of the
 checkpoint, whose experts shard it must never read (mincore after a dropped page
-cache), and a second engine with ``max_num_seqs=1`` runs in an arena of two
-slots, smaller than one step's experts (grouped fetches, mid-step epochs).
+cache), the daemon restarts in the middle of a generation (same tokens), and a
+second engine with ``max_num_seqs=1`` runs in an arena of two slots, smaller than
+one step's experts (grouped fetches, mid-step epochs).
 """
 
 import os
 import shutil
+import threading
 
 import pytest
 from test_hf_arena import _slot_arena
 from test_hf_load import _drop_cache, _resident_pages
 from vllm_common import checkpoint, engine, expert_params, generate, stats
 
+import k3client
 from conftest import spawn_daemon
+from helpers import poll_for
 
 pytestmark = pytest.mark.vllm
+LONG = 100            # tokens of the generation a daemon restart interrupts
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +35,40 @@ def qwen3(tmp_path_factory):
     shutil.copytree(served, mine)
     with engine(served) as llm:
         ref, ref1 = generate(llm), generate(llm, one_by_one=True)
+        long = generate(llm, max_tokens=LONG)
         (plain_params,) = llm.apply_model(expert_params)
     # the plugin is loaded in every vLLM process: without the k3d key the experts are vLLM's own
     assert plain_params, "plain vLLM lost its expert parameters"
-    return served, mine, ref, ref1
+    return served, mine, ref, ref1, long
+
+
+def _restart_mid_generation(llm, d, path, want):
+    """SIGTERM and restart the daemon on its endpoint while ``generate`` runs in another thread."""
+    got, done = [], threading.Event()
+
+    def run():
+        got.append(generate(llm, max_tokens=LONG))
+        done.set()
+
+    def served():
+        s = c.status()["stats"]
+        return s["hits"] + s["misses"]
+
+    with k3client.connect(d.endpoint) as c:
+        before = served()
+        t = threading.Thread(target=run)
+        t.start()
+        poll_for(lambda: served() > before + 24, 60, "the generation's fetches")
+    assert not done.is_set(), "generation ended before the restart: make LONG longer"
+    assert d.stop() == 0
+    d2 = spawn_daemon(path, "--arena", "16MiB", endpoint=d.endpoint)
+    t.join(120)
+    assert got == [want]
+    return d2
 
 
 def test_qwen3_batch4_tokens_equal_and_no_expert_bytes_in_vllm(qwen3):
-    served, mine, ref, ref1 = qwen3
+    served, mine, ref, ref1, long = qwen3
     d = spawn_daemon(served, "--arena", "16MiB")
     shard = os.path.join(mine, "experts.safetensors")
     head = 1 << 20        # the header (and its readahead) is read: the first MiB is not checked
@@ -52,6 +83,8 @@ def test_qwen3_batch4_tokens_equal_and_no_expert_bytes_in_vllm(qwen3):
             assert generate(llm, one_by_one=True) == ref1
             (params,) = llm.apply_model(expert_params)
             st = stats(llm)
+            d = _restart_mid_generation(llm, d, served, long)
+            assert stats(llm)["daemon_restarts"] == 1
         after, _ = _resident_pages(shard, head)
         assert after == 0, f"the vLLM process read {after} of {total} pages of the experts shard"
         rest, _ = _resident_pages(os.path.join(mine, "rest.safetensors"), 0)
@@ -66,7 +99,7 @@ def test_qwen3_batch4_tokens_equal_and_no_expert_bytes_in_vllm(qwen3):
 
 
 def test_qwen3_batch1_in_an_arena_smaller_than_a_step(qwen3):
-    served, _, ref, ref1 = qwen3
+    served, _, ref, ref1, _ = qwen3
     d = spawn_daemon(served, "--arena", str(_slot_arena(served, "qwen3_moe", 2)))
     try:
         with engine(served, k3d={"endpoint": d.endpoint}, max_num_seqs=1) as llm:

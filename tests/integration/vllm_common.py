@@ -63,13 +63,13 @@ def engine(path: str, k3d: dict | None = None, max_num_seqs: int = 4):
         gc.collect()
 
 
-def generate(llm, prompts=PROMPTS, one_by_one: bool = False) -> list[list[int]]:
+def generate(llm, prompts=PROMPTS, one_by_one: bool = False, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """Greedy tokens per prompt: all prompts in one call (batched steps), or one call per prompt (B = 1)."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     if one_by_one:
-        return [generate(llm, [p])[0] for p in prompts]
+        return [generate(llm, [p], max_tokens=max_tokens)[0] for p in prompts]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
