@@ -45,7 +45,7 @@ def engine(path: str, max_num_seqs: int, k3d: dict | None, dtype: str):
     from vllm import LLM
 
     extra = {"additional_config": {"k3d": k3d}} if k3d is not None else {}
-    return LLM(model=path, enforce_eager=True, gpu_memory_utilization=0.1, skip_tokenizer_init=True,
+    return LLM(model=path, enforce_eager=True, kv_cache_memory_bytes=256 << 20, skip_tokenizer_init=True,
                dtype=dtype, max_model_len=256, max_num_seqs=max_num_seqs, seed=0, **extra)
 
 

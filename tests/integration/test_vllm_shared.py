@@ -4,7 +4,9 @@ Two replicas (``vllm_replica.py``: vLLM's ``LLM``, engine core in a child proces
 run at once through one ``k3d start``; then two plain vLLM replicas run at once.
 While a pair is alive its PSS is read from outside (psutil, each replica's whole
 process tree).  The k3d pair's sum must be below the plain pair's by at least the
-routed experts' bytes as vLLM holds them (float32 here: twice the bf16 file).
+routed experts' bytes as vLLM holds them (float32 here: twice the bf16 file).  The
+KV cache has a fixed size (``vllm_common.KV_BYTES``): sized as a share of RAM, vLLM
+would give the saved memory to the k3d replicas' cache.
 ``k3ctl status`` lists both k3d replicas as clients while they run.
 """
 
@@ -77,4 +79,7 @@ def test_two_vllm_replicas_share_one_copy_of_the_experts(tmp_path):
     assert k_tokens[0] == k_tokens[1] == p_tokens[0] == p_tokens[1]
     assert sum(n.startswith("replica-") for n in names) == 2, names
     saved = p_pss - k_pss
+    print(f"PSS of the pair: k3d {k_pss / 2**20:.0f} MiB, plain {p_pss / 2**20:.0f} MiB, "
+          f"saved {saved / 2**20:.0f} MiB; "
+          f"experts as one replica holds them {held / 2**20:.0f} MiB")
     assert saved >= held, f"PSS saved {saved / 2**20:.0f} MiB < expert bytes held {held / 2**20:.0f} MiB"

@@ -3,8 +3,8 @@
 Every test module here is marked ``vllm`` and skipped, with one line, where vLLM
 is not importable (``pip install -e '.[test,vllm]'``; README "vLLM").  Engines
 are vLLM's own ``LLM`` in this process (its engine core in a child process, as
-``vllm serve`` runs it), float32, eager, greedy, with a small KV-cache share of
-RAM so that several fit beside the other tests.  An engine takes ~30 s to start
+``vllm serve`` runs it), float32, eager, greedy, with a small fixed KV cache so
+that several fit beside the other tests.  An engine takes ~30 s to start
 (~55 s for MLA): modules share engines through module-scoped fixtures.
 """
 
@@ -26,7 +26,10 @@ from k3d.demo import vllm_models  # noqa: E402  (after the skips above)
 # ``LLM.apply_model`` ships a function to the worker by reference (k3client.vllm.stats)
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
-MEM_SHARE = 0.1           # of RAM for the KV cache and the engine: vLLM refuses to start above free memory
+# An explicit KV cache: vLLM's CPU worker otherwise sizes it as a share of RAM minus the
+# weights, so a model without expert weights would get a larger cache and the PSS
+# comparison of test_vllm_shared would measure that; it also skips the warm-up forward.
+KV_BYTES = 64 << 20
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 40, 90, 3, 17, 60], [100, 5]]
 MAX_TOKENS = 8
 
@@ -53,7 +56,7 @@ def engine(path: str, k3d: dict | None = None, max_num_seqs: int = 4):
     from vllm import LLM
 
     extra = {"additional_config": {"k3d": k3d}} if k3d is not None else {}
-    llm = LLM(model=path, enforce_eager=True, gpu_memory_utilization=MEM_SHARE, skip_tokenizer_init=True,
+    llm = LLM(model=path, enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, skip_tokenizer_init=True,
               dtype="float32", max_model_len=128, max_num_seqs=max_num_seqs, seed=0, **extra)
     try:
         yield llm
@@ -91,7 +94,7 @@ def run_engine_script(path: str, k3d: dict, timeout: float = 300):
     import subprocess
 
     code = ("from vllm import LLM\n"
-            f"LLM(model={path!r}, enforce_eager=True, gpu_memory_utilization={MEM_SHARE}, skip_tokenizer_init=True,"
+            f"LLM(model={path!r}, enforce_eager=True, kv_cache_memory_bytes={KV_BYTES}, skip_tokenizer_init=True,"
             f" dtype='float32', max_model_len=128, max_num_seqs=1, additional_config={{'k3d': {k3d!r}}})\n")
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
