@@ -20,11 +20,22 @@ What ``register`` installs, through vLLM's own extension points:
   ``DefaultModelLoader`` that, with the ``k3d`` key, connects to the daemon first,
   checks it serves this checkpoint and never reads the routed-expert tensors.
 
-Computed: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2/V3 (gated SiLU experts, as
-vLLM runs them, its own router picking the experts).  Any other family (gpt-oss's
-clamped SwiGLU, quantized experts) is refused at load in one line naming it.
-Covered vLLM versions: ``SUPPORTED_VLLM`` (the plugin refuses others in one line
-rather than guess at internals that change between releases).
+Computed, and tested against plain vLLM: Qwen3-MoE, Mixtral, DeepSeek-V3 (vLLM's own
+router picks the experts).  The same math serves any family whose experts vLLM
+builds with plain ``RoutedExperts`` as gated SiLU/GELU experts without bias
+(Qwen2-MoE, DeepSeek-V2, ...: untested).  Anything else (gpt-oss's
+``GptOssRoutedExperts``, quantized experts, tensor parallelism) is refused at
+load in one line naming the model type.
+
+Covered vLLM versions: ``SUPPORTED_VLLM``.  The plugin reaches into internals
+that change between releases (``RoutedExperts``' quant-method hook,
+``DefaultModelLoader``'s weight iterator), so on another release it logs one
+warning and installs nothing: that vLLM runs plain, the ``k3d`` key unused.
+
+Caller's obligations: a ``k3d start`` serving the same checkpoint; eager mode
+(``enforce_eager=True`` / ``--enforce-eager``: the only mode tested; a CUDA graph
+would replay a step without its Python fetches); one rank per engine (no tensor or
+expert parallelism).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from . import settings
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 SUPPORTED = ("it computes gated SiLU/GELU experts without bias, built by vLLM's RoutedExperts, on one rank "
-             "(Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2/V3)")
+             "(tested: Qwen3-MoE, Mixtral, DeepSeek-V3)")
 
 
 def _model_type() -> str:
