@@ -126,7 +126,7 @@ def main() -> int:
         routed = (s1["routed"] - s0["routed"]) / max(1, s1["layer_steps"] - s0["layer_steps"])
         print(f"  batch {b}: plain {1e3 * mp:7.2f} ms/step ({1e3 * mp / b:6.2f} ms/token)   "
               f"k3d {1e3 * mk:7.2f} ms/step   ratio {mk / mp:.2f}x")
-        print("           fetch per layer per step " + "  ".join(f"L{k} {v:.3f} ms" for k, v in per_layer.items())
+        print("           fetch per layer per forward " + "  ".join(f"L{k} {v:.3f} ms" for k, v in per_layer.items())
               + f"; experts fetched per layer-step {union:.1f} of {routed:.1f} routed (tokens x top-k)")
     print(f"  same tokens: {ok} ({sum(agree)}/{len(agree)} equal, position by position)")
     return 0 if ok or a.dtype != "float32" else 1
