@@ -7,7 +7,8 @@ what the vLLM process holds and reads: the engine loads its own copy of the
 checkpoint, whose experts shard it must never read (mincore after a dropped page
 cache), the daemon restarts in the middle of a generation (same tokens), and a
 second engine with ``max_num_seqs=1`` runs in an arena of two slots, smaller than
-one step's experts (grouped fetches, mid-step epochs).
+one step's experts (grouped fetches, mid-step epochs).  In bfloat16 the check is
+one step's log-probabilities within a stated tolerance.
 """
 
 import os
@@ -17,7 +18,7 @@ import threading
 import pytest
 from test_hf_arena import _slot_arena
 from test_hf_load import _drop_cache, _resident_pages
-from vllm_common import checkpoint, engine, expert_params, generate, stats
+from vllm_common import checkpoint, engine, expert_params, first_logprobs, generate, stats
 
 import k3client
 from conftest import spawn_daemon
@@ -25,6 +26,7 @@ from helpers import poll_for
 
 pytestmark = pytest.mark.vllm
 LONG = 100            # tokens of the generation a daemon restart interrupts
+BF16_TOL = 0.02       # nats, on one step's top-5 log-probabilities
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +132,23 @@ def test_family_tokens_equal_plain_vllm(family):
             assert sorted(st["fetch_calls"]) == [1, 2]   # layer 0 is dense: never fetched
     finally:
         d.stop()
+
+
+def test_bfloat16_logprobs_within_tolerance():
+    """bf16: k3d sums its experts in another order than vLLM's fused kernel, so greedy paths may part
+    after some steps (they do on this random Mixtral); one step's top-5 log-probabilities agree within
+    ``BF16_TOL`` nats (0.002-0.004 measured) and name the same top token."""
+    path = checkpoint("mixtral")
+    with engine(path, dtype="bfloat16") as llm:
+        want = first_logprobs(llm)
+    d = spawn_daemon(path, "--arena", "16MiB")
+    try:
+        with engine(path, k3d={"endpoint": d.endpoint}, dtype="bfloat16") as llm:
+            got = first_logprobs(llm)
+    finally:
+        d.stop()
+    for w, g in zip(want, got):
+        assert max(w, key=w.get) == max(g, key=g.get)
+        common = set(w) & set(g)
+        assert len(common) >= 4, (w, g)
+        assert max(abs(w[t] - g[t]) for t in common) <= BF16_TOL, (w, g)

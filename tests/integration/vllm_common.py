@@ -51,13 +51,13 @@ def checkpoint(family: str, split: bool = False, **sizes) -> str:
 
 
 @contextlib.contextmanager
-def engine(path: str, k3d: dict | None = None, max_num_seqs: int = 4):
+def engine(path: str, k3d: dict | None = None, max_num_seqs: int = 4, dtype: str = "float32"):
     """vLLM's ``LLM`` on ``path`` (with ``additional_config={"k3d": k3d}`` when given), shut down after."""
     from vllm import LLM
 
     extra = {"additional_config": {"k3d": k3d}} if k3d is not None else {}
     llm = LLM(model=path, enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, skip_tokenizer_init=True,
-              dtype="float32", max_model_len=128, max_num_seqs=max_num_seqs, seed=0, **extra)
+              dtype=dtype, max_model_len=128, max_num_seqs=max_num_seqs, seed=0, **extra)
     try:
         yield llm
     finally:
@@ -101,3 +101,12 @@ def run_engine_script(path: str, k3d: dict, timeout: float = 300):
                        check=False)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     return r.returncode, (lines[-1] if lines else ""), r.stderr
+
+
+def first_logprobs(llm, prompts=PROMPTS, k: int = 5) -> list[dict[int, float]]:
+    """Per prompt, the top-``k`` log-probabilities of the first generated token (one step, no divergence)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
