@@ -1,0 +1,136 @@
+"""Per-output-token cost of vLLM with k3d-served experts, against plain vLLM, in one run.
+
+    python bench/vllm_overhead.py [--family qwen3_moe] [--hidden 512] [--inter 1024] [--layers 4]
+                                  [--tokens 32] [--reps 3] [--batch 1 4] [--no-predict]
+                                  [--dtype bfloat16|float32]
+
+Needs the ``vllm`` extra.  A tiny random model written by ``save_pretrained``
+(``k3d.demo.vllm_models``); a real ``k3d start`` whose default arena holds every
+expert (resident after the first run).  Two engines of vLLM's CPU build live in
+this process at once, plain vLLM and vLLM with ``additional_config={"k3d": ...}``,
+and the repetitions alternate between them, so both see the same machine load.
+
+Per batch size B (B prompts of 8 tokens at once, greedy): the decode time per
+step is ``(t(1 + tokens) - t(1)) / tokens`` (prefill and call overhead cancel);
+reported as ms per step and per output token, its median over ``--reps``, the
+ratio k3d / plain, the fetch time per MoE layer per forward, and how many experts
+a step fetched per layer against B x top-k.  In float32 the tokens must be equal
+(exit 1 otherwise); in bfloat16 (the default) the per-expert sums round in
+another order than vLLM's fused kernel, so greedy paths may part: the share of
+equal tokens is printed.  Random weights route nothing like trained ones; this measures the
+machinery's cost per step, not a real model's hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import harness  # noqa: E402
+
+from k3d.demo import vllm_models  # noqa: E402
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # apply_model(k3client.vllm.stats)
+
+
+def engine(path: str, max_num_seqs: int, k3d: dict | None, dtype: str):
+    from vllm import LLM
+
+    extra = {"additional_config": {"k3d": k3d}} if k3d is not None else {}
+    return LLM(model=path, enforce_eager=True, kv_cache_memory_bytes=256 << 20, skip_tokenizer_init=True,
+               dtype=dtype, max_model_len=256, max_num_seqs=max_num_seqs, seed=0, **extra)
+
+
+def timed(llm, prompts, tokens: int) -> tuple[float, list]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def step_time(llm, prompts, tokens: int) -> tuple[float, list]:
+    """Seconds per decode step (prefill cancelled out) and the tokens of the long run."""
+    t1, _ = timed(llm, prompts, 1)
+    tn, toks = timed(llm, prompts, 1 + tokens)
+    return max(tn - t1, 0.0) / tokens, toks
+
+
+def stats(llm) -> dict:
+    from k3client.vllm import stats as model_stats
+
+    return llm.apply_model(model_stats)[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "mixtral"])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--inter", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--no-predict", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the engines' dtype; the checkpoint is bf16, so float32 casts each fetched expert")
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="k3d-vb-")
+    ok, rows, agree = True, [], []
+    try:
+        path = vllm_models.write(a.family, os.path.join(tmp, a.family), hidden=a.hidden, inter=a.inter,
+                                 layers=a.layers)
+        from k3d.demo.hf_models import expert_bytes
+
+        ebytes = expert_bytes(path)
+        with harness.Daemon(path) as d:
+            for b in a.batch:
+                prompts = [[(7 * i + j) % 120 + 1 for j in range(8)] for i in range(b)]
+                plain = engine(path, b, None, a.dtype)
+                k3d = engine(path, b, {"endpoint": d.endpoint, "predict": not a.no_predict}, a.dtype)
+                step_time(k3d, prompts, a.tokens)            # cold: every expert a miss
+                step_time(plain, prompts, a.tokens)
+                s0 = stats(k3d)
+                tp, tk = [], []
+                for _ in range(a.reps):
+                    t, want = step_time(plain, prompts, a.tokens)
+                    tp.append(t)
+                    t, got = step_time(k3d, prompts, a.tokens)
+                    tk.append(t)
+                    ok &= got == want
+                    agree += [x == y for g, w in zip(got, want) for x, y in zip(g, w)]
+                s1 = stats(k3d)
+                for llm in (plain, k3d):
+                    llm.llm_engine.engine_core.shutdown()
+                del plain, k3d
+                rows.append((b, statistics.median(tp), statistics.median(tk), s0, s1))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    harness.banner("vllm_overhead", f"{a.family} hidden {a.hidden} inter {a.inter}, {a.layers} layers, routed "
+                   f"experts {ebytes / 2**20:.1f} MiB; {a.tokens} decode steps x {a.reps} reps, {a.dtype}, "
+                   f"predictions {'off' if a.no_predict else 'on'}")
+    for b, mp, mk, s0, s1 in rows:
+        steps = s1["forwards"] - s0["forwards"]
+        fs0 = s0["fetch_seconds"]
+        per_layer = {k: 1e3 * (v - fs0.get(k, 0.0)) / steps for k, v in sorted(s1["fetch_seconds"].items())}
+        union = (s1["union"] - s0["union"]) / max(1, s1["layer_steps"] - s0["layer_steps"])
+        routed = (s1["routed"] - s0["routed"]) / max(1, s1["layer_steps"] - s0["layer_steps"])
+        print(f"  batch {b}: plain {1e3 * mp:7.2f} ms/step ({1e3 * mp / b:6.2f} ms/token)   "
+              f"k3d {1e3 * mk:7.2f} ms/step   ratio {mk / mp:.2f}x")
+        print("           fetch per layer per forward " + "  ".join(f"L{k} {v:.3f} ms" for k, v in per_layer.items())
+              + f"; experts fetched per layer-step {union:.1f} of {routed:.1f} routed (tokens x top-k)")
+    print(f"  same tokens: {ok} ({sum(agree)}/{len(agree)} equal, position by position)")
+    return 0 if ok or a.dtype != "float32" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

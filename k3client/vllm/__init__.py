@@ -1,0 +1,83 @@
+"""k3client.vllm: vLLM serves a MoE model whose routed experts come from the k3d daemon.
+
+Installed with ``pip install 'k3d-expert-cache[vllm]'``, this package is a vLLM general plugin
+(entry point ``vllm.general_plugins`` -> ``k3d = k3client.vllm:register``), so every
+vLLM process loads it: the front end, the engine core, the workers.  Loading it
+changes nothing by itself; a model is served through k3d only when its engine
+gets ``additional_config={"k3d": {...}}`` (``--additional-config`` on ``vllm
+serve``)::
+
+    LLM(model="/models/Qwen3-30B-A3B", enforce_eager=True,
+        additional_config={"k3d": {"endpoint": "ipc:///run/k3d/k3d.sock", "predict": True}})
+
+What ``register`` installs, through vLLM's own extension points:
+
+- ``RoutedExperts`` (a ``PluggableLayer``) is replaced out of tree by
+  ``experts.K3dRoutedExperts``: with the ``k3d`` key its quant method allocates no
+  expert parameter and computes the experts from arena views; without it, the
+  class is vLLM's own, unchanged;
+- the ``auto``/``safetensors`` load formats get ``loader.K3dLoader``, vLLM's
+  ``DefaultModelLoader`` that, with the ``k3d`` key, connects to the daemon first,
+  checks it serves this checkpoint and never reads the routed-expert tensors.
+
+Computed, and tested against plain vLLM: Qwen3-MoE, Mixtral, DeepSeek-V3 (vLLM's own
+router picks the experts).  The same math serves any family whose experts vLLM
+builds with plain ``RoutedExperts`` as gated SiLU/GELU experts without bias
+(Qwen2-MoE, DeepSeek-V2, ...: untested).  Anything else (gpt-oss's
+``GptOssRoutedExperts``, quantized experts, tensor parallelism) is refused at
+load in one line naming the model type.
+
+Covered vLLM versions: ``SUPPORTED_VLLM``.  The plugin reaches into internals
+that change between releases (``RoutedExperts``' quant-method hook,
+``DefaultModelLoader``'s weight iterator), so on another release it logs one
+warning and installs nothing: that vLLM runs plain, the ``k3d`` key unused.
+
+Caller's obligations: a ``k3d start`` serving the same checkpoint; eager mode
+(``enforce_eager=True`` / ``--enforce-eager``: the only mode tested; a CUDA graph
+would replay a step without its Python fetches); one rank per engine (no tensor or
+expert parallelism).
+"""
+
+from __future__ import annotations
+
+SUPPORTED_VLLM = ("0.32",)      # the releases the tests ran against (major.minor)
+_registered = False
+
+
+def _check_version() -> None:
+    import vllm
+
+    mm = ".".join(vllm.__version__.split(".")[:2])
+    if mm not in SUPPORTED_VLLM:
+        raise ImportError(f"k3client.vllm supports vLLM {', '.join(SUPPORTED_VLLM)} (found {vllm.__version__}); "
+                          "pin vllm to a covered release or remove the k3d additional_config")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` hook: called in every vLLM process, before any model is built.
+
+    Idempotent.  A vLLM outside ``SUPPORTED_VLLM`` gets one warning and nothing is
+    installed: raising here would break every vLLM process on the host, k3d or not."""
+    global _registered
+    if _registered:
+        return
+    try:
+        _check_version()
+    except ImportError as e:
+        import logging
+
+        logging.getLogger("k3client.vllm").warning("%s; the k3d plugin is not installed in this process", e)
+        return
+    from . import experts, loader
+
+    experts.install()
+    loader.install()
+    _registered = True
+
+
+def stats(model) -> dict:
+    """The k3d counters of a model served through k3d (``LLM.apply_model(k3client.vllm.stats)``)."""
+    rt = getattr(model, "k3d", None)
+    if rt is None:
+        return {}
+    return {**rt.stats.as_dict(), "daemon_restarts": rt.client.restarts}

@@ -1,0 +1,199 @@
+"""vLLM's routed experts computed from k3d arena views: the layer, its method, the runtime.
+
+``K3dRoutedExperts`` replaces vLLM's ``RoutedExperts`` through
+``PluggableLayer.register_oot`` (vLLM's out-of-tree layer hook; every MoE model
+builds its experts through it).  When the model's ``additional_config`` has no
+``k3d`` key it is vLLM's class, byte for byte the same path.  With the key its
+quant method is ``K3dMoEMethod``:
+
+- ``create_weights`` registers no parameter: no ``w13_weight``/``w2_weight`` storage
+  exists in the process, and vLLM's weight tracking does not expect any;
+- it is a *modular* method, so vLLM's runner first runs vLLM's own router
+  (``select_experts``: softmax or sigmoid scoring, grouped top-k, correction bias,
+  renormalisation, routed scaling, as the family configures it) and then calls
+  ``apply(x, topk_weights, topk_ids)``; shared experts stay vLLM's (the runner
+  runs them, since this method has no kernel to overlap them with);
+- ``apply`` hands the layer to ``Runtime.run_layer`` (``k3client.hf.runtime``): the
+  union of the step's experts, ascending, in groups the arena allows, each expert
+  ``act(x W_gate^T) * (x W_up^T) W_down^T`` times its routing weight, summed per token.
+
+The pin rule is ``k3client.hf``'s: one vLLM step (one model forward, B sequences)
+is one epoch (``begin_token`` from a forward pre-hook the loader installs), and a
+group that does not fit beside the epoch's pins starts a new one.
+
+What is refused, in one line naming the model type (``FamilyError``), when the
+model is built: activations other than gated SiLU/GELU, expert biases, router
+weights applied on the input, quantized experts, and tensor/expert parallelism
+(each rank would compute whole experts).  A family whose experts class is a
+subclass of ``RoutedExperts`` (gpt-oss's ``GptOssRoutedExperts``) is not replaced
+out of tree; the loader finds its layers unbound and refuses it the same way.
+
+Caller's obligations: the runtime is bound (``layer._k3d``) by ``loader.K3dLoader``
+before the first forward; forwards run on the thread that loaded the model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+from k3client.hf.families import FamilyError
+from k3client.hf.runtime import MoeLayer, Runtime, Stats
+
+from . import settings
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+SUPPORTED = ("it computes gated SiLU/GELU experts without bias, built by vLLM's RoutedExperts, on one rank "
+             "(tested: Qwen3-MoE, Mixtral, DeepSeek-V3)")
+
+
+def _model_type() -> str:
+    from vllm.config import get_current_vllm_config
+
+    mc = get_current_vllm_config().model_config
+    return getattr(getattr(mc, "hf_config", None), "model_type", "?") if mc is not None else "?"
+
+
+def _refuse(layer, moe_config, quant_config) -> None:
+    """FamilyError unless the layer's experts are the gated MLP this plugin computes."""
+    mt = _model_type()
+    act = layer.activation.value
+    why = None
+    if act not in ACTIVATIONS:
+        why = f"expert activation {act!r}"
+    elif moe_config.has_bias:
+        why = "expert biases"
+    elif layer.apply_router_weight_on_input:
+        why = "router weights applied to the input"
+    elif quant_config is not None:
+        why = f"quantized experts ({type(quant_config).__name__})"
+    elif moe_config.moe_parallel_config.tp_size > 1 or moe_config.moe_parallel_config.use_ep:
+        why = "tensor or expert parallelism"
+    if why is not None:
+        raise FamilyError(f"k3client.vllm cannot compute the experts of model type {mt!r} ({why}); {SUPPORTED}")
+
+
+class _Math:
+    """What ``k3client.hf.families.Standard.compute`` reads from an experts module."""
+
+    def __init__(self, num_experts: int, activation: str):
+        self.num_experts = num_experts
+        self.act_fn = ACTIVATIONS[activation]
+
+
+class K3dMoEMethod(FusedMoEMethodBase):
+    """No expert storage; ``apply`` computes the routed experts from the daemon's views."""
+
+    def __init__(self, moe_config):
+        super().__init__(moe_config)
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        layer.k3d_params_dtype = params_dtype      # the dtype vLLM would hold the experts in
+
+    def process_weights_after_loading(self, layer) -> None:
+        pass
+
+    def get_fused_moe_quant_config(self, layer):
+        return None
+
+    @property
+    def is_monolithic(self) -> bool:
+        return False                               # vLLM's router runs first, then apply()
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        bound = getattr(layer, "_k3d", None)
+        if bound is None:
+            raise RuntimeError(f"{layer.layer_name}: k3d experts were not bound by k3client.vllm's loader "
+                               "(load_format must be auto or safetensors)")
+        rt, ml = bound
+        return rt.run_layer(ml, x, topk_ids.long(), topk_weights)
+
+
+class K3dRoutedExperts(RoutedExperts):
+    """vLLM's ``RoutedExperts``; with ``additional_config['k3d']`` its method is ``K3dMoEMethod``."""
+
+    def _get_quant_method(self, prefix, quant_config, moe_config):
+        if settings.current() is None:
+            return super()._get_quant_method(prefix, quant_config, moe_config)
+        _refuse(self, moe_config, quant_config)
+        return K3dMoEMethod(moe_config)
+
+    @property
+    def k3d_layer(self) -> int:
+        m = LAYER.search(self.layer_name)
+        if m is None:
+            raise FamilyError(f"MoE layer {self.layer_name} is not under a numbered layer; k3client.vllm "
+                              "cannot name its experts to the daemon")
+        return int(m.group(1))
+
+
+def is_k3d(module) -> bool:
+    return isinstance(module, K3dRoutedExperts) and isinstance(module.quant_method, K3dMoEMethod)
+
+
+def install() -> None:
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+
+    if op_registry_oot.get("RoutedExperts") is not K3dRoutedExperts:
+        PluggableLayer.register_oot(K3dRoutedExperts, name="RoutedExperts")
+
+
+@dataclass
+class VllmStats(Stats):
+    """``Stats`` plus, per MoE layer and step, the experts fetched (the union) against tokens x top-k."""
+
+    layer_steps: int = 0
+    union: int = 0          # distinct experts a layer's tokens were routed to, summed over layer-steps
+    routed: int = 0         # tokens x top-k, summed over layer-steps
+
+    def as_dict(self) -> dict:
+        d = super().as_dict()
+        n = self.layer_steps
+        d["experts_per_layer_step"] = self.union / n if n else None
+        d["routed_per_layer_step"] = self.routed / n if n else None
+        return d
+
+
+class VllmRuntime(Runtime):
+    """``k3client.hf``'s runtime with vLLM's gate for gate-ahead and union-vs-B x top-k counts."""
+
+    def __init__(self, client, layers, predict=True, host_register=None):
+        super().__init__(client, layers, predict=predict, host_register=host_register)
+        self.stats = VllmStats()
+
+    def run_layer(self, ml, hidden_states, top_k_index, top_k_weights):
+        st = self.stats
+        st.layer_steps += 1
+        st.union += int(torch.unique(top_k_index).numel())
+        st.routed += int(top_k_index.numel())
+        return super().run_layer(ml, hidden_states, top_k_index, top_k_weights)
+
+    def _predict_next(self, ml, hidden_states):
+        """The next MoE layer's own gate on this layer's input: its top-k experts travel with this fetch."""
+        nxt = self.layers.get(ml.next) if ml.next is not None else None
+        if nxt is None or nxt.router is None:
+            self._pending_prediction = None
+            return None
+        with torch.no_grad():
+            logits = nxt.router(hidden_states)
+        if isinstance(logits, tuple):
+            logits = logits[0]
+        k = min(nxt.top_k, logits.shape[-1])
+        experts = sorted(set(torch.topk(logits.float(), k, dim=-1).indices.reshape(-1).tolist()))
+        self._pending_prediction = (nxt.layer, set(experts))
+        return [(nxt.layer, e) for e in experts]
+
+
+class VllmLayer(MoeLayer):
+    """``MoeLayer`` plus the top-k its gate picks (for gate-ahead)."""
+
+    def __init__(self, layer, math, router, family, names, dtype, top_k):
+        super().__init__(layer, math, router, family, names, dtype)
+        self.top_k = top_k

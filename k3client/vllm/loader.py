@@ -1,0 +1,177 @@
+"""``K3dLoader``: vLLM's default safetensors loader that leaves the routed experts to k3d.
+
+Registered (``register_model_loader``) for the ``auto``, ``safetensors`` and ``hf``
+load formats, the ones vLLM's ``DefaultModelLoader`` serves.  Without
+``additional_config['k3d']`` it *is* ``DefaultModelLoader`` (``load_model`` and
+``get_all_weights`` go straight to it).  With it, ``load_model``:
+
+1. connects to the daemon first, so a daemon that is down fails in one line
+   (``DaemonNotRunning`` naming the endpoint) before any weight is read;
+2. parses only the safetensors headers (``k3client.hf.checkpoint``), sorts the
+   routed-expert keys (``layers.{l}. ... .experts.``; shared experts are
+   ``shared_expert(s)`` and stay) from the rest, and compares them with what the
+   daemon serves (``k3client.hf.fingerprint.check``: another checkpoint is the
+   one-line ``Mismatch``);
+3. lets vLLM build the model (``experts.K3dRoutedExperts`` allocates no expert
+   storage) and load every other tensor through the model's own ``load_weights``,
+   each read by ``pread`` of its own byte range without readahead, so no page of
+   an expert tensor is read by this process;
+4. binds every k3d MoE layer to one ``VllmRuntime`` (the daemon's layout names,
+   the family's math, the next layer's gate for gate-ahead) and installs a forward
+   pre-hook on the model: each vLLM step begins one epoch.
+
+``model.k3d`` is the runtime (``client``, ``stats``).  Caller's obligations: the
+process that loads the model runs its forwards on the same thread (one client
+socket); process exit releases the pins.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import torch
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from k3client.client import connect
+from k3client.hf import fingerprint, gpu
+from k3client.hf.checkpoint import Files, LazyTensor
+from k3client.hf.families import FamilyError, Standard
+
+from . import settings
+from .experts import SUPPORTED, VllmLayer, VllmRuntime, _Math, is_k3d
+
+FORMATS = ("auto", "safetensors", "hf")
+EXPERT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.")
+
+
+def _num_experts(hf_config) -> int:
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    for attr in ("num_experts", "num_local_experts", "n_routed_experts"):
+        n = getattr(cfg, attr, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    raise FamilyError(f"model type {getattr(cfg, 'model_type', '?')!r}: no expert count in its config "
+                      "(num_experts, num_local_experts or n_routed_experts); k3client.vllm cannot serve it")
+
+
+def _router_of(model, experts_name: str):
+    """The gate of the MoE block that owns ``experts_name`` (``...mlp.experts.routed_experts``)."""
+    block = experts_name.split(".experts.")[0] if ".experts." in experts_name else experts_name.rsplit(".", 1)[0]
+    try:
+        owner = model.get_submodule(block)
+    except AttributeError:
+        return None
+    for attr in ("gate", "router"):
+        r = getattr(owner, attr, None)
+        if isinstance(r, torch.nn.Module):
+            return r
+    return None
+
+
+class K3dLoader(DefaultModelLoader):
+    """See the module docstring."""
+
+    _k3d_plan = None            # [(file, data start, key, header info)] of the non-expert tensors
+
+    def load_model(self, vllm_config, model_config, prefix: str = ""):
+        st = settings.from_config(vllm_config)
+        if st is None:
+            return super().load_model(vllm_config, model_config, prefix)
+        client = connect(st.endpoint, name=st.name or f"vllm-{os.getpid()}")
+        files = Files()
+        try:
+            path = model_config.model
+            expert_keys = self._plan(files, model_config)
+            num_experts = _num_experts(model_config.hf_config)
+            fingerprint.check(client, path, fingerprint.local_layers(expert_keys), num_experts)
+            model = super().load_model(vllm_config, model_config, prefix)
+            rt = _bind(model, client, st, sorted(expert_keys), path)
+            model.k3d = rt
+            model.register_forward_pre_hook(lambda mod, args: rt.begin_forward())
+            return model
+        except BaseException:
+            client.close()
+            raise
+        finally:
+            self._k3d_plan = None
+            files.close()
+
+    def _plan(self, files: Files, model_config) -> dict[int, list]:
+        """Headers only: keep the non-expert tensors for ``get_all_weights``; return the expert keys per layer."""
+        _, weight_files, use_safetensors, _ = self._prepare_weights(
+            model_config.model, None, model_config.revision, False, None)
+        if not use_safetensors:
+            raise ValueError(f"k3client.vllm loads safetensors checkpoints; {model_config.model} has none")
+        kept, experts = [], {}
+        for path in weight_files:
+            header, start = files.header(path)
+            for key, info in header.items():
+                m = EXPERT_KEY.search(key)
+                if m:
+                    experts.setdefault(int(m.group(1)), []).append((key, info["dtype"], tuple(info["shape"])))
+                else:
+                    kept.append((path, start, key, info))
+        if not experts:
+            raise FamilyError(f"{model_config.model}: no routed-expert tensors (layers.N. ... .experts.) in the "
+                              "checkpoint; serve it without the k3d additional_config")
+        self._k3d_plan = (files, kept)
+        return experts
+
+    def get_all_weights(self, model_config, model):
+        if self._k3d_plan is None:
+            yield from super().get_all_weights(model_config, model)
+            return
+        files, kept = self._k3d_plan
+        for path, start, key, info in kept:
+            yield key, LazyTensor(files, path, start, info)._read()
+
+
+def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRuntime:
+    layers, modules = {}, {}
+    for name, mod in model.named_modules():
+        if not is_k3d(mod):
+            continue
+        layer = mod.k3d_layer
+        names = tuple(s.name for s in fingerprint._daemon_layout(client, layer))
+        act = mod.activation.value
+        try:
+            family = Standard(set(names))
+        except FamilyError as e:
+            raise FamilyError(f"model type {_model_type(model)!r}: {e}") from None
+        layers[layer] = VllmLayer(layer, _Math(mod.global_num_experts, act), _router_of(model, name), family,
+                                  names, mod.k3d_params_dtype, mod.top_k)
+        modules[layer] = mod
+    if sorted(layers) != checkpoint_layers:
+        # a family whose experts class subclasses RoutedExperts (gpt-oss) is not replaced out of tree
+        own = sorted({type(m).__name__ for m in model.modules() if isinstance(m, RoutedExperts) and not is_k3d(m)})
+        raise FamilyError(f"k3client.vllm cannot compute the experts of model type {_model_type(model)!r} "
+                          f"(vLLM builds them with {', '.join(own) or 'no RoutedExperts'}; the checkpoint has "
+                          f"routed experts in layers {checkpoint_layers}); {SUPPORTED}")
+    register = gpu.host_register if torch.cuda.is_available() else None
+    rt = VllmRuntime(client, layers, predict=st.predict, host_register=register)
+    for layer, mod in modules.items():
+        mod._k3d = (rt, layers[layer])
+    return rt
+
+
+def _model_type(model) -> str:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "model_type", type(model).__name__)
+
+
+def install() -> None:
+    # Overwriting a built-in format makes vLLM log a warning per format and
+    # process; here that is the intended effect (this class is DefaultModelLoader
+    # unless the model asks for k3d), so the warning would only mislead.
+    log = logging.getLogger("vllm.model_executor.model_loader")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        for fmt in FORMATS:
+            register_model_loader(fmt)(K3dLoader)
+    finally:
+        log.setLevel(level)

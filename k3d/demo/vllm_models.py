@@ -1,0 +1,70 @@
+"""Tiny MoE checkpoints that vLLM's CPU engine can run, written by transformers' ``save_pretrained``.
+
+``hf_models``' configs are too small for vLLM's CPU attention kernels (head sizes
+of 32..512 for MHA; MLA only with a 576 latent: ``kv_lora_rank`` 512 plus a rope
+dim of 64), and transformers' DeepSeek-V3 config omits the ``topk_method`` and
+``scoring_func`` keys that vLLM reads (DeepSeek's own config.json ships them).
+``write(family, out_dir)`` is ``hf_models.write`` with those fields set; random
+bf16 weights, fixed seed.  Used by the vLLM tests and ``bench/vllm_overhead.py``.
+torch and transformers are imported inside (the ``hf``/``vllm`` extras).
+"""
+
+from __future__ import annotations
+
+import os
+
+# model_type -> config fields on top of hf_models.config(family, hidden=HIDDEN)
+HIDDEN = 128                       # 4 heads of 32 where head_dim follows hidden
+OVERRIDES = {
+    "qwen3_moe": {"head_dim": 32},
+    "mixtral": {},
+    "deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "kv_lora_rank": 512,
+                    "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_head_dim": 96,
+                    "head_dim": 64},
+    "gpt_oss": {"head_dim": 32},
+}
+
+
+def write(family: str, out_dir: str, seed: int = 0, hidden: int = HIDDEN, inter: int = 32, layers: int = 3,
+          experts: int | None = None, **fields) -> str:
+    """A tiny random ``family`` model saved at ``out_dir`` (bf16, one safetensors file)."""
+    import torch  # optional extra
+    from transformers import AutoModelForCausalLM
+
+    from . import hf_models
+
+    if family not in OVERRIDES:
+        raise ValueError(f"no vLLM-CPU tiny config for {family!r}; have {sorted(OVERRIDES)}")
+    cfg = hf_models.config(family, hidden=hidden, inter=inter, layers=layers, experts=experts)
+    for k, v in {**OVERRIDES[family], **fields}.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():       # some inits leave zeros (routers, biases): give every tensor signal
+        for p in model.parameters():
+            if p.dim() == 1 and not p.abs().sum():
+                p.normal_(0, 0.02)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def split_experts(src: str, dst: str) -> str:
+    """``src`` with its routed-expert tensors in a shard of their own (``experts.safetensors``) at ``dst``."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    experts = {k: v for k, v in tensors.items() if ".experts." in k}
+    rest = {k: v for k, v in tensors.items() if k not in experts}
+    save_file(rest, os.path.join(dst, "rest.safetensors"), metadata={"format": "pt"})
+    save_file(experts, os.path.join(dst, "experts.safetensors"), metadata={"format": "pt"})
+    wm = {k: "rest.safetensors" for k in rest} | {k: "experts.safetensors" for k in experts}
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": wm}, f)
+    for name in ("config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    return dst

@@ -1,0 +1,112 @@
+"""Shared by tests/integration/test_vllm_*.py: tiny checkpoints, real vLLM CPU engines, references.
+
+Every test module here is marked ``vllm`` and skipped, with one line, where vLLM
+is not importable (``pip install -e '.[test,vllm]'``; README "vLLM").  Engines
+are vLLM's own ``LLM`` in this process (its engine core in a child process, as
+``vllm serve`` runs it), float32, eager, greedy, with a small fixed KV cache so
+that several fit beside the other tests.  An engine takes ~30 s to start
+(~55 s for MLA): modules share engines through module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import tempfile
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[test,vllm]')")
+torch = pytest.importorskip("torch")
+
+from k3d.demo import vllm_models  # noqa: E402  (after the skips above)
+
+# ``LLM.apply_model`` ships a function to the worker by reference (k3client.vllm.stats)
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+# An explicit KV cache: vLLM's CPU worker otherwise sizes it as a share of RAM minus the
+# weights, so a model without expert weights would get a larger cache and the PSS
+# comparison of test_vllm_shared would measure that; it also skips the warm-up forward.
+KV_BYTES = 64 << 20
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 40, 90, 3, 17, 60], [100, 5]]
+MAX_TOKENS = 8
+
+_ROOT = tempfile.mkdtemp(prefix="k3d-vllm-tests-")
+_CACHE: dict = {}
+
+
+def checkpoint(family: str, split: bool = False, **sizes) -> str:
+    """A tiny ``family`` checkpoint vLLM's CPU engine runs; ``split``: experts in their own shard."""
+    key = (family, split, tuple(sorted(sizes.items())))
+    if key not in _CACHE:
+        out = tempfile.mkdtemp(prefix=f"{family}-", dir=_ROOT)
+        if split:
+            vllm_models.split_experts(checkpoint(family, **sizes), out)
+        else:
+            vllm_models.write(family, out, **sizes)
+        _CACHE[key] = out
+    return _CACHE[key]
+
+
+@contextlib.contextmanager
+def engine(path: str, k3d: dict | None = None, max_num_seqs: int = 4, dtype: str = "float32"):
+    """vLLM's ``LLM`` on ``path`` (with ``additional_config={"k3d": k3d}`` when given), shut down after."""
+    from vllm import LLM
+
+    extra = {"additional_config": {"k3d": k3d}} if k3d is not None else {}
+    llm = LLM(model=path, enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, skip_tokenizer_init=True,
+              dtype=dtype, max_model_len=128, max_num_seqs=max_num_seqs, seed=0, **extra)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def generate(llm, prompts=PROMPTS, one_by_one: bool = False, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Greedy tokens per prompt: all prompts in one call (batched steps), or one call per prompt (B = 1)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if one_by_one:
+        return [generate(llm, [p], max_tokens=max_tokens)[0] for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def stats(llm) -> dict:
+    from k3client.vllm import stats as model_stats
+
+    (s,) = llm.apply_model(model_stats)
+    return s
+
+
+def expert_params(model) -> list[str]:
+    """Names of the routed-expert parameters in a vLLM model (run in the worker by ``apply_model``)."""
+    return [n for n, _ in model.named_parameters() if n.endswith(("w13_weight", "w2_weight"))]
+
+
+def run_engine_script(path: str, k3d: dict, timeout: float = 300):
+    """A fresh Python that builds an in-process engine (no engine-core child) and exits: its stderr's last line."""
+    import subprocess
+
+    code = ("from vllm import LLM\n"
+            f"LLM(model={path!r}, enforce_eager=True, kv_cache_memory_bytes={KV_BYTES}, skip_tokenizer_init=True,"
+            f" dtype='float32', max_model_len=128, max_num_seqs=1, additional_config={{'k3d': {k3d!r}}})\n")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
+                       check=False)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    return r.returncode, (lines[-1] if lines else ""), r.stderr
+
+
+def first_logprobs(llm, prompts=PROMPTS, k: int = 5) -> list[dict[int, float]]:
+    """Per prompt, the top-``k`` log-probabilities of the first generated token (one step, no divergence)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
