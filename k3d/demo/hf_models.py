@@ -127,3 +127,24 @@ def expert_bytes(path: str) -> int:
                             n *= d
                         total += n * (1 if sl.get_dtype() in ("U8", "I8") else 2 if "16" in sl.get_dtype() else 4)
     return total
+
+
+def split_experts(src: str, dst: str) -> str:
+    """``src`` with its routed-expert tensors in a shard of their own (``experts.safetensors``) at ``dst``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    experts = {k: v for k, v in tensors.items() if ".experts." in k}
+    rest = {k: v for k, v in tensors.items() if k not in experts}
+    save_file(rest, os.path.join(dst, "rest.safetensors"), metadata={"format": "pt"})
+    save_file(experts, os.path.join(dst, "experts.safetensors"), metadata={"format": "pt"})
+    wm = {k: "rest.safetensors" for k in rest} | {k: "experts.safetensors" for k in experts}
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": wm}, f)
+    for name in ("config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    return dst

@@ -11,8 +11,6 @@ torch and transformers are imported inside (the ``hf``/``vllm`` extras).
 
 from __future__ import annotations
 
-import os
-
 # model_type -> config fields on top of hf_models.config(family, hidden=HIDDEN)
 HIDDEN = 128                       # 4 heads of 32 where head_dim follows hidden
 OVERRIDES = {
@@ -46,25 +44,3 @@ def write(family: str, out_dir: str, seed: int = 0, hidden: int = HIDDEN, inter:
                 p.normal_(0, 0.02)
     model.save_pretrained(out_dir)
     return out_dir
-
-
-def split_experts(src: str, dst: str) -> str:
-    """``src`` with its routed-expert tensors in a shard of their own (``experts.safetensors``) at ``dst``."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    os.makedirs(dst, exist_ok=True)
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    experts = {k: v for k, v in tensors.items() if ".experts." in k}
-    rest = {k: v for k, v in tensors.items() if k not in experts}
-    save_file(rest, os.path.join(dst, "rest.safetensors"), metadata={"format": "pt"})
-    save_file(experts, os.path.join(dst, "experts.safetensors"), metadata={"format": "pt"})
-    wm = {k: "rest.safetensors" for k in rest} | {k: "experts.safetensors" for k in experts}
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": wm}, f)
-    for name in ("config.json", "generation_config.json"):
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
-    return dst

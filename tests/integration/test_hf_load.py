@@ -1,7 +1,6 @@
 """load_model: routed experts never read nor held; one-line refusals for bad input."""
 
 import ctypes
-import json
 import mmap
 import os
 import subprocess
@@ -16,24 +15,6 @@ import k3client
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _split_experts_shard(src: str, dst: str) -> str:
-    """The checkpoint with every routed-expert tensor moved to its own shard (index.json)."""
-    from safetensors.torch import load_file, save_file
-
-    os.makedirs(dst, exist_ok=True)
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    experts = {k: v for k, v in tensors.items() if ".experts." in k}
-    rest = {k: v for k, v in tensors.items() if k not in experts}
-    save_file(rest, os.path.join(dst, "rest.safetensors"), metadata={"format": "pt"})
-    save_file(experts, os.path.join(dst, "experts.safetensors"), metadata={"format": "pt"})
-    wm = {k: "rest.safetensors" for k in rest} | {k: "experts.safetensors" for k in experts}
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": wm}, f)
-    for name in ("config.json", "generation_config.json"):
-        if os.path.exists(os.path.join(src, name)):
-            with open(os.path.join(src, name)) as a, open(os.path.join(dst, name), "w") as b:
-                b.write(a.read())
-    return dst
 
 
 def _resident_pages(path: str, start: int) -> tuple[int, int]:
@@ -66,7 +47,7 @@ def test_expert_bytes_never_read_nor_allocated(start_daemon, tmp_path):
     """No page of the experts shard enters the page cache during load_model; meta, no storage."""
     from k3client.hf import load_model
 
-    path = _split_experts_shard(checkpoint("qwen3_moe", hidden=128, inter=256), str(tmp_path / "split"))
+    path = hf_models.split_experts(checkpoint("qwen3_moe", hidden=128, inter=256), str(tmp_path / "split"))
     shard = os.path.join(path, "experts.safetensors")
     d = start_daemon(path, *daemon_args("qwen3_moe", arena="16MiB"))
     head = 1 << 20       # the safetensors header (and its readahead) is read: skip the first MiB

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[test,vllm]')")
 torch = pytest.importorskip("torch")
 
-from k3d.demo import vllm_models  # noqa: E402  (after the skips above)
+from k3d.demo import hf_models, vllm_models  # noqa: E402  (after the skips above)
 
 # ``LLM.apply_model`` ships a function to the worker by reference (k3client.vllm.stats)
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -43,7 +43,7 @@ def checkpoint(family: str, split: bool = False, **sizes) -> str:
     if key not in _CACHE:
         out = tempfile.mkdtemp(prefix=f"{family}-", dir=_ROOT)
         if split:
-            vllm_models.split_experts(checkpoint(family, **sizes), out)
+            hf_models.split_experts(checkpoint(family, **sizes), out)
         else:
             vllm_models.write(family, out, **sizes)
         _CACHE[key] = out
