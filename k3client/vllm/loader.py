@@ -136,7 +136,7 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRun
         if not is_k3d(mod):
             continue
         layer = mod.k3d_layer
-        names = tuple(s.name for s in fingerprint._daemon_layout(client, layer))
+        names = tuple(s.name for s in client.layout_of(layer))
         act = mod.activation.value
         try:
             family = Standard(set(names))
