@@ -18,7 +18,7 @@ import threading
 import pytest
 from test_hf_arena import _slot_arena
 from test_hf_load import _drop_cache, _resident_pages
-from vllm_common import checkpoint, engine, expert_params, first_logprobs, generate, stats
+from vllm_common import _vllm_ipc_files, checkpoint, engine, expert_params, first_logprobs, generate, stats  # noqa: F401 -- the autouse fixture
 
 import k3client
 from conftest import spawn_daemon

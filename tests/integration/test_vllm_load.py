@@ -9,7 +9,7 @@ import os
 
 import pytest
 from test_hf_load import _drop_cache, _resident_pages
-from vllm_common import checkpoint, run_engine_script
+from vllm_common import _vllm_ipc_files, checkpoint, run_engine_script  # noqa: F401 -- the autouse fixture
 
 from conftest import SCRATCH, spawn_daemon
 

@@ -18,7 +18,7 @@ import time
 
 import psutil
 import pytest
-from vllm_common import checkpoint
+from vllm_common import _vllm_ipc_files, checkpoint  # noqa: F401 -- the autouse fixture
 
 from conftest import spawn_daemon
 from helpers import k3ctl, poll_for

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
+import shutil
 import sys
 import tempfile
 
@@ -37,10 +39,34 @@ _ROOT = tempfile.mkdtemp(prefix="k3d-vllm-tests-")
 _CACHE: dict = {}
 
 
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _vllm_ipc_files():
+    """vLLM's engines leave their ipc files (``TMPDIR/<uuid>``, ``TMPDIR/vllm_dist_*``)
+    behind; they are vLLM's, not k3d's: removed after each module, with this module's
+    checkpoints, so the session's leftover check sees only what k3d's code leaves."""
+    tmp = tempfile.gettempdir()
+    before = set(os.listdir(tmp))
+    yield
+    for name in set(os.listdir(tmp)) - before:
+        if _UUID.match(name) or name.startswith("vllm_dist_"):
+            path = os.path.join(tmp, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+    _CACHE.clear()
+    shutil.rmtree(_ROOT, ignore_errors=True)
+
+
 def checkpoint(family: str, split: bool = False, **sizes) -> str:
     """A tiny ``family`` checkpoint vLLM's CPU engine runs; ``split``: experts in their own shard."""
     key = (family, split, tuple(sorted(sizes.items())))
     if key not in _CACHE:
+        os.makedirs(_ROOT, exist_ok=True)          # removed after each module (_vllm_ipc_files)
         out = tempfile.mkdtemp(prefix=f"{family}-", dir=_ROOT)
         if split:
             hf_models.split_experts(checkpoint(family, **sizes), out)
