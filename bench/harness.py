@@ -39,7 +39,9 @@ class Daemon:
         self.dir = tempfile.mkdtemp(prefix="k3d-b-", dir="/tmp")   # ipc paths must stay short
         self.endpoint = f"ipc://{self.dir}/k.sock"
         self.log_path = os.path.join(self.dir, "daemon.log")
-        cmd = [sys.executable, "-m", "k3d", "start", "--source", source,
+        # --state-dir none: a bench daemon starts cold, whatever an earlier bench left in the
+        # user's warm-restart directory (a pre-loaded hot set would change what it measures)
+        cmd = [sys.executable, "-m", "k3d", "start", "--source", source, "--state-dir", "none",
                "--endpoint", self.endpoint, *(["--readers", str(readers)] if readers else []), *map(str, args)]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
