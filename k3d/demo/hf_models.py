@@ -61,12 +61,15 @@ def config(family: str, hidden: int = 64, inter: int = 32, layers: int = 3, expe
     return AutoConfig.for_model(family, **fields)
 
 
-def write(family: str, out_dir: str, seed: int = 0, **sizes) -> str:
-    """Save a random tiny ``family`` model (bf16) with ``save_pretrained``; returns ``out_dir``."""
+def write(family: str, out_dir: str, seed: int = 0, fields: dict | None = None, **sizes) -> str:
+    """Save a random tiny ``family`` model (bf16) with ``save_pretrained``; returns ``out_dir``.
+    ``fields``: config fields set over ``config(family, **sizes)``'s."""
     import torch  # optional extra (hf)
     from transformers import AutoModelForCausalLM
 
     cfg = config(family, **sizes)
+    for k, v in (fields or {}).items():
+        setattr(cfg, k, v)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():       # some inits leave zeros (routers, biases): give every tensor signal

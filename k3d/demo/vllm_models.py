@@ -26,21 +26,9 @@ OVERRIDES = {
 def write(family: str, out_dir: str, seed: int = 0, hidden: int = HIDDEN, inter: int = 32, layers: int = 3,
           experts: int | None = None, **fields) -> str:
     """A tiny random ``family`` model saved at ``out_dir`` (bf16, one safetensors file)."""
-    import torch  # optional extra
-    from transformers import AutoModelForCausalLM
-
     from . import hf_models
 
     if family not in OVERRIDES:
         raise ValueError(f"no vLLM-CPU tiny config for {family!r}; have {sorted(OVERRIDES)}")
-    cfg = hf_models.config(family, hidden=hidden, inter=inter, layers=layers, experts=experts)
-    for k, v in {**OVERRIDES[family], **fields}.items():
-        setattr(cfg, k, v)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():       # some inits leave zeros (routers, biases): give every tensor signal
-        for p in model.parameters():
-            if p.dim() == 1 and not p.abs().sum():
-                p.normal_(0, 0.02)
-    model.save_pretrained(out_dir)
-    return out_dir
+    return hf_models.write(family, out_dir, seed=seed, fields={**OVERRIDES[family], **fields},
+                           hidden=hidden, inter=inter, layers=layers, experts=experts)
