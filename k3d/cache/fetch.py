@@ -207,6 +207,8 @@ class Cache:
     def apply_done(self, draining: bool = False) -> None:
         """Count every part reported; finish every load whose last part came.
         ``draining``: a failed read was cancelled by shutdown (ShuttingDown, not counted)."""
+        if not self.reads.has_reports():
+            return
         now = time.monotonic()
         for d, load in self.reads.reported():
             self.stats.bytes_read += d.nbytes

@@ -61,6 +61,7 @@ class Session:
         "name",
         "paced",
         "paced_s",
+        "unbilled",
         "pf_started",
         "pf_waste",
         "pfu",
@@ -83,6 +84,7 @@ class Session:
         # Pacing (k3d/serve/pacing.py): how often it was held back, for how long in all (the hold
         # itself lives in the loop's turns: ``Turns.held_until``).
         self.paced, self.paced_s = 0, 0.0
+        self.unbilled = 0.0        # CPU seconds spent for it that the pacer has not been told yet
 
     @property
     def holder(self):

@@ -393,8 +393,11 @@ class Store:
 
         Returns (pins released, predictions found unused)."""
         released = len(self.policy.release(holder))
+        unused = self.predictions.pop(client, None)
+        if not unused and not self.policy.held((PREDICT, client)):
+            return released, 0
         self.policy.release((PREDICT, client))
-        unused = self.predictions.pop(client, set())
+        unused = unused or set()
         for s in sorted(unused):
             del self.predicted_by[s]
             self.policy.demote(s)

@@ -154,5 +154,10 @@ class Loads:
             del self._by_slot[load.slot]
             yield d, load
 
+    def has_reports(self) -> bool:
+        """Whether a part report waits (a hint: one queued after this is seen next pass,
+        since its reader writes the eventfd after queueing it)."""
+        return not self.pool.done.empty()
+
     def drain_wake(self) -> None:
         self.pool.drain_wake()

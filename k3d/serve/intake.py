@@ -3,12 +3,15 @@
 Three steps, in the order the server loop takes them:
 - ``receive``: the requests waiting on the ROUTER socket (up to ``RECV_BATCH``
   per loop pass) go into ``turns`` (one queue per client, by routing id), each
-  stamped with its arrival time (fetch latency counts from it);
+  stamped with its arrival time (fetch latency counts from it).  A lone request
+  (nothing queued, nothing more on the socket, its client not held) skips the
+  turns: they would hand it straight back;
 - ``next``: the request to handle now, chosen by deficit round-robin
   (``turns.py``), passing by clients that are held back; None while only held
   clients' requests wait;
 - ``charge``: the CPU seconds spent for a client (the loop's for its request,
-  measured around the handler; a reader's for its read) go to ``pacing.Pacer``,
+  measured around the handler; a reader's for its read) go to ``pacing.Pacer``
+  (in bills of ``BILL_S``),
   and a client far over its share is held in ``turns`` until its rate has
   fallen (``pacing.py`` says why and how long).  Holds are counted on the
   session (``paced``, ``paced_s``) and in the counters (``paced``,
@@ -28,10 +31,12 @@ import time
 
 import zmq
 
+from k3d.serve import wire
 from k3d.serve.pacing import Pacer
 from k3d.serve.turns import Turns, cost_of
 
 RECV_BATCH = 256         # requests taken off the socket per loop pass, at most
+BILL_S = 0.001           # CPU seconds a client runs up before the pacer hears of them
 
 
 class Intake:
@@ -39,30 +44,44 @@ class Intake:
         self.sock, self.sessions, self.stats = sock, sessions, stats
         self.turns = Turns()
         self.pacer = Pacer(max_share)
+        self._direct = None      # a lone request, not held: served next without queueing
 
     @property
     def waiting(self) -> int:
-        return self.turns.waiting
+        return self.turns.waiting + (self._direct is not None)
 
     def receive(self) -> None:
         """Take the requests waiting on the socket into ``turns``.  The socket's EVENTS
         says whether another request waits: asking it is cheaper than a recv failing
         with zmq.Again (bench/README.md, "intake")."""
+        sock, turns = self.sock, self.turns
         for _ in range(RECV_BATCH):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            got = wire.receive(sock)
+            if got is None:
                 return
-            size = sum(len(f.buffer) for f in frames[1:])
-            self.turns.push(frames[0].bytes, (time.monotonic(), frames), cost_of(size))
-            if not self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+            routing, frames = got
+            now = time.monotonic()
+            more = wire.more_waiting(sock)
+            if not more and not turns.waiting and self._direct is None and turns.held_until(routing) <= now:
+                # Alone and not held: the turns would hand it straight back (an empty ring
+                # serves its only request at once, whatever its cost), so skip them.
+                self._direct = (now, routing, frames)
+                return
+            size = sum(len(f.buffer) for f in frames) if len(frames) != 1 else len(frames[0].buffer)
+            turns.push(routing, (now, routing, frames), cost_of(size))
+            if not more:
                 return
 
     def next(self, now: float):
-        """(arrival time, frames) of the request to handle now, or None."""
+        """(arrival time, routing id, body frames) of the request to handle now, or None."""
+        if self._direct is not None:
+            item, self._direct = self._direct, None
+            return item
         return self.turns.pop(now)
 
     def poll_ms(self) -> int:
+        if self._direct is not None:
+            return 0
         if not self.turns.waiting:
             return 100
         now = time.monotonic()
@@ -84,7 +103,15 @@ class Intake:
                 self.charge_session(s, cpu)
 
     def charge_session(self, s, cpu: float) -> None:
-        """``cpu`` seconds were spent for session ``s``; hold it back while it is far over its share."""
+        """``cpu`` seconds were spent for session ``s``; hold it back while it is far over its share.
+
+        The pacer hears of a client's CPU in bills of at least ``BILL_S``: deciding a
+        hold per request would cost the loop more than many requests do, and a
+        millisecond is nothing against the pacer's one-second memory."""
+        s.unbilled += cpu
+        if s.unbilled < BILL_S:
+            return
+        cpu, s.unbilled = s.unbilled, 0.0
         client_id = s.client_id
         now = time.monotonic()
         self.pacer.charge(client_id, cpu, now)
@@ -106,3 +133,5 @@ class Intake:
         self.turns.release(s.routing)
         if dead:
             self.turns.forget(s.routing)
+            if self._direct is not None and self._direct[1] == s.routing:
+                self._direct = None

@@ -179,28 +179,31 @@ class Server:
         poller.register(self.handout.fileno(), zmq.POLLIN)
         next_reap = next_status = next_wd = time.monotonic()
         wd = self.notifier.watchdog_interval if self.notifier else None
+        poll, sock, wake_fd, handout_fd = poller.poll, self.sock, self.reads.wake_fd, self.handout.fileno()
+        intake, cache, board = self.intake, self.cache, self.board
+        monotonic = time.monotonic
         try:
             while not self._stop:
                 try:
-                    events = dict(poller.poll(self.intake.poll_ms()))
+                    events = dict(poll(intake.poll_ms()))
                 except zmq.ZMQError as e:
                     if e.errno == zmq.EINTR:
                         continue
                     raise
-                if self.reads.wake_fd in events:
+                if wake_fd in events:
                     self.reads.drain_wake()
                 if self._reload:
                     self._do_reload()
-                if self.board.wanted:
-                    self.board.publish(self.status())
-                self.cache.apply_done()
-                if self.sock in events:
-                    self.intake.receive()
-                if self.intake.waiting:
-                    self._serve_one(time.monotonic())
-                if self.handout.fileno() in events:
+                if board.wanted:
+                    board.publish(self.status())
+                cache.apply_done()
+                if sock in events:
+                    intake.receive()
+                if intake.waiting:
+                    self._serve_one(monotonic())
+                if handout_fd in events:
                     self.handout.serve()
-                now = time.monotonic()
+                now = monotonic()
                 if now >= next_reap:
                     for s, reason in self.sessions.expired(now, self.cfg.lease_s):
                         self._drop(s, reason, dead=True)
@@ -223,11 +226,10 @@ class Server:
         item = self.intake.next(now)
         if item is None:                       # only held clients' requests wait
             return
-        t0, frames = item
-        routing = frames[0].bytes
+        t0, routing, frames = item
         pacing = self.intake.pacing
         cpu = time.thread_time() if pacing else 0.0
-        s = self._handle(routing, self.sessions.get(routing), frames[1:], t0)
+        s = self._handle(routing, self.sessions.get(routing), frames, t0)
         self.cache.settle(time.monotonic())
         if pacing and s is not None:
             self.intake.charge_session(s, time.thread_time() - cpu)

@@ -14,8 +14,9 @@ of its requests and the reader threads' reads for its loads.  Usage decays
 exponentially with time constant ``TAU`` seconds, so ``usage / TAU`` is a
 moving CPU rate.  Because every client's usage decays alike, the total decays
 alike too and is kept in one number (exact).  Cost: ``charge`` is O(1);
-``delay`` and ``active`` are O(attached clients): they scan every client's usage
-for the ones active now.
+``delay`` and ``active`` are O(charged clients): they scan every client's usage
+for the ones active now (``delay`` is O(1) while no more clients were ever
+charged than ``share``, when nobody can be over it).
 
 Rule: while ``n`` clients are active (charged within ``ACTIVE`` seconds) and
 ``n > share``, a client may use at most ``share`` times the average client's
@@ -93,8 +94,8 @@ class Pacer:
 
     def delay(self, client: int, now: float) -> float:
         """Seconds ``client``'s next request should wait (0: serve it)."""
-        if not self.share:
-            return 0.0
+        if not self.share or len(self._usage) <= self.share:
+            return 0.0                          # too few clients charged at all for anyone to be over
         u = self.usage(client, now)
         if u <= self.floor:
             return 0.0

@@ -22,6 +22,11 @@ client does stops the loop), so a reply ZeroMQ will not take is dropped:
 
 Thread: the server thread owns the socket once the start-up responder
 (``service/starting.py``) has handed it over; these functions keep no state.
+
+``receive`` and ``Replies`` call pyzmq's backend socket methods with plain-int
+flags: its convenience layer (``send_multipart``, ``recv_multipart``, flag enums)
+costs several times the send itself on a request path this short
+(bench/README.md, "the loop's own cost").
 """
 
 from __future__ import annotations
@@ -45,6 +50,30 @@ from k3client.protocol import (
 from k3d.serve.access import private_umask
 
 log = logging.getLogger("k3d")
+
+_send, _recv, _get = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
+_NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def receive(sock: zmq.Socket):
+    """The next request waiting on ``sock`` without blocking: (routing id, [body
+    frames]) or None.  The body frames are ``zmq.Frame``s: ``hello`` and
+    ``heartbeat`` read the sender's credentials from them."""
+    try:
+        first = _recv(sock, _NOBLOCK, False)
+    except zmq.Again:
+        return None
+    frames, f = [], first
+    while f.more:                 # a Frame's flag: cheaper than getsockopt(RCVMORE)
+        f = _recv(sock, _NOBLOCK, False)
+        frames.append(f)
+    return first.bytes, frames
+
+
+def more_waiting(sock: zmq.Socket) -> bool:
+    """Whether another request waits on ``sock`` (cheaper than a recv failing with Again)."""
+    return bool(_get(sock, _EVENTS) & _POLLIN)
 
 
 def open_endpoint(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
@@ -76,7 +105,7 @@ def decode(frames) -> tuple[dict, int]:
     version, unknown op) is answered to the right request."""
     if len(frames) != 1:
         raise BadRequest(f"expected one msgpack frame, got {len(frames)}")
-    raw = frames[0].bytes
+    raw = frames[0].buffer
     if len(raw) > MAX_MESSAGE_BYTES:
         raise BadRequest(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit")
     try:
@@ -168,9 +197,7 @@ class Replies:
         self._full: set[bytes] = set()     # peers warned of a full queue, until a reply gets through
 
     def ok(self, routing: bytes, rid, fields: dict) -> None:
-        reply = {"id": rid, "ok": True, "gen": self.gen}
-        reply.update(fields)
-        self._send(routing, reply)
+        self._send(routing, {"id": rid, "ok": True, "gen": self.gen, **fields})
 
     def error(self, routing: bytes, rid, e: K3Error) -> None:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -192,7 +219,9 @@ class Replies:
             data = pack({"id": reply.get("id"), "ok": False, "gen": self.gen, "error": {
                 "code": K3Error.code, "message": f"internal error in k3d: the reply could not be sent ({why})"}})
         try:
-            self.sock.send_multipart([routing, data], zmq.NOBLOCK)
+            # ROUTER: the routing frame is queued with the body or not at all (atomic multipart)
+            _send(self.sock, routing, _MORE_NOBLOCK)
+            _send(self.sock, data, _NOBLOCK)
         except zmq.ZMQError as e:
             if e.errno == errno.EHOSTUNREACH:     # the peer is gone (ROUTER_MANDATORY): nobody waits
                 log.debug("dropping a reply to a peer that is gone")
