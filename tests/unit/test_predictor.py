@@ -41,12 +41,12 @@ def test_learns_a_cross_layer_pattern_fully():
     for t in range(200):                       # proposing measures the calibration: budget 0
         for layer, experts in enumerate(pattern_token(t)):
             p.observe(1, [(layer, e) for e in experts])
-            p.propose(1, layer + 1, 0, lambda k: False)
+            p.propose(1, layer + 1, 0, ())
     for t in range(200, 204):
         route = pattern_token(t)
         for layer in range(L - 1):
             p.observe(1, [(layer, e) for e in route[layer]])
-            got = p.propose(1, layer + 1, 2, lambda k: False)
+            got = p.propose(1, layer + 1, 2, ())
             assert sorted(k for k, _ in got) == sorted((layer + 1, e) for e in route[layer + 1])
             assert all(c > 0.9 for _, c in got)
 
@@ -124,14 +124,14 @@ def test_state_round_trip_and_bad_state():
     for t in range(50):
         for layer, experts in enumerate(pattern_token(t)):
             p.observe(1, [(layer, e) for e in experts])
-            p.propose(1, layer + 1, 0, lambda k: False)
+            p.propose(1, layer + 1, 0, ())
     q = CoPredictor(L, E)
     q.restore(p.state())
     assert q.state() == p.state()
     for r in (p, q):
         r.observe(2, [(0, 0), (0, 1)])
-    got = q.propose(2, 1, 2, lambda k: False)
-    assert [k for k, _ in got] == [(1, 3), (1, 4)] and got == p.propose(2, 1, 2, lambda k: False)
+    got = q.propose(2, 1, 2, ())
+    assert [k for k, _ in got] == [(1, 3), (1, 4)] and got == p.propose(2, 1, 2, ())
     before = q.state()
     for bad in ({}, {"predictor": "coact", "depth": 4, "layers": 1, "experts": 1, "visits": [[99, 1]], "pop": [],
                      "seen": [], "co": [], "cal_n": [0] * 20, "cal_hit": [0] * 20}):
