@@ -1,13 +1,21 @@
 """Policy figures for README: LRU, the default (cycle), the default with the daemon's
 own predictor (``coact``: no client predictions in these traces) and Belady's OPT on
-real and generated routing, plus replay speed on a ~10^6-access trace.
+real and generated routing, plus replay speed on a ~10^6-access trace and the
+predictor's cost per fetch.
 
 Generated traces come from ``k3d.demo.routing.SyntheticRouter`` with other statistics
 than the shared Mixtral trace (more experts, top-6/8, other skew and reuse); sizes are
 fractions of the model's experts (never below one token's pins).  Everything goes
 through ``k3d.replay.engine.run`` (the daemon's Store and policy classes).
 
-    python bench/policy_replay.py [--speed] [--out DIR]
+    python bench/policy_replay.py [--speed] [--cost]
+
+``--speed``: replay time of 1,024,000 accesses per policy, with and without the
+predictor (ratio: against the same policy without it, in the same run).
+``--cost``: the daemon's per-fetch cost of predicting (``AutoPrefetch.after_fetch``
+and ``begin_token``: learn, score, read ahead through the store) against
+``Store.fetch`` of the same fetches, the daemon's own planning of a fetch, in the
+same run; on the shared trace and on generated ones.
 """
 
 from __future__ import annotations
@@ -20,9 +28,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from k3d.cache.policy import make  # noqa: E402
+from k3d.cache.predict import AutoPrefetch, make as make_predictor  # noqa: E402
+from k3d.cache.store import Store  # noqa: E402
 from k3d.demo.routing import routes, statistics  # noqa: E402
-from k3d.observe.trace import read  # noqa: E402
-from k3d.replay.engine import layers_of, min_slots, run  # noqa: E402
+from k3d.observe.trace import BEGIN, FETCH, read  # noqa: E402
+from k3d.replay.engine import experts_of, layers_of, min_slots, run  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces", "mixtral8x7b-gsm8k.trace")
 TRACES = {   # name: (tokens, router arguments)
@@ -73,20 +84,72 @@ def speed(tmp: str) -> None:
     parse_s = time.perf_counter() - t0
     n = sum(len(e.keys) for e in events if e.kind == "fetch")
     print(f"\nspeed: {n} accesses, parsed in {parse_s:.1f}s")
-    for p, pred in (("lru", "none"), ("cycle", "none"), ("cycle", "coact"), ("opt", "none")):
+    floor = {}
+    for p, pred in (("lru", "none"), ("lru", "coact"), ("cycle", "none"), ("cycle", "coact"), ("opt", "none")):
         t0, c0 = time.perf_counter(), time.process_time()
         r = run(events, p, 1024, predictions=False, predictor=pred)
-        p = p if pred == "none" else f"{p}+{pred}"
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        print(f"  {p:<12} 1024 slots: {dt:5.1f}s wall, {cpu:5.1f}s CPU ({n / cpu / 1e3:.0f}k accesses per CPU second), "
-              f"hit rate {100 * r.hit_rate:.1f}%", flush=True)
+        floor.setdefault(p, cpu)
+        ratio = f", {cpu / floor[p]:.2f}x {p} alone" if pred != "none" else ""
+        p = p if pred == "none" else f"{p}+{pred}"
+        print(f"  {p:<12} 1024 slots: {dt:5.1f}s wall, {cpu:5.1f}s CPU ({n / cpu / 1e3:.0f}k accesses per CPU second"
+              f"{ratio}), hit rate {100 * r.hit_rate:.1f}%, read ahead {r.prefetched}", flush=True)
+
+
+def cost(name: str, events, slots: int) -> None:
+    """The daemon's calls, timed: ``Store.fetch`` (the floor) and the predictor's hooks."""
+    L, E = layers_of(events), experts_of(events)
+    store = Store(slots, policy=make("cycle", L))
+    auto = AutoPrefetch(store, make_predictor("coact", L, E))
+    epoch: dict[int, int] = {}
+    t_fetch = t_pred = 0.0
+    fetches = 0
+    clock = time.perf_counter
+    for ev in events:
+        c = ev.client
+        if ev.kind == FETCH:
+            t0 = clock()
+            plan = store.fetch((c, epoch.get(c, 0)), ev.keys)
+            t1 = clock()
+            for s in plan.new_loads + plan.promote:
+                store.complete(s, None)
+            t2 = clock()
+            _, started = auto.after_fetch(c, ev.keys, plan.slots)
+            t3 = clock()
+            t_fetch += t1 - t0
+            t_pred += t3 - t2
+            fetches += 1
+        elif ev.kind == BEGIN:
+            store.end_epoch(c, (c, epoch.get(c, 0)))
+            epoch[c] = epoch.get(c, 0) + 1
+            t2 = clock()
+            auto.end_token(c)
+            _, started = auto.begin_token(c)
+            t_pred += clock() - t2
+        else:
+            continue
+        for s in started:
+            store.complete(s, None)
+    us = 1e6 / max(fetches, 1)
+    print(f"  {name:<34} {slots:>5} slots: Store.fetch {t_fetch * us:6.1f} us, predictor {t_pred * us:6.1f} us "
+          f"per fetch ({t_pred / t_fetch:.2f}x), read ahead {auto.totals().prefetched}", flush=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--speed", action="store_true", help="only the ~10^6-access speed run")
+    ap.add_argument("--cost", action="store_true", help="only the predictor's cost per fetch")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.cost:
+            print("cost per fetch (cycle; the predictor's hooks against Store.fetch of the same fetches):")
+            if os.path.exists(SHARED):
+                cost("shared Mixtral-8x7B GSM8K trace", read(SHARED), 100)
+            for name, (tokens, kw) in TRACES.items():
+                path = os.path.join(tmp, "t.trace")
+                write_trace(path, tokens, **kw)
+                cost(name, read(path), int(0.4 * kw["layers"] * kw["experts"]))
+            return 0
         if args.speed:
             speed(tmp)
             return 0

@@ -61,7 +61,7 @@ class Config:
     hugepages: bool = False           # arena in hugetlb pages (vm.nr_hugepages must hold it)
     thp: bool = True                  # without hugepages: collapse the arena into transparent huge pages
     policy: str = "cycle"             # eviction policy, one of POLICY_NAMES
-    predict: str = "client"           # who predicts, one of PREDICT_MODES (k3d/cache/predict/)
+    predict: str = "auto"             # who predicts, one of PREDICT_MODES (k3d/cache/predict/)
     predict_budget: int = 0           # predictions per fetch, client's first; 0: as many as the fetch has keys
     state_dir: str = ""               # warm-restart statistics; resolved: $STATE_DIRECTORY (systemd),
                                       # else $XDG_STATE_HOME/k3d, else ~/.local/state/k3d; "none": off

@@ -19,7 +19,8 @@ The loop validates a request and makes one call here, with the client's session:
   left of the fetch's budget (``_auto``: its reads BACKGROUND, an ``auto`` trace
   line); a reported fetch only teaches it (the client has moved on);
 - ``begin_token``: reports, then the client's pins go, its unused predictions are
-  counted and demoted, and its prediction-waste share moves;
+  counted and demoted, and its prediction-waste share moves; with ``auto``, the
+  daemon predicts the new token's first layer (an ``auto`` line after ``begin``);
 - ``drop``: a client leaves or dies: pins released, held-back reads go on as
   background reads, a fetch it waits on is answered NotAttached;
 - ``settle``: after each request, slots no client can read any more are freed
@@ -143,6 +144,12 @@ class Cache:
         released, unused = self.store.end_epoch(s.client_id, s.holder)
         if self.auto is not None:             # after the client's own, as k3d replay does
             self.auto.end_token(s.client_id)
+            # the token's first layer, which no client can name yet
+            proposed, started = self.auto.begin_token(s.client_id, now)
+            if self.trace is not None:
+                self.trace.auto(now, s.client_id, s.epoch + 1, proposed)
+            if started:
+                self._start(started, urgent=False, owner=s.client_id)
         self.store.reuse.new_token(s.client_id)
         s.pfu += unused
         if s.pf_started:

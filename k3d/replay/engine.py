@@ -93,7 +93,9 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     ``predictor``: the daemon's own predictions.  None: the trace's ``auto`` lines as
     recorded; "none": none; a name from ``k3d.cache.predict.PREDICTORS``: that class,
     run through ``AutoPrefetch`` (as the daemon does) where the trace's ``auto`` lines
-    say the daemon ran it, else right after each fetch and its ``predict`` line.
+    say the daemon ran it (after a fetch, or after a ``begin``: the token's first
+    layer), else right after each fetch and its ``predict`` line, and after each
+    ``begin``.
     ``read_lead``: a used prediction was ready before the request when at least this
     many fetches came between it and its use, else its request waited (reads
     complete at once here, so this is the model of read time)."""
@@ -115,6 +117,7 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     audit = _Audit()
     timing = _Timing(store, read_lead)
     pending = None                  # [client, keys, slots, client predictions started, predict line seen]
+    begun = None                    # the client whose begin line came last (marked traces)
 
     def predict(client, keys):
         before = set(store.key_slot)
@@ -126,20 +129,31 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
         timing.issued(started)
         return started
 
-    def flush(predict=True):
-        nonlocal pending
-        c, keys, got, n, _ = pending
-        pending = None
-        before = set(store.key_slot)
-        _, started = auto.after_fetch(c, keys, got, n, predict=predict)
+    def issued(before, started):
         if started and store.stats.evictions:
             audit.predicted(before - set(store.key_slot), [store.slot_key[s] for s in started])
         for s in started:
             complete(s, None)
         timing.issued(started)
 
+    def flush(predict=True):
+        nonlocal pending
+        c, keys, got, n, _ = pending
+        pending = None
+        before = set(store.key_slot)
+        issued(before, auto.after_fetch(c, keys, got, n, predict=predict)[1])
+
+    def begin_token(c):
+        before = set(store.key_slot)
+        issued(before, auto.begin_token(c)[1])
+
     for ev in events:
         kind, c = ev.kind, ev.client
+        if begun is not None:       # the daemon predicted the token's first layer where an auto line follows
+            b, begun = begun, None
+            if kind == AUTO and c == b:
+                begin_token(c)
+                continue
         if pending is not None:
             if kind == PREDICT and c == pending[0] and not pending[4]:
                 pending[4] = True       # the fetch's own predicted= keys come first
@@ -175,9 +189,13 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
             e = epoch.get(c, 0)
             store.end_epoch(c, (c, e))
             store.end_epoch(auto_id(c), None)
+            epoch[c] = e + 1
             if auto is not None:
                 auto.end_token(c)
-            epoch[c] = e + 1
+                if marked:
+                    begun = c
+                else:
+                    begin_token(c)
         elif kind == BYE:
             store.end_epoch(c, (c, epoch.pop(c, 0)))
             store.forget_client(c)

@@ -7,6 +7,8 @@
 - A client that sends its own predictions is not displaced: in every fetch its
   predictions are applied first (its trace line precedes the daemon's), and its
   own figures are kept apart from the daemon's.
+- `--predict off` reads nothing ahead (neither the client's predictions nor the
+  daemon's), `client` only the client's, `auto` (the default) both.
 Routing is a deterministic cross-layer pattern, so there is something to learn.
 """
 
@@ -23,6 +25,7 @@ import k3client
 from conftest import SCRATCH
 from k3d.commands.ctl import query_status
 from k3d.demo.synthetic import write_checkpoint
+from k3d.observe.trace import read
 
 LAYERS, EXPERTS = 8, 16
 
@@ -63,7 +66,7 @@ def replay(trace: str, predictor: str) -> dict:
 
 def test_replay_reproduces_the_daemons_own_predictions(start_daemon, ckpt):
     trace = tempfile.mktemp(prefix="auto-", suffix=".trace", dir=SCRATCH)
-    d = start_daemon(ckpt, "--slots", "24", "--trace", trace, "--state-dir", "none", "--predict", "auto")
+    d = start_daemon(ckpt, "--slots", "24", "--trace", trace, "--state-dir", "none")    # auto: the default
     with k3client.connect(d.endpoint, name="plain") as c:
         drive(c, 60, predict=False)
         mine = c.status()["prediction"]["clients"][str(c.client_id)]
@@ -130,3 +133,32 @@ def test_a_restarted_daemon_predicts_from_its_first_token(start_daemon, ckpt):
         auto = c.status()["prediction"]["daemon"]
     assert d.stop() == 0
     assert auto["issued"] >= LAYERS // 2 and auto["used"] >= auto["issued"] // 2, auto
+
+
+@pytest.mark.parametrize("mode", ["off", "client", "auto"])
+def test_predict_modes(start_daemon, ckpt, mode):
+    """``--predict off``: nothing is read ahead, neither the client's predictions nor
+    the daemon's (no predict or auto lines in the trace); ``client``: only the
+    client's; ``auto`` (the default, no option given): both."""
+    trace = tempfile.mktemp(prefix=f"mode-{mode}-", suffix=".trace", dir=SCRATCH)
+    args = () if mode == "auto" else ("--predict", mode)
+    d = start_daemon(ckpt, "--slots", "24", "--trace", trace, "--state-dir", "none", *args)
+    with k3client.connect(d.endpoint, name=mode) as c:
+        drive(c, 30, predict=True)
+        st = c.status()
+        mine = st["prediction"]["clients"][str(c.client_id)]
+    assert d.stop() == 0
+    kinds = {ev.kind for ev in read(trace)}
+    assert st["predict"] == mode
+    if mode == "off":
+        assert st["stats"]["prefetched"] == 0 and mine["prefetched"] == 0
+        assert "daemon" not in st["prediction"] and not kinds & {"predict", "auto"}
+    elif mode == "client":
+        assert mine["prefetched"] > 0 and "daemon" not in st["prediction"] and "auto" not in kinds
+        assert st["stats"]["prefetched"] == mine["prefetched"]
+    else:
+        assert mine["prefetched"] > 0 and st["prediction"]["daemon"]["issued"] > 0
+        assert st["stats"]["prefetched"] == mine["prefetched"] + st["prediction"]["daemon"]["issued"]
+    want = {k: st["stats"][k] for k in ("hits", "misses", "prefetched", "prefetch_unused")}
+    got = replay(trace, "coact" if mode == "auto" else "none")
+    assert {k: got[k] for k in want} == want

@@ -1,8 +1,8 @@
 """The daemon's predictor on hand-made integer streams, and its glue through the store.
 
 - a deterministic cross-layer pattern is learned fully: once seen, every next-layer
-  expert is proposed, and the replay turns every demand miss after the first tokens
-  into a prediction hit;
+  expert is proposed, the next token's first layer from the token before, and the
+  replay turns every demand miss after the first tokens into a prediction hit;
 - a random stream: the calibration finds no information, so after the first tokens
   nothing is read ahead and the hit rate is never below the predictor-off run;
 - the same stream gives the same proposals; state()/restore() carries them.
@@ -41,14 +41,34 @@ def test_learns_a_cross_layer_pattern_fully():
     for t in range(200):                       # proposing measures the calibration: budget 0
         for layer, experts in enumerate(pattern_token(t)):
             p.observe(1, [(layer, e) for e in experts])
-            p.propose(1, layer + 1, 0, lambda k: False)
+            p.propose(1, layer + 1, 0, ())
     for t in range(200, 204):
         route = pattern_token(t)
         for layer in range(L - 1):
             p.observe(1, [(layer, e) for e in route[layer]])
-            got = p.propose(1, layer + 1, 2, lambda k: False)
+            got = p.propose(1, layer + 1, 2, ())
             assert sorted(k for k, _ in got) == sorted((layer + 1, e) for e in route[layer + 1])
             assert all(c > 0.9 for _, c in got)
+
+
+def test_learns_the_next_tokens_first_layer():
+    """Token t + 1's first layer follows from token t's last layers: proposed at the token's start."""
+    p = CoPredictor(L, E)
+    for t in range(200):
+        for layer, experts in enumerate(pattern_token(t)):
+            p.observe(1, [(layer, e) for e in experts])
+            p.propose(1, layer + 1, 0, ())
+        assert p.next_layer(1) is None and p.remaining(1) == 0
+        p.end_pass(1)
+        assert p.first_layer(1) == 0 and p.remaining(1) == L * 2
+        p.propose(1, 0, 0, ())
+    for t in range(200, 204):
+        for layer, experts in enumerate(pattern_token(t)):
+            p.observe(1, [(layer, e) for e in experts])
+        p.end_pass(1)
+        got = p.propose(1, p.first_layer(1), 2, ())
+        assert sorted(k for k, _ in got) == sorted((0, e) for e in pattern_token(t + 1)[0])
+        assert all(c > 0.9 for _, c in got)
 
 
 def test_replay_turns_the_pattern_into_prediction_hits():
@@ -60,10 +80,10 @@ def test_replay_turns_the_pattern_into_prediction_hits():
     off = run(ev, "cycle", 2 * L + 4, predictor="none")
     on = run(ev, "cycle", 2 * L + 4, predictor="coact")
     assert on.cache_full == 0 and on.hit_rate > off.hit_rate
-    # once learned (the first half), layers 1.. are all read ahead: the second half's
-    # misses are layer 0's at most (two per token), and nothing is read for nothing
+    # once learned (the first half), every layer is read ahead, the first from the
+    # token before: the second half misses nothing, and nothing is read for nothing
     half = run(ev[:len(ev) // 2], "cycle", 2 * L + 4, predictor="coact")
-    assert on.misses - half.misses <= 2 * 150, (on, half)
+    assert on.misses - half.misses == 0, (on, half)
     assert on.prefetch_unused - half.prefetch_unused == 0
     assert on.auto_prefetched == on.prefetched and on.auto_hits == on.prefetch_hits
 
@@ -94,7 +114,7 @@ def test_deterministic_and_no_cache_full(seed, slots):
 
 
 def test_recorded_auto_lines_replay_like_the_class():
-    """What the daemon writes (auto lines after each fetch) replays to the same counters."""
+    """What the daemon writes (auto lines after each fetch and begin) replays to the same counters."""
     store = Store(2 * L + 4, policy=make("cycle", L))
     auto = AutoPrefetch(store, CoPredictor(L, E))
     ev = []
@@ -110,7 +130,10 @@ def test_recorded_auto_lines_replay_like_the_class():
             ev += [Event(FETCH, 1, keys), Event(AUTO, 1, proposed)]
         store.end_epoch(1, (1, t))
         auto.end_token(1)
-        ev.append(Event(BEGIN, 1))
+        proposed, started = auto.begin_token(1)       # the next token's first layer
+        for s in started:
+            store.complete(s, None)
+        ev += [Event(BEGIN, 1), Event(AUTO, 1, proposed)]
     want = (store.stats.hits, store.stats.misses, store.stats.prefetched, store.stats.prefetch_unused)
     for predictor in (None, "coact"):
         r = run(ev, "cycle", 2 * L + 4, predictor=predictor)
@@ -124,14 +147,14 @@ def test_state_round_trip_and_bad_state():
     for t in range(50):
         for layer, experts in enumerate(pattern_token(t)):
             p.observe(1, [(layer, e) for e in experts])
-            p.propose(1, layer + 1, 0, lambda k: False)
+            p.propose(1, layer + 1, 0, ())
     q = CoPredictor(L, E)
     q.restore(p.state())
     assert q.state() == p.state()
     for r in (p, q):
         r.observe(2, [(0, 0), (0, 1)])
-    got = q.propose(2, 1, 2, lambda k: False)
-    assert [k for k, _ in got] == [(1, 3), (1, 4)] and got == p.propose(2, 1, 2, lambda k: False)
+    got = q.propose(2, 1, 2, ())
+    assert [k for k, _ in got] == [(1, 3), (1, 4)] and got == p.propose(2, 1, 2, ())
     before = q.state()
     for bad in ({}, {"predictor": "coact", "depth": 4, "layers": 1, "experts": 1, "visits": [[99, 1]], "pop": [],
                      "seen": [], "co": [], "cal_n": [0] * 20, "cal_hit": [0] * 20}):

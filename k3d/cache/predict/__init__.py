@@ -7,8 +7,10 @@
 A predictor's API (the only caller is ``AutoPrefetch``)::
 
     observe(client, keys)                     client fetched keys (request order)
-    propose(client, layer, budget, resident)  -> [(key, confidence)], best first
-    next_layer(client) / remaining(client)    where the client is in its pass
+    propose(client, layer, budget, resident)  -> [(key, confidence)], best first (resident: keys to skip)
+    end_pass(client)                          the client's token ended
+    next_layer(client) / first_layer(client)  the layer to propose after a fetch / at a token's start
+    remaining(client) / fetch_size(client)    keys its token still needs / keys in its last fetch
     forget(client)                            the client left
     state() / restore(state)                  what a warm restart keeps (JSON-able)
 """

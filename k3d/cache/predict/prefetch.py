@@ -13,6 +13,9 @@ points, so a replay reproduces the daemon's predictions exactly:
   itself and reported later: it is past that layer) only counts and learns.
 - ``end_token(client)``: the client began its next token: the daemon's predictions
   for it are released and the unused ones demoted and counted (``Store.end_epoch``).
+- ``begin_token(client, now)``: right after ``end_token``: the predictor proposes
+  the token's first layer from the last layers of the token before (no client
+  can name those: its router for them has not run yet).  Returns as ``after_fetch``.
 - ``drop(client)``: the client left: as ``end_token``, and its context goes.
 
 Guarantees:
@@ -25,8 +28,9 @@ Guarantees:
 - Each proposal passes the policy's ``admits`` (``Store.predict``); proposals
   below the predictor's calibrated ``min_prob`` are never made, and the expected
   share of predictions used stays at least ``precision`` (``_afford``).
-- Predictions never cross a token boundary: a proposal for the next token's
-  layers would be demoted at ``begin_token`` before its fetch.
+- Predictions never cross a token boundary: the next token's first layer is
+  proposed at ``begin_token``, never before (a proposal made earlier would be
+  demoted at the token's start, before its fetch).
 
 The daemon's predictions are kept under a client id of their own per client,
 ``-1 - client`` (``auto_id``), so the store's per-client prediction quality keeps
@@ -59,6 +63,7 @@ class AutoPrefetch:
         self.store, self.predictor, self.budget, self.read_lead = store, predictor, budget, read_lead
         self.precision, self.credit_cap = precision, credit_cap
         self.known = known
+        self._all_known = None                   # (layers, experts) when every such key is known
         self.credit = 0.0
         self.fetches = 0
         self._out: dict[int, tuple] = {}         # slot -> (client, key, fetch count when predicted)
@@ -93,25 +98,47 @@ class AutoPrefetch:
         if not predict:
             return [], []
         layer = p.next_layer(client)
-        budget = (self.budget or len(keys)) - client_started
-        if layer is None:                        # the next token's first layer: see Guarantees
+        if layer is None:                        # the next token's first layer: begin_token
             return [], []
+        return self._predict(client, layer, (self.budget or len(keys)) - client_started, now)
+
+    def begin_token(self, client: int, now: float = 0.0) -> tuple[list, list[int]]:
+        """``client`` began its next token (after ``end_token``): predict the first layer
+        of the token from the last layers of the one before.  Returns as ``after_fetch``."""
+        p = self.predictor
+        layer = p.first_layer(client)
+        if layer is None:
+            return [], []
+        return self._predict(client, layer, self.budget or p.fetch_size(client), now)
+
+    def _predict(self, client: int, layer: int, budget: int, now: float) -> tuple[list, list[int]]:
         budget = min(budget, self._room())
         store = self.store
-        key_slot, known = store.key_slot, self.known
-        props = p.propose(client, layer, max(0, budget),
-                          key_slot.__contains__ if known is None else lambda k: k in key_slot or k not in known)
+        props = self.predictor.propose(client, layer, max(0, budget), self._resident())
         proposed = self._afford(props)
         if not proposed:
             return [], []
         started = store.predict(auto_id(client), proposed, now)
         conf = dict(props)
+        out = self._out
         for s in started:
             key = store.slot_key[s]
             out[s] = (client, key, self.fetches)
             self.credit += conf[key] - self.precision
         self.credit = min(self.credit, self.credit_cap)
         return proposed, started
+
+    def _resident(self):
+        """The keys never to propose: resident ones, and (``known`` given) those that do not exist."""
+        key_slot, known = self.store.key_slot, self.known
+        if known is None:
+            return key_slot
+        p = self.predictor
+        if self._all_known != (p.layers, p.experts):
+            every = len(known) == p.layers * p.experts and all(
+                (layer, e) in known for layer in range(p.layers) for e in range(p.experts))
+            self._all_known = (p.layers, p.experts) if every else None
+        return key_slot if self._all_known else _Resident(key_slot, known)
 
     def _afford(self, props) -> list:
         """The proposals (best first) whose confidences keep the expected share used at
@@ -128,7 +155,10 @@ class AutoPrefetch:
         return keys
 
     def end_token(self, client: int) -> None:
+        """``client``'s token is over: the daemon's predictions for it go (demoted and
+        counted when unused), and its next fetch begins a new pass."""
         self._release(client)
+        self.predictor.end_pass(client)
 
     def drop(self, client: int) -> None:
         self._release(client)
@@ -168,3 +198,15 @@ class AutoPrefetch:
                 "used_in_time": self.used_in_time, "used_late": self.used_late,
                 "unused": q.prefetch_unused, "unused_bytes": q.unused_bytes, "refused": q.refused,
                 "precision": round(q.prefetch_hits / q.prefetched, 4) if q.prefetched else None}
+
+
+class _Resident:
+    """``key in resident``: resident in the store, or not a key of the source."""
+
+    __slots__ = ("key_slot", "known")
+
+    def __init__(self, key_slot, known):
+        self.key_slot, self.known = key_slot, known
+
+    def __contains__(self, key) -> bool:
+        return key in self.key_slot or key not in self.known
