@@ -38,6 +38,24 @@ class ConfigError(Exception):
     pass
 
 
+
+@dataclass
+class Live:
+    """The settings a running daemon changes on SIGHUP, in the one object every component
+    reads them from at each use.  The server makes one from its config and
+    ``serve/reload.apply`` updates it in place, so no setting is pushed into a
+    component by hand.  Owned by the server thread.  Pure components (the store, the
+    pacer) take one too; tests and ``k3d replay`` make their own."""
+    pin_quota: int = 0        # slots one client may pin per token; 0 = no limit (read by the store only)
+    max_share: float = 0.0    # pacing: a client's share of the loop's CPU (serve/pacing.py); 0 = off
+    lease_s: float = 10.0     # the lease of clients that attach from now on
+    trace: object = None      # the open route trace (k3d.observe.trace.RouteTrace), or None
+
+    @classmethod
+    def of(cls, cfg: "Config", trace=None) -> "Live":
+        return cls(pin_quota=cfg.pin_quota, max_share=cfg.max_share, lease_s=cfg.lease_s, trace=trace)
+
+
 @dataclass(frozen=True)
 class Config:
     source: str | None = None

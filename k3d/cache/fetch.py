@@ -69,7 +69,7 @@ class Cache:
         self.charge = charge
         self.latency = latency
         self.replies = replies
-        self.trace = None
+        self.live = store.live             # the route trace: live.trace (SIGHUP reopens it)
         self.recent = Throughput()
         self.reads = Loads(readers, source, arena)
         self.parked = Parked(store, replies, source.path, latency)
@@ -121,13 +121,11 @@ class Cache:
             return 0
         store = self.store
         keys = list(dict.fromkeys(keys))
-        if store.pin_quota:
-            room = store.pin_quota - len(store.predictions.get(s.client_id, ()))
-            if s.pf_waste > WASTE_LIMIT:
-                room = min(room, 1 - s.pf_started)
+        room = store.quota_room(s.client_id, s.pf_started, s.pf_waste > WASTE_LIMIT)
+        if room is not None:
             keys = [k for k in keys if k not in store.key_slot][:max(0, room)]
-        if self.trace is not None:
-            self.trace.predict(now, s.client_id, s.epoch, keys)
+        if self.live.trace is not None:
+            self.live.trace.predict(now, s.client_id, s.epoch, keys)
         started = store.predict(s.client_id, keys, now)
         s.pf_started += len(started)
         self._start(started, urgent=False, owner=s.client_id)
@@ -139,15 +137,15 @@ class Cache:
         now = time.monotonic()
         if hits:
             self.report(s, hits, now)
-        if self.trace is not None:
-            self.trace.begin(now, s.client_id, s.epoch)
+        if self.live.trace is not None:
+            self.live.trace.begin(now, s.client_id, s.epoch)
         released, unused = self.store.end_epoch(s.client_id, s.holder)
         if self.auto is not None:             # after the client's own, as k3d replay does
             self.auto.end_token(s.client_id)
             # the token's first layer, which no client can name yet
             proposed, started = self.auto.begin_token(s.client_id, now)
-            if self.trace is not None:
-                self.trace.auto(now, s.client_id, s.epoch + 1, proposed)
+            if self.live.trace is not None:
+                self.live.trace.auto(now, s.client_id, s.epoch + 1, proposed)
             if started:
                 self._start(started, urgent=False, owner=s.client_id)
         self.store.reuse.new_token(s.client_id)
@@ -167,13 +165,13 @@ class Cache:
             store.make_room(now)
 
     def _trace_fetch(self, s: Session, keys, plan, now: float) -> None:
-        if self.trace is not None:
+        if self.live.trace is not None:
             try:
-                self.trace.fetch(now, s.client_id, s.epoch, keys, plan.misses, plan.evictions, plan.waited,
+                self.live.trace.fetch(now, s.client_id, s.epoch, keys, plan.misses, plan.evictions, plan.waited,
                                  plan.prefetched_hits, s.pfu)
             except OSError as e:   # a full disk must not fail a fetch that is already planned
-                log.error("route trace %s: %s; tracing stops", self.trace.path, e)
-                self.trace = None
+                log.error("route trace %s: %s; tracing stops", self.live.trace.path, e)
+                self.live.trace = None
         s.pfu = 0
 
     def _auto(self, s: Session, keys, plan, client_started: int, now: float) -> None:
@@ -181,15 +179,15 @@ class Cache:
         read BACKGROUND.  The trace gets an ``auto`` line even when empty: it marks where
         the predictor ran, so ``k3d replay`` runs it at the same point."""
         proposed, started = self.auto.after_fetch(s.client_id, keys, plan.slots, client_started, now)
-        if self.trace is not None:
-            self.trace.auto(now, s.client_id, s.epoch, proposed)
+        if self.live.trace is not None:
+            self.live.trace.auto(now, s.client_id, s.epoch, proposed)
         if started:
             self._start(started, urgent=False, owner=s.client_id)
 
     def drop(self, s: Session, reason: str) -> int:
         """``s`` is gone (the caller removes the session).  Returns the pins released."""
-        if self.trace is not None:
-            self.trace.bye(time.monotonic(), s.client_id)
+        if self.live.trace is not None:
+            self.live.trace.bye(time.monotonic(), s.client_id)
         released, _ = self.store.end_epoch(s.client_id, s.holder)
         self.store.forget_client(s.client_id)
         if self.auto is not None:

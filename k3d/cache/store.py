@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from k3client.errors import CacheFull, QuotaExceeded, SlotsBusy
 from k3d.cache.policy import LruPolicy
 from k3d.cache.reuse import Reuse
+from k3d.config import Live
 from k3d.memory.index import NoIndex
 from k3d.observe.stats import Counters, PredictionStats
 
@@ -91,7 +92,7 @@ class Loading:
 @dataclass
 class Store:
     slots: int
-    pin_quota: int = 0               # max slots one holder may pin; 0 = no limit
+    live: Live = field(default_factory=Live)             # its pin_quota is read at each use
     policy: object = field(default_factory=LruPolicy)    # any k3d.cache.policy class
     stats: Counters = field(default_factory=Counters)
     key_bytes: object = None         # key -> bytes one read of it costs (unused_bytes); None: 0
@@ -111,6 +112,21 @@ class Store:
         self.predictions: dict[int, set[int]] = {}        # client -> slots it predicted
         self.quality: dict[int, PredictionStats] = {}     # client -> its predictions and timeliness
         self.quality_gone = PredictionStats()             # summed over clients that left
+
+    @property
+    def pin_quota(self) -> int:
+        """Slots one holder may pin (0: no limit), as the live settings say now."""
+        return self.live.pin_quota
+
+    def quota_room(self, client: int, started: int, wasteful: bool) -> int | None:
+        """How many more predictions ``client`` may start this token under the pin quota
+        (None: no quota).  ``wasteful`` (most of its predictions go unused) allows one
+        per token beyond the ``started`` ones."""
+        quota = self.live.pin_quota
+        if not quota:
+            return None
+        room = quota - len(self.predictions.get(client, ()))
+        return min(room, 1 - started) if wasteful else room
 
     def client_quality(self, client: int) -> PredictionStats:
         q = self.quality.get(client)
@@ -173,11 +189,12 @@ class Store:
                     f"this fetch needs {need} new slots and only {available} can be freed; "
                     "call begin_token() to release earlier pins, fetch fewer experts, "
                     "or start k3d with a larger --arena")
-        if self.pin_quota:
+        quota = self.live.pin_quota
+        if quota:
             after = len(self.policy.held(holder) | resident) + need
-            if after > self.pin_quota:
+            if after > quota:
                 raise QuotaExceeded(
-                    f"pin quota exceeded: this fetch would pin {after} slots, the quota is {self.pin_quota} per client "
+                    f"pin quota exceeded: this fetch would pin {after} slots, the quota is {quota} per client "
                     "per token; call begin_token() more often or fetch fewer experts")
         plan = FetchPlan(slots=[], new_loads=[], waiting=set(), promote=[])
         for layer in dict.fromkeys(k[0] for k in keys):
@@ -226,7 +243,7 @@ class Store:
         since (a late report), the slot is claimed instead: it is not reused before
         the client's next token (``reuse``).  Nothing is read and nothing refused."""
         client = holder[0]
-        policy, state, key_slot = self.policy, self.state, self.key_slot
+        policy, state, key_slot, quota = self.policy, self.state, self.key_slot, self.live.pin_quota
         for layer in dict.fromkeys(k[0] for k in keys):
             policy.visit(layer)
         plan = FetchPlan(slots=list(seen), new_loads=[], waiting=set(), promote=[])
@@ -236,7 +253,7 @@ class Store:
                 late += 1
                 self.reuse.claim(client, s)
                 continue
-            if self.pin_quota and s not in (held := policy.held(holder)) and len(held) >= self.pin_quota:
+            if quota and s not in (held := policy.held(holder)) and len(held) >= quota:
                 self.reuse.claim(client, s)
             else:
                 policy.pin(s, holder)
@@ -261,7 +278,7 @@ class Store:
 
     def _all_plain_hits(self, have: list) -> bool:
         """Every key READY, none a pending prediction, no quota: nothing can refuse."""
-        if self.pin_quota or None in have:
+        if self.live.pin_quota or None in have:
             return False
         state, predicted = self.state, self.predicted_by
         return all(state[s] == READY and s not in predicted for s in have)
@@ -418,12 +435,13 @@ class Store:
         """Pin READY ``slots`` for ``holder``, within the pin quota (checked first:
         a refusal changes nothing).  For a fetch answered after its client began
         a new token: the pins it was planned under are gone."""
-        if self.pin_quota:
+        quota = self.live.pin_quota
+        if quota:
             after = len(self.policy.held(holder) | set(slots))
-            if after > self.pin_quota:
+            if after > quota:
                 raise QuotaExceeded(
                     f"pin quota exceeded: this fetch, answered after begin_token, would pin {after} slots "
-                    f"in the new token, the quota is {self.pin_quota} per client per token; fetch it again")
+                    f"in the new token, the quota is {quota} per client per token; fetch it again")
         for s in slots:
             self.policy.pin(s, holder)
 

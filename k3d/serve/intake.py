@@ -40,10 +40,12 @@ BILL_S = 0.001           # CPU seconds a client runs up before the pacer hears o
 
 
 class Intake:
-    def __init__(self, sock: zmq.Socket, sessions, stats, max_share: float):
+    def __init__(self, sock: zmq.Socket, sessions, stats, live):
+        """``live``: the daemon's live settings (``k3d.config.Live``); pacing reads ``max_share``."""
         self.sock, self.sessions, self.stats = sock, sessions, stats
         self.turns = Turns()
-        self.pacer = Pacer(max_share)
+        self.live = live
+        self.pacer = Pacer(live)
         self._direct = None      # a lone request, not held: served next without queueing
 
     @property
@@ -93,11 +95,11 @@ class Intake:
     @property
     def pacing(self) -> bool:
         """Whether clients are charged at all (``--max-share 0``: nothing is measured)."""
-        return self.pacer.share > 0
+        return self.live.max_share > 0
 
     def charge(self, client_id: int, cpu: float) -> None:
         """``charge_session`` for ``client_id`` (a read's client, which may have left meanwhile)."""
-        if self.pacer.share > 0:
+        if self.live.max_share > 0:
             s = self.sessions.by_id.get(client_id)
             if s is not None:
                 self.charge_session(s, cpu)

@@ -66,6 +66,7 @@ from k3d.cache.reuse import Reuse, reserve_for
 from k3d.cache.sessions import REAP_INTERVAL, Session, Sessions, identify
 from k3d.cache.store import Store
 from k3d.cache.warm import WarmState
+from k3d.config import Live
 from k3d.memory.index import SharedIndex
 from k3d.observe import status as status_view
 from k3d.observe.latency import FetchLatency
@@ -94,7 +95,9 @@ class Server:
         self.gen = random.getrandbits(62) | 1
         layers = 1 + max(l for l, _ in source.keys)
         self.index = SharedIndex(layers, 1 + max(e for _, e in source.keys))
-        self.store = Store(arena.slots, cfg.pin_quota, make_policy(cfg.policy, layers),
+        # SIGHUP's settings, read by every component from this one object (reload.apply updates it)
+        self.live = Live.of(cfg, RouteTrace(cfg.trace, self.t0) if cfg.trace else None)
+        self.store = Store(arena.slots, self.live, make_policy(cfg.policy, layers),
                            key_bytes=lambda key: source.expert_bytes, index=self.index, reuse=Reuse(),
                            reserve=reserve_for(arena.slots))
         self.warm = WarmState(cfg, source, self.store, self.t0)     # restores the policy's statistics
@@ -103,7 +106,6 @@ class Server:
         # /metrics reads status through this board, never the store (k3d/observe/metrics.py)
         self.board = board or SnapshotBoard()
         self.board.wake = self._wake
-        self.trace = RouteTrace(cfg.trace, self.t0) if cfg.trace else None
         self.sessions = Sessions()
         self._stop = self._reload = False
         self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
@@ -121,10 +123,9 @@ class Server:
             self.handout.bind()
         self.replies = wire.Replies(self.sock, self.gen)
         # requests in turn, each client's CPU charged, a client far over its share held back
-        self.intake = Intake(self.sock, self.sessions, self.stats, cfg.max_share)
+        self.intake = Intake(self.sock, self.sessions, self.stats, self.live)
         self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency,
                            self.intake.charge)
-        self.cache.trace = self.trace
         self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
         self.cache.client_predictions = cfg.predict != "off"
         if cfg.predict == "auto":           # the daemon's own predictions (k3d/cache/predict/)
@@ -166,11 +167,9 @@ class Server:
             self.notifier.send("READY=1", f"STATUS={self.status_line()}")
 
     def apply_config(self, new) -> None:
-        """Apply the ``reload.LIVE`` settings of ``new``; log the rest as needing a restart."""
-        self.cfg, self.trace = reload.apply(self.cfg, new, self.trace, self.t0)
-        self.cache.trace = self.trace
-        self.store.pin_quota = self.cfg.pin_quota
-        self.intake.pacer.share = self.cfg.max_share
+        """Apply the ``reload.LIVE`` settings of ``new`` (into ``self.live``, which every
+        component reads); log the rest as needing a restart."""
+        self.cfg = reload.apply(self.cfg, new, self.live, self.t0)
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -205,7 +204,7 @@ class Server:
                     self.handout.serve()
                 now = monotonic()
                 if now >= next_reap:
-                    for s, reason in self.sessions.expired(now, self.cfg.lease_s):
+                    for s, reason in self.sessions.expired(now, self.live.lease_s):
                         self._drop(s, reason, dead=True)
                     self.cache.settle(now)          # views whose lease ended free their slots
                     next_reap = now + REAP_INTERVAL
@@ -301,7 +300,7 @@ class Server:
         if s is not None:
             self._drop(s, "said hello again", dead=False)
         now = time.monotonic()
-        s = self.sessions.attach(routing, name[:200], pid, started, now, self.cfg.lease_s)
+        s = self.sessions.attach(routing, name[:200], pid, started, now, self.live.lease_s)
         s.hit_path = msg.get("hit_path") is True
         if s.hit_path:
             self.store.reuse.attach(s.client_id, now, s.lease_s)
@@ -310,7 +309,7 @@ class Server:
         return {"client_id": s.client_id, "layout": [t.to_wire() for t in self.source.layout],
                 "slots": self.arena.slots, "slot_bytes": self.arena.slot_bytes,
                 "expert_bytes": self.source.expert_bytes, "arena_bytes": self.arena.size,
-                "arena_socket": self.arena_socket, "lease_s": self.cfg.lease_s, "index_bytes": self.index.size,
+                "arena_socket": self.arena_socket, "lease_s": self.live.lease_s, "index_bytes": self.index.size,
                 "model": self.source.describe()}
 
     def op_fetch(self, s, routing, msg, frame, t0):
@@ -427,5 +426,5 @@ class Server:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        if self.trace:
-            self.trace.close()
+        if self.live.trace:
+            self.live.trace.close()

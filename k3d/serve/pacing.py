@@ -49,9 +49,10 @@ ACTIVE = TAU / 2     # a client charged within this long counts as active
 
 
 class Pacer:
-    def __init__(self, share: float, tau: float = TAU, floor: float = FLOOR, max_delay: float = MAX_DELAY):
-        """``share``: how many times the average client's usage one client may use; 0 turns pacing off."""
-        self.share, self.tau, self.max_delay = share, tau, max_delay
+    def __init__(self, live, tau: float = TAU, floor: float = FLOOR, max_delay: float = MAX_DELAY):
+        """``live.max_share`` (read at each use, ``k3d.config.Live``): how many times the
+        average client's usage one client may use; 0 turns pacing off."""
+        self.live, self.tau, self.max_delay = live, tau, max_delay
         self.floor = floor * tau                       # in usage units (CPU seconds, decayed)
         self._usage: dict[int, list[float]] = {}        # client -> [usage, as of when]
         self._total = 0.0
@@ -94,16 +95,17 @@ class Pacer:
 
     def delay(self, client: int, now: float) -> float:
         """Seconds ``client``'s next request should wait (0: serve it)."""
-        if not self.share or len(self._usage) <= self.share:
+        share = self.live.max_share
+        if not share or len(self._usage) <= share:
             return 0.0                          # too few clients charged at all for anyone to be over
         u = self.usage(client, now)
         if u <= self.floor:
             return 0.0
         others = [max(self.floor, v) for c, v in self._active(now).items() if c != client]
         n = len(others) + 1
-        if n <= self.share:
+        if n <= share:
             return 0.0
-        cap = max(self.floor, self.share * sum(others) / (n - self.share))
+        cap = max(self.floor, share * sum(others) / (n - share))
         if u <= cap:
             return 0.0
         wait = min(self.max_delay, self.tau * math.log(u / cap))

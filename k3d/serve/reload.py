@@ -5,6 +5,10 @@ the pacing share, route trace: always reopened, so that logrotate's move starts 
 every other changed field is kept until a restart, with one warning naming
 them.  A trace that cannot be opened keeps the old one (an error line).
 
+The running values live in one ``k3d.config.Live`` object, which the store, the
+pacer, the fetch service and the loop read at each use; ``apply`` writes them
+there and nowhere else.
+
 Thread: the server thread (the loop calls ``apply`` when the SIGHUP flag is set).
 """
 
@@ -20,14 +24,13 @@ log = logging.getLogger("k3d")
 LIVE = ("log_level", "lease_s", "pin_quota", "max_share", "trace")   # what SIGHUP may change
 
 
-def apply(cur, new, trace: RouteTrace | None, t0: float):
-    """Apply ``new``'s LIVE settings over the running config ``cur``.
-
-    Returns (the config now running, the route trace now open or None); closes
-    ``trace`` when it is replaced.  The caller applies ``pin_quota`` to its store and ``max_share`` to its pacer."""
+def apply(cur, new, live, t0: float):
+    """Apply ``new``'s LIVE settings over the running config ``cur``: into ``live`` (the
+    ``k3d.config.Live`` every component reads them from), the route trace reopened (the
+    old one closed) and the log level set.  Returns the config now running."""
     fixed = [f.name for f in dataclasses.fields(cur)
              if f.name not in LIVE and getattr(cur, f.name) != getattr(new, f.name)]
-    opened = trace
+    trace = opened = live.trace
     if new.trace:
         try:   # always reopen: after logrotate moved the file, a new one starts
             opened = RouteTrace(new.trace, t0)
@@ -42,7 +45,9 @@ def apply(cur, new, trace: RouteTrace | None, t0: float):
                if getattr(cur, n) != getattr(new, n)]
     logging.getLogger().setLevel(new.log_level.upper())
     running = dataclasses.replace(cur, **{n: getattr(new, n) for n in LIVE})
+    live.pin_quota, live.max_share, live.lease_s, live.trace = \
+        running.pin_quota, running.max_share, running.lease_s, opened
     if fixed:
         log.warning("reload: %s only change on restart; keeping the running values", ", ".join(fixed))
     log.info("reloaded config: %s", ", ".join(changed) or "no live setting changed")
-    return running, opened
+    return running

@@ -232,6 +232,9 @@ def test_sighup_reloads_live_settings(checkpoint, start_daemon, tmp_path):
             assert trace.exists() and "L1 n=2" in trace.read_text()
             assert "L0 n=3" in (tmp_path / "route.trace.1").read_text()
             assert c.status()["arena"]["slots"] == 16          # not live: unchanged
+            assert c.lease_s == 10.0                           # attached before: its lease stays
+            with k3client.connect(d.endpoint, name="r2") as c2:
+                assert c2.lease_s == 3.0                       # the new lease, for clients attaching now
             # a broken file on reload: logged, the running config stays, serving goes on
             cfg.write_text('pin_quota = 1\nbogus_key = 3\n')
             d.proc.send_signal(signal.SIGHUP)

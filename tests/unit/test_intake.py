@@ -7,6 +7,7 @@ No socket is needed past ``receive``: requests are put in ``turns`` as
 import time
 
 from k3d.cache.sessions import Sessions
+from k3d.config import Live
 from k3d.observe.stats import Counters
 from k3d.serve.intake import Intake
 from k3d.serve.pacing import MAX_DELAY
@@ -14,7 +15,7 @@ from k3d.serve.pacing import MAX_DELAY
 
 def setup(n):
     sessions, stats = Sessions(), Counters()
-    intake = Intake(None, sessions, stats, max_share=2.0)
+    intake = Intake(None, sessions, stats, Live(max_share=2.0))
     clients = [sessions.attach(f"r{i}".encode(), f"c{i}", None, None, time.monotonic(), 10.0) for i in range(n)]
     return intake, clients, stats
 
@@ -71,3 +72,18 @@ def test_a_dead_clients_requests_go_and_a_gone_clients_reads_are_not_charged():
     assert intake.waiting == 0
     intake.charge(cs[2].client_id, 1.0)
     assert intake.pacer.usage(cs[2].client_id, time.monotonic()) == 0
+
+
+def test_the_share_is_read_from_the_live_settings_at_each_use():
+    intake, cs, stats = setup(6)
+    intake.live.max_share = 0.0                 # a SIGHUP turned pacing off: nothing is charged or held
+    assert not intake.pacing
+    for s in cs[1:]:
+        intake.charge(s.client_id, 0.02)
+    intake.charge(cs[0].client_id, 0.5)
+    assert intake.turns.held_until(cs[0].routing) == 0.0 and stats.paced == 0
+    intake.live.max_share = 2.0                 # and back on: the same charges hold the heavy client
+    for s in cs[1:]:
+        intake.charge(s.client_id, 0.02)
+    intake.charge(cs[0].client_id, 0.5)
+    assert intake.turns.held_until(cs[0].routing) > time.monotonic() and stats.paced == 1

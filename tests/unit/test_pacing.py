@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from k3d.config import Live
 from k3d.serve.pacing import ACTIVE, FLOOR, MAX_DELAY, TAU, Pacer
 
 
@@ -18,7 +19,7 @@ def steady(p, rates, seconds, now=0.0, step=0.01):
 
 
 def test_usage_decays_with_tau_and_the_total_is_the_sum():
-    p = Pacer(2.0)
+    p = Pacer(Live(max_share=2.0))
     p.charge(1, 0.2, 0.0)
     p.charge(2, 0.1, 0.0)
     assert p.usage(1, TAU) == pytest.approx(0.2 / math.e)
@@ -29,13 +30,13 @@ def test_usage_decays_with_tau_and_the_total_is_the_sum():
 
 
 def test_steady_usage_approaches_rate_times_tau():
-    p = Pacer(2.0)
+    p = Pacer(Live(max_share=2.0))
     t = steady(p, {1: 0.05}, 10 * TAU)
     assert p.usage(1, t) == pytest.approx(0.05 * TAU, rel=0.02)
 
 
 def test_one_heavy_client_among_many_waits_and_the_others_never():
-    p = Pacer(2.0)
+    p = Pacer(Live(max_share=2.0))
     rates = {c: 0.02 for c in range(16)}
     rates[99] = 0.2                           # ten times the others
     t = steady(p, rates, 5 * TAU)
@@ -50,14 +51,14 @@ def test_one_heavy_client_among_many_waits_and_the_others_never():
 
 def test_a_client_alone_or_with_one_other_is_never_paced():
     for n in (1, 2):
-        p = Pacer(2.0)
+        p = Pacer(Live(max_share=2.0))
         rates = {0: 0.9, **{c: 0.001 for c in range(1, n)}}
         t = steady(p, rates, 3 * TAU)
         assert p.delay(0, t) == 0
 
 
 def test_under_the_floor_nobody_waits():
-    p = Pacer(2.0)
+    p = Pacer(Live(max_share=2.0))
     rates = {c: 0.0001 for c in range(10)}
     rates[99] = FLOOR * 0.9                   # 90x the others, but under the floor
     t = steady(p, rates, 5 * TAU)
@@ -65,7 +66,7 @@ def test_under_the_floor_nobody_waits():
 
 
 def test_share_zero_turns_pacing_off():
-    p = Pacer(0)
+    p = Pacer(Live(max_share=0))
     rates = {c: 0.01 for c in range(10)}
     rates[99] = 0.5
     t = steady(p, rates, 3 * TAU)
@@ -73,7 +74,7 @@ def test_share_zero_turns_pacing_off():
 
 
 def test_clients_idle_for_long_stop_counting_as_active():
-    p = Pacer(2.0)
+    p = Pacer(Live(max_share=2.0))
     t = steady(p, {c: 0.02 for c in range(10)}, TAU)
     t = steady(p, {0: 0.3, 1: 0.02}, 5 * TAU, now=t)   # the other eight went quiet
     assert p.active(t) == 2
@@ -82,7 +83,7 @@ def test_clients_idle_for_long_stop_counting_as_active():
 
 def test_a_paced_client_settles_at_its_cap():
     """Simulate the loop: the heavy client asks for 0.5 CPU-s/s but waits whenever told to."""
-    p = Pacer(2.0)
+    p = Pacer(Live(max_share=2.0))
     step, t, next_ok, got = 0.001, 0.0, 0.0, 0.0
     while t < 20 * TAU:
         t += step
@@ -98,7 +99,7 @@ def test_a_paced_client_settles_at_its_cap():
 
 
 def test_clients_that_send_now_and_then_do_not_pull_a_busy_ones_cap_to_nothing():
-    p = Pacer(2.0)
+    p = Pacer(Live(max_share=2.0))
     t = steady(p, {1: 0.0005, 2: 0.0005, 3: 0.03}, 3 * TAU)
     # each near-idle client counts FLOOR: cap = 2 * 2 * FLOOR / (3 - 2) = 4 % of a core > 3 %
     assert p.delay(3, t) == 0
@@ -107,7 +108,7 @@ def test_clients_that_send_now_and_then_do_not_pull_a_busy_ones_cap_to_nothing()
 
 
 def test_a_wait_too_short_to_hold_is_none():
-    p = Pacer(2.0)
+    p = Pacer(Live(max_share=2.0))
     t = steady(p, {c: 0.02 for c in range(16)}, 5 * TAU)
     others = p.total(t)
     cap = 2.0 * others / (17 - 2.0)
@@ -118,7 +119,7 @@ def test_a_wait_too_short_to_hold_is_none():
 
 
 def test_when_the_others_stop_the_holds_stop_within_active():
-    p = Pacer(2.0)
+    p = Pacer(Live(max_share=2.0))
     rates = {c: 0.02 for c in range(16)}
     rates[99] = 0.3
     t = steady(p, rates, 3 * TAU)

@@ -5,6 +5,7 @@ import pytest
 from helpers import lru_order
 from k3client.errors import CacheFull, QuotaExceeded
 from k3d.cache.store import LOADING, READY, Store
+from k3d.config import Live
 
 
 def ready(store, plan):
@@ -98,7 +99,7 @@ def test_failed_read_frees_slot_and_drops_pins():
 
 
 def test_quota():
-    st = Store(8, pin_quota=2)
+    st = Store(8, Live(pin_quota=2))
     st.fetch((1, 0), [(0, 0), (0, 1)])
     with pytest.raises(QuotaExceeded, match="quota is 2"):
         st.fetch((1, 0), [(0, 2)])

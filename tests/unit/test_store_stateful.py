@@ -28,6 +28,7 @@ from helpers import policy_state
 from k3client.errors import CacheFull, QuotaExceeded
 from k3d.cache.policy import make
 from k3d.cache.store import FREE, LOADING, PREDICT, READY, Store
+from k3d.config import Live
 
 SLOTS, LAYERS, EXPERTS, CLIENTS = 6, 4, 6, 3
 keys_st = st.lists(st.tuples(st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)),
@@ -40,7 +41,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @initialize()
     def setup(self):
-        self.store = Store(SLOTS, pin_quota=self.quota, policy=make(self.policy_name))
+        self.store = Store(SLOTS, Live(pin_quota=self.quota), policy=make(self.policy_name))
         self.next_id = CLIENTS + 1
         self.live = list(range(1, CLIENTS + 1))        # index -> client id
         self.epoch = {c: 0 for c in self.live}

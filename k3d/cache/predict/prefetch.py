@@ -112,8 +112,13 @@ class AutoPrefetch:
         return self._predict(client, layer, self.budget or p.fetch_size(client), now)
 
     def _predict(self, client: int, layer: int, budget: int, now: float) -> tuple[list, list[int]]:
-        budget = min(budget, self._room())
         store = self.store
+        if self.known is not None and len(store.key_slot) >= len(self.known):
+            # Every expert is resident (an arena that holds the model): no candidate, so
+            # the proposal would be empty and change nothing (its calibration has no
+            # candidate to resolve).  Skipping it is exact, and saves its cost per fetch.
+            return [], []
+        budget = min(budget, self._room())
         props = self.predictor.propose(client, layer, max(0, budget), self._resident())
         proposed = self._afford(props)
         if not proposed:
