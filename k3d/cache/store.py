@@ -49,6 +49,9 @@ so slots, counters and the trace are those of a store without the index.
 Clients report their hits later (``report``), with the same effect on the policy
 and the counters as a fetch of those keys.
 
+Predictions (who predicted which slot, used or not, the quota) are the store's
+``PredictionBook`` (``k3d.cache.predictions``).
+
 Thread: the server thread owns the store; no locking.
 """
 
@@ -58,12 +61,11 @@ from dataclasses import dataclass, field
 
 from k3client.errors import CacheFull, QuotaExceeded, SlotsBusy
 from k3d.cache.policy import LruPolicy
+from k3d.cache.predictions import PredictionBook
 from k3d.cache.reuse import Reuse
 from k3d.config import Live
 from k3d.memory.index import NoIndex
 from k3d.observe.stats import Counters, PredictionStats
-
-PREDICT = "predict"      # holder tag of a client's outstanding predictions
 
 FREE, LOADING, READY = "free", "loading", "ready"
 PRESSURE_S = 1.0         # seconds after a miss found no free slot during which make_room keeps the reserve
@@ -90,7 +92,7 @@ class Loading:
 
 
 @dataclass
-class Store:
+class Store(PredictionBook):
     slots: int
     live: Live = field(default_factory=Live)             # its pin_quota is read at each use
     policy: object = field(default_factory=LruPolicy)    # any k3d.cache.policy class
@@ -117,30 +119,6 @@ class Store:
     def pin_quota(self) -> int:
         """Slots one holder may pin (0: no limit), as the live settings say now."""
         return self.live.pin_quota
-
-    def quota_room(self, client: int, started: int, wasteful: bool) -> int | None:
-        """How many more predictions ``client`` may start this token under the pin quota
-        (None: no quota).  ``wasteful`` (most of its predictions go unused) allows one
-        per token beyond the ``started`` ones."""
-        quota = self.live.pin_quota
-        if not quota:
-            return None
-        room = quota - len(self.predictions.get(client, ()))
-        return min(room, 1 - started) if wasteful else room
-
-    def client_quality(self, client: int) -> PredictionStats:
-        q = self.quality.get(client)
-        if q is None:
-            q = self.quality[client] = PredictionStats()
-        return q
-
-    def forget_client(self, client: int) -> None:
-        """The client left (after its ``end_epoch``): fold its figures into ``quality_gone``."""
-        q = self.quality.pop(client, None)
-        if q is not None:
-            g = self.quality_gone
-            for name in vars(q):
-                setattr(g, name, getattr(g, name) + getattr(q, name))
 
     # -- queries ------------------------------------------------------------
     def gauges(self) -> dict:
@@ -269,13 +247,6 @@ class Store:
         self.client_quality(client).ready += len(keys)
         return plan
 
-    def _prediction_used(self, s: int) -> int:
-        """A fetch took predicted slot ``s``: it counts for its predictor.  Returns 1."""
-        by = self.predicted_by.pop(s)
-        self.predictions[by].discard(s)
-        self.client_quality(by).prefetch_hits += 1
-        return 1
-
     def _all_plain_hits(self, have: list) -> bool:
         """Every key READY, none a pending prediction, no quota: nothing can refuse."""
         if self.live.pin_quota or None in have:
@@ -353,41 +324,7 @@ class Store:
         self.free.extend(slots)
         return len(slots)
 
-    # -- predict ------------------------------------------------------------
-    def predict(self, client: int, keys: list[tuple[int, int]], now: float = 0.0) -> list[int]:
-        """Assign slots to predicted keys not resident; stop at the first that has none.
-
-        A background read never evicts a pinned slot (every client's current token),
-        nor one the policy expects to be reused sooner than the prediction
-        (``policy.admits`` with the client's measured precision as the confidence):
-        ``prefetch_refused`` counts those.  Each prediction is pinned under
-        ``(PREDICT, client)`` until the client's next ``end_epoch``."""
-        started = []
-        q = self.client_quality(client)
-        for key in keys:
-            if key in self.key_slot:
-                continue
-            victim = None
-            if not self.free:
-                if not self.reuse.could_reuse_now(now):
-                    break                       # make_room frees slots ahead for the next ones
-                victim = self._victim()
-                if victim is None:
-                    break
-                if not self.policy.admits(key, victim, q.confidence()):
-                    self.stats.prefetch_refused += 1
-                    q.refused += 1
-                    break
-            s, evicted = self._assign(key, urgent=False, victim=victim, now=now)
-            self.stats.evictions += evicted
-            self.predicted_by[s] = client
-            self.predictions.setdefault(client, set()).add(s)
-            self.policy.pin(s, (PREDICT, client))
-            started.append(s)
-        self.stats.prefetched += len(started)
-        q.prefetched += len(started)
-        return started
-
+    # -- warm restart -------------------------------------------------------
     def preload(self, keys: list[tuple[int, int]]) -> list[int]:
         """Warm restart: assign free slots to ``keys`` (hottest first) not resident, never
         evicting and never pinning; returns the slots to read (BACKGROUND), hottest first.
@@ -403,32 +340,6 @@ class Store:
     def ranking(self) -> list[tuple[int, int]]:
         """Keys hottest first, as the policy sees them (what a warm restart pre-loads)."""
         return self.policy.ranking(self.slot_key)
-
-    # -- epochs and clients -------------------------------------------------
-    def end_epoch(self, client: int, holder) -> tuple[int, int]:
-        """Release ``holder``'s pins; demote ``client``'s unused predictions.
-
-        Returns (pins released, predictions found unused)."""
-        released = len(self.policy.release(holder))
-        unused = self.predictions.pop(client, None)
-        if not unused and not self.policy.held((PREDICT, client)):
-            return released, 0
-        self.policy.release((PREDICT, client))
-        unused = unused or set()
-        for s in sorted(unused):
-            del self.predicted_by[s]
-            self.policy.demote(s)
-        self._unused(client, unused)
-        return released, len(unused)
-
-    def _unused(self, client: int, slots) -> None:
-        self.stats.prefetch_unused += len(slots)
-        q = self.client_quality(client)
-        q.prefetch_unused += len(slots)
-        if self.key_bytes is not None:
-            n = sum(self.key_bytes(self.slot_key[s]) for s in slots)
-            q.unused_bytes += n
-            self.stats.prefetch_unused_bytes += n
 
     # -- answers and loads after the fact -----------------------------------
     def repin(self, holder, slots: list[int]) -> None:

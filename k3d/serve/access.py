@@ -10,12 +10,17 @@ SO_PEERCRED on the arena socket.  Pure functions, safe from any thread, except
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
 from contextlib import contextmanager
 
 import zmq
+
+from k3client.errors import BadRequest, PermissionDenied
+
+log = logging.getLogger("k3d")
 
 
 @contextmanager
@@ -36,6 +41,23 @@ def peer_cred(frame) -> tuple[int | None, int | None, int | None]:
         return int(parts[1]), int(parts[2]), int(parts[3])
     except (zmq.ZMQError, AttributeError, IndexError, ValueError):
         return None, None, None
+
+
+def admit(hello: dict, frame) -> tuple[str, int | None]:
+    """(name, pid) of a client saying ``hello`` in ``frame``, if its peer may attach;
+    raises BadRequest (no name) or PermissionDenied (logged).  The ipc peer's pid
+    wins over the one the message claims."""
+    name = hello.get("name")
+    if not isinstance(name, str) or not name:
+        raise BadRequest("hello: name must be a non-empty string")
+    name = name[:200]
+    uid, gid, pid = peer_cred(frame)
+    if not peer_allowed(uid, gid, pid):
+        log.warning("refused client %r: uid %s gid %s pid %s is not allowed", name, uid, gid, pid)
+        raise PermissionDenied(refusal(uid, gid, pid))
+    if pid is None and type(hello.get("pid")) is int:
+        pid = hello["pid"]
+    return name, pid
 
 
 def unix_peer_cred(conn: socket.socket) -> tuple[int, int, int]:

@@ -35,10 +35,8 @@ Signals: the CLI's handlers only call ``request_stop`` / ``request_reload``
 accepting, cancel queued reads, wait for running ones, answer parked fetches
 with an error, release the arena.
 
-Access (``access.py``): both sockets are created mode 0660 in a 0750 directory, and every
-peer is checked again from its kernel credentials (ZeroMQ ``Peer-Address`` on
-hello, SO_PEERCRED on the arena socket): the daemon's uid, root, or a member
-of the daemon's gid; anyone else gets PermissionDenied and a log line.
+Access: only the daemon's uid, root or its group, checked from kernel credentials
+on hello and on the arena socket (``access.py``).
 """
 
 from __future__ import annotations
@@ -50,7 +48,6 @@ import time
 
 import zmq
 
-from k3client import errors
 from k3client.endpoint import ipc_path
 from k3client.errors import (
     BadRequest,
@@ -73,7 +70,7 @@ from k3d.observe.latency import FetchLatency
 from k3d.observe.metrics import SnapshotBoard
 from k3d.observe.trace import RouteTrace
 from k3d.serve import reload, wire
-from k3d.serve.access import peer_allowed, peer_cred, private_umask, refusal
+from k3d.serve.access import admit, peer_cred, private_umask
 from k3d.serve.handout import ArenaHandout
 from k3d.serve.intake import Intake
 
@@ -155,21 +152,7 @@ class Server:
 
     def _do_reload(self) -> None:
         self._reload = False
-        if self.notifier is not None:
-            self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
-        try:
-            new = self.reloader() if self.reloader else self.cfg
-        except Exception as e:  # noqa: BLE001 -- a bad file must not take a serving daemon down
-            log.error("reload failed, keeping the running config: %s", e)
-        else:
-            self.apply_config(new)
-        if self.notifier is not None:
-            self.notifier.send("READY=1", f"STATUS={self.status_line()}")
-
-    def apply_config(self, new) -> None:
-        """Apply the ``reload.LIVE`` settings of ``new`` (into ``self.live``, which every
-        component reads); log the rest as needing a restart."""
-        self.cfg = reload.apply(self.cfg, new, self.live, self.t0)
+        self.cfg = reload.run(self.cfg, self.reloader, self.live, self.t0, self.notifier, self.status_line)
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -287,20 +270,12 @@ class Server:
         wins over the one the client claims) for liveness checks, starts epoch 0,
         and returns the layout and where to get the arena and index fds.  A client
         with ``hit_path`` answers hits itself from the shared index and reports them."""
-        name = msg.get("name")
-        if not isinstance(name, str) or not name:
-            raise BadRequest("hello: name must be a non-empty string")
-        uid, gid, pid = peer_cred(frame)
-        if not peer_allowed(uid, gid, pid):
-            log.warning("refused client %r: uid %s gid %s pid %s is not allowed", name[:200], uid, gid, pid)
-            raise errors.PermissionDenied(refusal(uid, gid, pid))
-        if pid is None and type(msg.get("pid")) is int:
-            pid = msg["pid"]
+        name, pid = admit(msg, frame)
         pid, started = identify(pid)
         if s is not None:
             self._drop(s, "said hello again", dead=False)
         now = time.monotonic()
-        s = self.sessions.attach(routing, name[:200], pid, started, now, self.live.lease_s)
+        s = self.sessions.attach(routing, name, pid, started, now, self.live.lease_s)
         s.hit_path = msg.get("hit_path") is True
         if s.hit_path:
             self.store.reuse.attach(s.client_id, now, s.lease_s)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from k3d.observe.trace import RouteTrace
 
@@ -51,3 +52,20 @@ def apply(cur, new, live, t0: float):
         log.warning("reload: %s only change on restart; keeping the running values", ", ".join(fixed))
     log.info("reloaded config: %s", ", ".join(changed) or "no live setting changed")
     return running
+
+
+def run(cur, reloader, live, t0: float, notifier, status_line):
+    """One SIGHUP: tell systemd (RELOADING, then READY with a status line), re-read the
+    config through ``reloader`` (None: nothing to re-read) and ``apply`` it.  A config
+    that fails to load keeps the running one, with an error line.  Returns the config now running."""
+    if notifier is not None:
+        notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+    try:
+        new = reloader() if reloader else cur
+    except Exception as e:  # noqa: BLE001 -- a bad file must not take a serving daemon down
+        log.error("reload failed, keeping the running config: %s", e)
+    else:
+        cur = apply(cur, new, live, t0)
+    if notifier is not None:
+        notifier.send("READY=1", f"STATUS={status_line()}")
+    return cur
