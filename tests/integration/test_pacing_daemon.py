@@ -14,7 +14,7 @@ in neither: pacing settles, and predictions held at the end of an abusive phase
 are served then.
 
 - ``--max-share 0`` (no pacing): the abuser slows the polite clients down
-  (bench/README.md, "pacing", has the figures); under 1.5x twice in a row this
+  (bench/README.md, "the pacing test's figures"); under 1.5x twice in a row this
   machine is too busy to show anything, and the test skips;
 - default pacing: the polite clients get at least half of that harm back, the
   abuser is held (and still served), no polite client is ever held.
