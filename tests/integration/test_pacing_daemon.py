@@ -67,7 +67,7 @@ def experiment(start_daemon, checkpoint, *args):
             x = start - t0
             if 0 <= x < PHASE * PHASES and x % PHASE >= SETTLE:
                 phases[int(x // PHASE)].append(seconds)
-    assert all(len(p) > 20 for p in phases), [len(p) for p in phases]
+    assert all(len(p) >= 10 for p in phases), [len(p) for p in phases]   # 120-320 each here
     # each quiet phase against the abusive one after it; a burst of load elsewhere on this
     # machine then moves one pair's ratio, not the result
     ratio = statistics.median(statistics.median(phases[k + 1]) / statistics.median(phases[k])
