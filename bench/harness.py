@@ -84,6 +84,44 @@ class Daemon:
             raise RuntimeError(f"k3d exited {rc} after SIGTERM")
 
 
+class EchoServer:
+    """The floor of hit_path and throughput: a bare Python ROUTER echo
+    (``hit_path.py --echo-server``) in its own process on a private ipc endpoint,
+    answering every request with ``reply_size`` bytes; ``mode`` "loop" gives it
+    k3d's loop shape.  A context manager: ``close`` kills it and removes its directory."""
+
+    def __init__(self, reply_size: int, mode: str = "bare"):
+        self.dir = tempfile.mkdtemp(prefix="k3d-echo-", dir="/tmp")
+        self.endpoint = f"ipc://{self.dir}/echo.sock"
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "bench", "hit_path.py"), "--echo-server", self.endpoint,
+             str(reply_size), mode], stdout=subprocess.PIPE, text=True, preexec_fn=server_affinity)
+        try:
+            line = self.proc.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(f"the echo server said {line!r}, not ready")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.proc.stdout.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def checkpoint(layers: int, experts: int, hidden: int, inter: int, seed: int = 0) -> str:
     """A synthetic MXFP4-shaped checkpoint in a fresh temp dir (caller removes it)."""
     from k3d.demo.synthetic import write_checkpoint

@@ -27,9 +27,7 @@ import argparse
 import os
 import random
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -133,15 +131,11 @@ def explain(a, req: bytes, rep: bytes, client, keys) -> None:
     for label, mode, use_client_like in (("A bare echo (floor)", "bare", False),
                                          ("B + k3client-style request/reply", "bare", True),
                                          ("C + k3d-style server loop, no handler", "loop", True)):
-        edir = tempfile.mkdtemp(prefix="k3d-echo-", dir="/tmp")
-        ep = f"ipc://{edir}/echo.sock"
-        srv = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--echo-server", ep, str(len(rep)), mode],
-                               stdout=subprocess.PIPE, text=True, preexec_fn=harness.server_affinity)
-        assert srv.stdout.readline().strip() == "ready"
+        srv = harness.EchoServer(len(rep), mode)
         ctx = zmq.Context()
         es = ctx.socket(zmq.DEALER)
         es.setsockopt(zmq.LINGER, 0)
-        es.connect(ep)
+        es.connect(srv.endpoint)
         cl = ClientLike(es)
         ratios, step50 = [], []
         try:
@@ -157,10 +151,7 @@ def explain(a, req: bytes, rep: bytes, client, keys) -> None:
         finally:
             es.close(0)
             ctx.term()
-            if srv.poll() is None:
-                srv.kill()
-            srv.wait(10)
-            shutil.rmtree(edir, ignore_errors=True)
+            srv.close()
         rows.append((label, harness.median(step50), harness.median(ratios)))
     print("hit_path --explain: p50 of each step, alternating in blocks with the real fetch; "
           "fetch/step = median over reps of the per-rep p50 ratio")
@@ -219,18 +210,14 @@ def main() -> int:
         harness.SERVER_CPUS = {1}
     req, rep = fetch_messages(N_KEYS)
     ckpt = harness.checkpoint(layers=2, experts=16, hidden=512, inter=256, seed=1)
-    edir = tempfile.mkdtemp(prefix="k3d-echo-", dir="/tmp")
-    echo_ep = f"ipc://{edir}/echo.sock"
-    echo = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--echo-server", echo_ep, str(len(rep))],
-                            stdout=subprocess.PIPE, text=True, preexec_fn=harness.server_affinity)
     try:
-        assert echo.stdout.readline().strip() == "ready"
-        with harness.Daemon(ckpt, "--slots", 32, "--log-level", "warning") as d, \
+        with harness.EchoServer(len(rep)) as echo, \
+                harness.Daemon(ckpt, "--slots", 32, "--log-level", "warning") as d, \
                 k3client.connect(d.endpoint, name="bench-hit", hit_path=a.hit_path) as c:
             ctx = zmq.Context()
             es = ctx.socket(zmq.DEALER)
             es.setsockopt(zmq.LINGER, 0)
-            es.connect(echo_ep)
+            es.connect(echo.endpoint)
             keys = list(range(N_KEYS))
             c.fetch(0, keys)                      # load: every later fetch is 8 hits
             st0 = c.status()["stats"]
@@ -257,10 +244,6 @@ def main() -> int:
         misses = st1["misses"] - st0["misses"]
         assert misses == 0, f"{misses} misses during the hit-path run"
     finally:
-        if echo.poll() is None:
-            echo.kill()
-        echo.wait()
-        shutil.rmtree(edir, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
 
     p50, p99 = harness.median(f50) * 1e6, harness.median(f99) * 1e6

@@ -24,7 +24,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -96,19 +95,14 @@ def main() -> int:
     a = ap.parse_args()
     counts = [int(x) for x in a.clients.split(",")]
     ckpt = harness.checkpoint(layers=LAYERS, experts=EXPERTS, hidden=256, inter=128, seed=3)
-    edir = tempfile.mkdtemp(prefix="k3d-echo-", dir="/tmp")
-    echo_ep = f"ipc://{edir}/echo.sock"
-    here = os.path.dirname(os.path.abspath(__file__))
-    echo = subprocess.Popen([sys.executable, os.path.join(here, "hit_path.py"), "--echo-server", echo_ep, "32"],
-                            stdout=subprocess.PIPE, text=True)
     rows = []
     try:
-        assert echo.stdout.readline().strip() == "ready"
-        with harness.Daemon(ckpt, "--slots", LAYERS * EXPERTS, "--log-level", "warning") as d:
+        with harness.EchoServer(32) as echo, \
+                harness.Daemon(ckpt, "--slots", LAYERS * EXPERTS, "--log-level", "warning") as d:
             daemon, echo_p = psutil.Process(d.pid), psutil.Process(echo.pid)
             for n in counts:
                 ecpu0 = sum(echo_p.cpu_times()[:2])
-                e_rate, e50 = run_clients("echo", echo_ep, n, a.seconds)
+                e_rate, e50 = run_clients("echo", echo.endpoint, n, a.seconds)
                 e_per = (sum(echo_p.cpu_times()[:2]) - ecpu0) / max(1.0, e_rate * a.seconds)
                 cpu0 = sum(daemon.cpu_times()[:2])
                 f_rate, f50 = run_clients(a.hit_path, d.endpoint, n, a.seconds)
@@ -119,10 +113,6 @@ def main() -> int:
                                f"daemon {per_fetch * 1e6:.1f}us CPU/fetch | echo {e_rate:,.0f}/s "
                                f"p50 {e50 * 1e6:.0f}us | ratio {f_rate / e_rate:.2f}")
     finally:
-        if echo.poll() is None:
-            echo.kill()
-        echo.wait()
-        shutil.rmtree(edir, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
     print(f"throughput: {LAYERS} layers x top-{TOP_K} of {EXPERTS}, all resident, {a.seconds:g}s per run, "
           f"hit path {a.hit_path}")

@@ -24,11 +24,10 @@ PROT_READ and the memfd is sealed, so a write through a numpy view raises
 ``ValueError`` and a write through a torch view faults the process.
 
 Daemon restarts: every reply carries the daemon's generation ``gen``.  The
-client notices a restart when a reply's ``gen`` changes, when the daemon
-process exits while a request waits (a pidfd on the daemon, from the ipc
-peer credentials, polled beside the socket), when the ipc socket file is
-replaced, or when the daemon answers ``ShuttingDown``.  It then re-attaches
-(new DEALER socket, ``hello``, the new arena's memfd) and re-issues the
+client's connection (``channel.py``) notices a restart when a reply's ``gen``
+changes, when the daemon process exits while a request waits, when the ipc
+socket file is replaced, or when the daemon answers ``ShuttingDown``.  The
+client then re-attaches (a new channel, ``hello``, the new arena's memfd) and re-issues the
 request it was making, within ``reconnect_timeout`` seconds, else raises
 ``DaemonNotRunning``.  Invariant: an ``Expert`` is bound to the generation
 that named its slot; after a re-attach it raises ``DaemonRestarted`` instead
@@ -39,7 +38,6 @@ keeps that memfd alive while it is mapped), so their bytes stay correct.
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
 import socket
@@ -50,18 +48,13 @@ import weakref
 import zmq
 
 from . import errors
+from .channel import Channel, Gone
 from .endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
 from .hits import LocalHits, hit_path_mode
 from .layout import TensorSpec, layouts_from_wire
 from .lease import end_heartbeat, heartbeat
-from .protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, items, key_int, key_pairs, pack, unpack
+from .protocol import items, key_int, key_pairs, unpack
 from .views import Expert
-
-_UNSET = object()
-
-
-class _Gone(errors.DaemonRestarted):
-    """Internal: the daemon this client attached to went away or was replaced."""
 
 
 class _LayoutChanged(errors.DaemonRestarted):
@@ -85,13 +78,9 @@ class Client:
         self.gen = None
         self.layout = None
         self.layouts: dict[int, list[TensorSpec]] = {}   # every layer's layout when layers differ, else {}
-        self._ids = itertools.count(1)
         self._mm = None
         self._ctx = zmq.Context()
-        self._sock = None
-        self._poller = None
-        self._pidfd = None
-        self._sock_ino = None
+        self._chan: Channel | None = None    # the connection to the daemon attached now
         self._hb_stop = threading.Event()
         self._hb_wake = threading.Event()    # set: beat now (a new lease, or stop)
         self._closed = False
@@ -127,7 +116,7 @@ class Client:
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _connect(self, connect_timeout: float):
-        """One attempt: new DEALER socket, hello, the arena's memfd."""
+        """One attempt: a new channel, hello, the arena's memfd."""
         path = ipc_path(self.endpoint)
         if path is not None and not os.path.exists(path):
             blocked = unreachable_dir(path)
@@ -135,23 +124,12 @@ class Client:
                 raise errors.PermissionDenied(no_access_message(path, blocked))
             raise errors.DaemonNotRunning(
                 f"k3d daemon not running at {self.endpoint}: no socket {path} (start it with `k3d start`)")
-        self._sock_ino = self._socket_inode()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-        try:
-            self._sock.connect(self.endpoint)
-        except zmq.ZMQError as e:
-            raise errors.DaemonNotRunning(
-                f"cannot connect to {self.endpoint}: {e.strerror} "
-                "(use ipc:///path/k3d.sock or tcp://host:port)") from None
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
+        self._chan = Channel(self._ctx, self.endpoint)
         self.gen = None
         t_hello = time.monotonic()
         try:
-            h = self._request("hello", timeout=connect_timeout, name=self.name, pid=os.getpid(),
-                              hit_path=self.hit_path == "client")
+            h = self._chan.request("hello", connect_timeout, name=self.name, pid=os.getpid(),
+                                   hit_path=self.hit_path == "client")
         except errors.Timeout:
             raise errors.DaemonNotRunning(
                 f"k3d daemon not running at {self.endpoint}: no answer in {connect_timeout:g}s") from None
@@ -179,30 +157,10 @@ class Client:
         self._hb_wake.set()         # a (re)attach: beat now, at this daemon's lease from here on
         self._attach_arena(h["arena_socket"], h["arena_bytes"], h["index_bytes"], t_hello)
 
-    def _socket_inode(self):
-        path = ipc_path(self.endpoint)
-        try:
-            return os.stat(path).st_ino if path else None
-        except OSError:
-            return None
-
-    def _watch_daemon(self, frame) -> None:
-        """pidfd on the daemon (pid from the reply's ipc peer credentials)."""
-        try:
-            pid = int(frame.get("Peer-Address").split(":")[3])
-            self._pidfd = os.pidfd_open(pid)
-        except (zmq.ZMQError, AttributeError, IndexError, ValueError, OSError):
-            return   # tcp or an old kernel: the socket-inode check still works
-        self._poller.register(self._pidfd, zmq.POLLIN)
-
     def _disconnect(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-        self._poller = None
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
         self._views.clear()
         if self._hits is not None:        # its reports were for the daemon that went away
             self._hits.close()
@@ -258,7 +216,7 @@ class Client:
         for extra in fds[1:]:
             try:
                 if self.hit_path == "client" and self._hits is None:
-                    self._hits = LocalHits(extra, index_size, self.lease_s, t_hello, self._pidfd)
+                    self._hits = LocalHits(extra, index_size, self.lease_s, t_hello, self._chan.pidfd)
             except (OSError, ValueError) as e:
                 self.hit_path, self.hit_path_why = "daemon", f"cannot map the shared index: {e}"
             finally:
@@ -277,20 +235,22 @@ class Client:
             os.close(fd)
 
     def _call(self, op: str, **fields):
-        """``_request``, re-attaching and re-issuing it across daemon restarts (without the
+        """``Channel.request``, re-attaching and re-issuing it across daemon restarts (without the
         hit reports meant for the daemon that went away); ``SlotsBusy`` is retried."""
         if self._closed:
             raise errors.K3Error(f"{op}: this client is closed; call k3client.connect() again")
         deadline = time.monotonic() + self.timeout
         pause = 0.0005
         while True:
-            if self._sock is None:
+            if self._chan is None:
                 self._reattach("not attached")
                 fields.pop("hits", None)
                 continue
+            if self._hits is not None:       # the hit path's window counts from this request
+                self._hits.t_req = time.monotonic()
             try:
-                return self._request(op, **fields)
-            except _Gone as e:
+                return self._chan.request(op, self.timeout, **fields)
+            except Gone as e:
                 self._reattach(str(e))
                 fields.pop("hits", None)
             except errors.SlotsBusy:
@@ -301,53 +261,6 @@ class Client:
                 fields.pop("hits", None)          # applied with the first try
                 time.sleep(pause)
                 pause = min(0.05, pause * 2)
-
-    def _send_async(self, op: str, **fields) -> None:
-        """Send ``op`` without waiting for a reply (nothing is sent while not attached)."""
-        if self._sock is None:
-            return
-        msg = {"v": PROTOCOL_VERSION, "op": op, "id": next(self._ids)}
-        msg.update(fields)
-        self._sock.send(pack(msg))
-
-    def _request(self, op: str, timeout=_UNSET, **fields):
-        """One request/reply on the current connection; ``_Gone`` if the daemon went away."""
-        rid = next(self._ids)
-        msg = {"v": PROTOCOL_VERSION, "op": op, "id": rid}
-        msg.update(fields)
-        if self._hits is not None:
-            self._hits.t_req = time.monotonic()
-        self._sock.send(pack(msg))
-        timeout = self.timeout if timeout is _UNSET else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            # Wake at least every 0.5 s to notice a replaced socket without a pidfd.
-            wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
-            events = dict(self._poller.poll(int(wait * 1000)))
-            if self._sock not in events:
-                if self.gen is not None:
-                    if self._pidfd is not None and self._pidfd in events:
-                        raise _Gone(f"the daemon process exited during {op}")
-                    if self._socket_inode() != self._sock_ino:
-                        raise _Gone(f"the daemon's socket was replaced during {op}")
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise errors.Timeout(f"{op}: no reply from {self.endpoint} in {timeout:g}s")
-                continue
-            frame = self._sock.recv(copy=False)
-            reply = unpack(frame.bytes)
-            if reply.get("id") != rid:
-                continue  # a late reply to a request that timed out earlier
-            if self.gen is not None and reply.get("gen") != self.gen:
-                raise _Gone(f"the daemon at {self.endpoint} restarted (generation changed)")
-            if not reply.get("ok"):
-                e = reply.get("error") or {}
-                code = e.get("code", "error")
-                if code == errors.ShuttingDown.code and self.gen is not None:
-                    raise _Gone(f"the daemon shut down during {op}")
-                raise errors.from_wire(code, e.get("message", "unknown error"))
-            if op == "hello":
-                self._watch_daemon(frame)
-            return reply
 
     # -- public API ---------------------------------------------------------
     @property
@@ -387,7 +300,7 @@ class Client:
             slots = None if preds else hits.answer(layer, experts)
             if slots is not None:
                 if hits.full():
-                    self._send_async("hits", **hits.take())
+                    self._chan.send("hits", **hits.take())
                 return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
         fields = {"keys": [[layer, e] for e in experts], **self._reports()}
         if preds:
@@ -417,10 +330,10 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        if self._sock is not None:
+        if self._chan is not None:
             try:
-                self._request("bye", timeout=1.0, **self._reports())
-            except (errors.K3Error, _Gone):
+                self._chan.request("bye", 1.0, **self._reports())
+            except errors.K3Error:
                 pass
         self._teardown()
         self.gen = None

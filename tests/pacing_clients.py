@@ -15,10 +15,14 @@ one JSON line: ``{"fetches": [[start, seconds], ...], "session": ...}``, every
 fetch's start (on the monotonic clock) and latency, and its own entry of the
 daemon's status.
 
-``python tests/pacing_clients.py abuser ENDPOINT KEYS``: in every odd phase, sends
-tokens of one ``predict`` of KEYS random keys, as fast as it is answered (each one
-costs the daemon milliseconds); prints one JSON line: ``{"tokens": N, "status":
-...}``, the tokens it got through and the daemon's status.
+``python tests/pacing_clients.py abuser ENDPOINT KEYS WINDOW``: a raw DEALER
+socket (hello, then requests it packed once), so that its harm does not hang on
+how often this machine schedules it.  In every odd phase it keeps ``WINDOW``
+predictions of ``KEYS`` keys in flight (each costs the daemon's loop about 2 ms
+of decoding and checking), sending the next as soon as one is answered: unpaced,
+the loop always has one of them to serve, and a polite fetch waits behind it.
+Prints one JSON line: ``{"tokens": N, "status": ...}``, the predictions answered
+and the daemon's status.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import zmq  # noqa: E402
+
 import k3client  # noqa: E402
 from helpers import reference, verify  # noqa: E402
+from k3client.protocol import PROTOCOL_VERSION, pack, unpack  # noqa: E402
 
 
 def schedule() -> tuple[float, float, int]:
@@ -61,20 +68,42 @@ def polite(endpoint, ckpt, name, seed):
     print(json.dumps({"fetches": out, "session": session}), flush=True)
 
 
-def abuser(endpoint, keys):
+def abuser(endpoint, keys, window):
     rng, tokens = random.Random(99), 0
-    # through the daemon too: with the shared index the client would drop the keys
-    # already resident, and its 4096-key predictions would cost the daemon nothing
-    with k3client.connect(endpoint, name="abuser", hit_path="daemon") as c:
-        t0, phase, phases = schedule()
-        for k in range(1, phases, 2):
-            start, stop = t0 + k * phase, t0 + (k + 1) * phase
-            time.sleep(max(0.0, start - time.monotonic()))
-            while time.monotonic() < stop:
-                c.begin_token()
-                c.predict([(rng.randrange(4), rng.randrange(16)) for _ in range(int(keys))])
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+
+    def ask(op, **fields):
+        sock.send(pack({"v": PROTOCOL_VERSION, "op": op, "id": 1, **fields}))
+        reply = unpack(sock.recv())
+        assert reply["ok"], reply
+        return reply
+
+    ask("hello", name="abuser", pid=os.getpid())
+    # one message, packed once: the abuser's own CPU goes to sending, not to building keys
+    msg = pack({"v": PROTOCOL_VERSION, "op": "predict", "id": 2,
+                "keys": [[rng.randrange(4), rng.randrange(16)] for _ in range(int(keys))]})
+    t0, phase, phases = schedule()
+    for k in range(1, phases, 2):
+        start, stop = t0 + k * phase, t0 + (k + 1) * phase
+        time.sleep(max(0.0, start - time.monotonic()))
+        out = 0
+        while time.monotonic() < stop:
+            for _ in range(int(window) - out):
+                sock.send(msg)
+            out = int(window)
+            if sock.poll(max(1, int((stop - time.monotonic()) * 1000))):
+                assert unpack(sock.recv())["ok"]
+                out -= 1
                 tokens += 1
-        status = c.status()
+        for _ in range(out):         # the ones still in flight, answered as the quiet phase starts
+            assert unpack(sock.recv())["ok"]
+    status = ask("status")["status"]
+    ask("bye")
+    sock.close()
+    ctx.term()
     print(json.dumps({"tokens": tokens, "status": status}), flush=True)
 
 

@@ -258,7 +258,7 @@ def test_bad_fetches_are_refused_and_nothing_changes(server, keys, exc, words):
     srv = server()
     with k3client.connect(srv.cfg.endpoint, name="bad") as c:
         with pytest.raises(exc) as ei:
-            c._request("fetch", keys=keys)
+            c._call("fetch", keys=keys)
         assert words in str(ei.value)
         st = c.status()
         assert st["arena"]["used"] == 0 and st["stats"]["hits"] + st["stats"]["misses"] == 0

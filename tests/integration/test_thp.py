@@ -119,10 +119,10 @@ def test_daemon_arena_in_transparent_huge_pages(checkpoint, start_daemon):
     with k3client.connect(d.endpoint, name="thp") as c:
         a = c.status()["arena"]
         assert a["bytes"] % PMD, "pick a slot count whose arena is not whole huge pages"
-        assert len(c._mm) == -(-a["bytes"] // PMD) * PMD       # the memfd: whole huge pages
+        assert len(c.arena) == -(-a["bytes"] // PMD) * PMD       # the memfd: whole huge pages
         assert a["page_bytes"] == 4096 and a["thp_bytes"] > 0 and a["thp_bytes"] % PMD == 0
-        if a["thp_bytes"] < len(c._mm):
-            pytest.skip(f"the kernel collapsed {a['thp_bytes'] >> 20} of {len(c._mm) >> 20} MiB (memory fragmented)")
+        if a["thp_bytes"] < len(c.arena):
+            pytest.skip(f"the kernel collapsed {a['thp_bytes'] >> 20} of {len(c.arena) >> 20} MiB (memory fragmented)")
         assert "(100% in transparent huge pages)" in render(c.status())
         ref = reference(checkpoint)
         for l, e in [(0, 1), (1, 2), (3, 15)]:
@@ -138,7 +138,7 @@ def test_no_thp_leaves_4k_pages(checkpoint, start_daemon):
     d = start_daemon(checkpoint, "--slots", 5, "--no-thp")
     with k3client.connect(d.endpoint, name="no-thp") as c:
         a = c.status()["arena"]
-        assert a["thp_bytes"] == 0 and len(c._mm) == a["bytes"]   # not collapsed, not rounded
+        assert a["thp_bytes"] == 0 and len(c.arena) == a["bytes"]   # not collapsed, not rounded
         assert "transparent" not in render(c.status())
         assert len(c.fetch(0, [0, 1])) == 2
     assert d.stop() == 0
