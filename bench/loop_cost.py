@@ -31,9 +31,7 @@ import argparse
 import os
 import random
 import shutil
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,30 +78,24 @@ def main() -> int:
     a = ap.parse_args()
     rng = random.Random(7)
     ckpt = harness.checkpoint(layers=LAYERS, experts=EXPERTS, hidden=256, inter=128, seed=3)
-    edir = tempfile.mkdtemp(prefix="k3d-echo-", dir="/tmp")
-    echo_ep = f"ipc://{edir}/echo.sock"
-    here = os.path.dirname(os.path.abspath(__file__))
     req, rep = fetch_messages(TOP_K)
-    echo = subprocess.Popen([sys.executable, os.path.join(here, "hit_path.py"), "--echo-server", echo_ep,
-                             str(len(rep))], stdout=subprocess.PIPE, text=True)
     rows: dict[str, list[tuple[float, float, float]]] = {"token": [], "fetch": [], "report": []}
     try:
-        assert echo.stdout.readline().strip() == "ready"
-        ctx = zmq.Context()
-        es = ctx.socket(zmq.DEALER)
-        es.setsockopt(zmq.LINGER, 0)
-        es.connect(echo_ep)
-        echo_p = psutil.Process(echo.pid)
-
-        def echo_block():
-            for _ in range(a.block):
-                es.send(req)
-                es.recv()
-
-        with harness.Daemon(ckpt, "--slots", LAYERS * EXPERTS, "--log-level", "warning") as d, \
+        with harness.EchoServer(len(rep)) as echo, \
+                harness.Daemon(ckpt, "--slots", LAYERS * EXPERTS, "--log-level", "warning") as d, \
                 k3client.connect(d.endpoint, name="rt", hit_path="daemon") as rt, \
                 k3client.connect(d.endpoint, name="local", hit_path="client") as local:
-            daemon = psutil.Process(d.pid)
+            ctx = zmq.Context()
+            es = ctx.socket(zmq.DEALER)
+            es.setsockopt(zmq.LINGER, 0)
+            es.connect(echo.endpoint)
+            echo_p, daemon = psutil.Process(echo.pid), psutil.Process(d.pid)
+
+            def echo_block():
+                for _ in range(a.block):
+                    es.send(req)
+                    es.recv()
+
             for layer in range(LAYERS):                 # everything resident before the clock starts
                 rt.fetch(layer, list(range(EXPERTS)))
             rt.begin_token()
@@ -135,13 +127,9 @@ def main() -> int:
                     d_proc, d_main = measured(daemon, block, n)
                     rows[kind].append((d_proc, d_main, e_proc))
             hp = rt.status()["stats"]
-        es.close(0)
-        ctx.term()
+            es.close(0)
+            ctx.term()
     finally:
-        if echo.poll() is None:
-            echo.kill()
-        echo.wait()
-        shutil.rmtree(edir, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
     print(f"loop_cost: {a.reps} reps of {a.block} requests per kind, alternating with the echo; "
           f"{hp['client_hits']} hits answered in the client, {hp['misses']} misses")

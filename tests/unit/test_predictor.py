@@ -165,3 +165,35 @@ def test_state_round_trip_and_bad_state():
         else:
             raise AssertionError("bad state accepted")
     assert q.state() == before
+
+
+def test_an_arena_holding_the_whole_model_stops_learning_and_proposing_and_replays_alike():
+    """Once every known expert is resident (only an arena as large as the model), nothing can
+    be predicted again: the daemon's predictor neither learns nor proposes, and a replay,
+    which goes on learning, still counts the same."""
+    known = frozenset((layer, e) for layer in range(L) for e in range(E))
+    store = Store(L * E, policy=make("cycle", L))
+    auto = AutoPrefetch(store, CoPredictor(L, E), known=known)
+    ev, learned = [], None
+    for t in range(40):
+        for layer, experts in enumerate(random_tokens(1, t)[0]):
+            keys = [(layer, e) for e in experts]
+            plan = store.fetch((1, t), keys)
+            for s in plan.new_loads:
+                store.complete(s, None)
+            if len(store.key_slot) == len(known) and learned is None:
+                learned = auto.predictor.state()          # the counts when the model became resident
+            proposed, started = auto.after_fetch(1, keys, plan.slots, 0)
+            for s in started:
+                store.complete(s, None)
+            ev += [Event(FETCH, 1, keys), Event(AUTO, 1, proposed)]
+        store.end_epoch(1, (1, t))
+        auto.end_token(1)
+        proposed, started = auto.begin_token(1)
+        for s in started:
+            store.complete(s, None)
+        ev += [Event(BEGIN, 1), Event(AUTO, 1, proposed)]
+    assert learned is not None and len(store.key_slot) == len(known)
+    assert auto.predictor.state() == learned
+    r = run(ev, "cycle", L * E, predictor="coact")
+    assert (r.hits, r.misses, r.prefetched) == (store.stats.hits, store.stats.misses, store.stats.prefetched)

@@ -93,6 +93,8 @@ class AutoPrefetch:
                     self.used_late += 1
                 else:
                     self.used_in_time += 1
+        if self._all_resident():
+            return [], []
         p = self.predictor
         p.observe(client, keys)
         if not predict:
@@ -105,6 +107,8 @@ class AutoPrefetch:
     def begin_token(self, client: int, now: float = 0.0) -> tuple[list, list[int]]:
         """``client`` began its next token (after ``end_token``): predict the first layer
         of the token from the last layers of the one before.  Returns as ``after_fetch``."""
+        if self._all_resident():
+            return [], []
         p = self.predictor
         layer = p.first_layer(client)
         if layer is None:
@@ -113,11 +117,6 @@ class AutoPrefetch:
 
     def _predict(self, client: int, layer: int, budget: int, now: float) -> tuple[list, list[int]]:
         store = self.store
-        if self.known is not None and len(store.key_slot) >= len(self.known):
-            # Every expert is resident (an arena that holds the model): no candidate, so
-            # the proposal would be empty and change nothing (its calibration has no
-            # candidate to resolve).  Skipping it is exact, and saves its cost per fetch.
-            return [], []
         budget = min(budget, self._room())
         props = self.predictor.propose(client, layer, max(0, budget), self._resident())
         proposed = self._afford(props)
@@ -132,6 +131,14 @@ class AutoPrefetch:
             self.credit += conf[key] - self.precision
         self.credit = min(self.credit, self.credit_cap)
         return proposed, started
+
+    def _all_resident(self) -> bool:
+        """Every expert of the model is resident (``known`` given: the daemon).  Only an
+        arena that holds the whole model gets here, and it stays so (nothing is evicted
+        while a slot is free), so no prediction can ever be made again: learning and
+        proposing stop, and cost nothing per fetch.  ``k3d replay`` (no ``known``) goes
+        on learning, but can propose nothing either, so its counters stay the daemon's."""
+        return self.known is not None and len(self.store.key_slot) >= len(self.known)
 
     def _resident(self):
         """The keys never to propose: resident ones, and (``known`` given) those that do not exist."""
