@@ -140,8 +140,7 @@ class Store(PredictionBook):
             for layer in dict.fromkeys(k[0] for k in keys):
                 policy.visit(layer)
             policy.pin_all(have, holder)
-            for k, s in zip(keys, have):
-                policy.touch(s, k)
+            policy.touch_all(have, keys)
             self.stats.fetches += 1
             self.stats.hits += len(keys)
             return FetchPlan(slots=have, new_loads=[], waiting=set(), promote=[])
@@ -225,26 +224,34 @@ class Store(PredictionBook):
         for layer in dict.fromkeys(k[0] for k in keys):
             policy.visit(layer)
         plan = FetchPlan(slots=list(seen), new_loads=[], waiting=set(), promote=[])
-        late = 0
-        for key, s in zip(keys, seen):
-            if key_slot.get(key) != s or state[s] != READY:
-                late += 1
-                self.reuse.claim(client, s)
-                continue
-            if quota and s not in (held := policy.held(holder)) and len(held) >= quota:
-                self.reuse.claim(client, s)
-            else:
-                policy.pin(s, holder)
-            policy.touch(s, key)
-            if s in self.predicted_by:
-                plan.prefetched_hits += self._prediction_used(s)
+        good = [(key, s) for key, s in zip(keys, seen) if key_slot.get(key) == s and state[s] == READY]
+        n = len(keys)
+        late = n - len(good)
+        if late:
+            for key, s in zip(keys, seen):
+                if key_slot.get(key) != s or state[s] != READY:
+                    self.reuse.claim(client, s)
+            keys, seen = [k for k, _ in good], [s for _, s in good]   # (the counts below: all of them)
+        if not quota:
+            policy.pin_all(seen, holder)           # pins, then touches in order: as a fetch's hits
+        else:
+            for s in seen:
+                if s not in (held := policy.held(holder)) and len(held) >= quota:
+                    self.reuse.claim(client, s)
+                else:
+                    policy.pin(s, holder)
+        policy.touch_all(seen, keys)
+        if self.predicted_by:
+            for s in seen:
+                if s in self.predicted_by:
+                    plan.prefetched_hits += self._prediction_used(s)
         st = self.stats
         st.fetches += 1
-        st.hits += len(keys)
-        st.client_hits += len(keys)
+        st.hits += n
+        st.client_hits += n
         st.late_hits += late
         st.prefetch_hits += plan.prefetched_hits
-        self.client_quality(client).ready += len(keys)
+        self.client_quality(client).ready += n
         return plan
 
     def _all_plain_hits(self, have: list) -> bool:

@@ -54,6 +54,7 @@ log = logging.getLogger("k3d")
 _send, _recv, _get = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
 _NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_INT = frozenset((int,))
 
 
 def receive(sock: zmq.Socket):
@@ -176,11 +177,12 @@ def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], lis
         total += len(experts)
         if total > MAX_KEYS:
             raise BadRequest(f"hits report more than {MAX_KEYS} keys in one request")
-        if not all(type(s) is int and 0 <= s < slots for s in seen):
+        # type sets, not a generator per element: this runs for every hit every client reports
+        if not (set(map(type, seen)) <= _INT and 0 <= min(seen) and max(seen) < slots):
             raise BadRequest(f"hits: slots {str(seen)[:80]} are not slots of this arena (0..{slots - 1})")
         ks = [(layer, e) for e in experts]
-        # the common case in one pass; keys() below names the first bad key otherwise
-        if type(layer) is not int or not all(type(e) is int and k in known for e, k in zip(experts, ks)) \
+        # the common case at once; keys() below names the first bad key otherwise
+        if type(layer) is not int or not set(map(type, experts)) <= _INT or not known.keys() >= set(ks) \
                 or len(set(experts)) != len(experts):
             ks = keys({"hits": [[layer, e] for e in experts]}, "hits", True, source)
         out.append((ks, seen))

@@ -53,6 +53,7 @@ class PinTable:
         """``pin`` each of ``slots`` for ``holder``: one lookup of the holder's set for a fetch."""
         held = self._pins.setdefault(holder, set())
         holders = self._holders
+        first = []
         for slot in slots:
             if slot in held:
                 continue
@@ -60,20 +61,40 @@ class PinTable:
             hs = holders.get(slot)
             if hs is None:
                 holders[slot] = {holder}
-                self._pinned(slot)
+                first.append(slot)
             else:
                 hs.add(holder)
+        if first:
+            self._pinned_all(first)
+
+    def touch_all(self, slots, keys) -> None:
+        """``touch`` each of ``slots`` (holding ``keys``), in order: a fetch's hits."""
+        for slot, key in zip(slots, keys):
+            self.touch(slot, key)
 
     def release(self, holder) -> list[int]:
         """Drop every pin of ``holder``; returns the slots it held, sorted."""
         held = self._pins.pop(holder, set())
+        holders, last = self._holders, []
         for slot in held:
-            hs = self._holders[slot]
+            hs = holders[slot]
             hs.discard(holder)
             if not hs:
-                del self._holders[slot]
-                self._unpinned(slot)
+                del holders[slot]
+                last.append(slot)
+        if last:
+            self._unpinned_all(last)
         return sorted(held)
+
+    def _unpinned_all(self, slots) -> None:
+        """``_unpinned`` for each of ``slots`` (a policy may do it at once)."""
+        for slot in slots:
+            self._unpinned(slot)
+
+    def _pinned_all(self, slots) -> None:
+        """``_pinned`` for each of ``slots`` (a policy may do it at once)."""
+        for slot in slots:
+            self._pinned(slot)
 
     def _unpinned(self, slot: int) -> None:
         """Hook: ``slot`` lost its last pin (a policy with an index re-files it)."""

@@ -87,6 +87,27 @@ class CyclePolicy(PinTable):
             self._experts[layer] = expert + 1
         self._cand.pop(layer, None)
 
+    def touch_all(self, slots, keys) -> None:
+        """``touch`` of each key in order, as ``_used`` does it (the same arithmetic, so the
+        same floats), with the dictionaries looked up once for the fetch."""
+        visits, stat, fwd, picks, experts, cand = \
+            self._visits, self._stat, self._fwd, self._picks, self._experts, self._cand
+        decay, log_decay, log = self._decay, self._log_decay, math.log
+        for layer, expert in keys:
+            key = (layer, expert)
+            v = visits.get(layer, 0)
+            st = stat.get(key)
+            if st is None:
+                st = stat[key] = [1.0, v]
+            else:
+                st[0] = st[0] * decay ** (v - st[1]) + 1.0
+                st[1] = v
+            fwd[key] = log(st[0]) - st[1] * log_decay
+            picks[layer] = picks.get(layer, 0) + 1
+            if expert >= experts.get(layer, 0):
+                experts[layer] = expert + 1
+            cand.pop(layer, None)
+
     def insert(self, slot: int, key=None, predicted: bool = False) -> None:
         layer = key[0]
         self._key[slot] = key
@@ -119,6 +140,15 @@ class CyclePolicy(PinTable):
             self._cand.pop(key[0], None)
 
     _unpinned = _pinned
+
+    def _pinned_all(self, slots) -> None:
+        """A pin changes only which of a layer's residents may be its victim: each layer's
+        cached candidate goes once."""
+        key_of, cand = self._key, self._cand
+        for layer in {key_of[s][0] for s in slots if s in key_of}:
+            cand.pop(layer, None)
+
+    _unpinned_all = _pinned_all
 
     # -- scoring --------------------------------------------------------------
     def rate(self, key) -> float:
