@@ -113,17 +113,19 @@ def test_deterministic_and_no_cache_full(seed, slots):
     assert a == b and a.cache_full == 0
 
 
-def test_recorded_auto_lines_replay_like_the_class():
-    """What the daemon writes (auto lines after each fetch and begin) replays to the same counters."""
-    store = Store(2 * L + 4, policy=make("cycle", L))
-    auto = AutoPrefetch(store, CoPredictor(L, E))
+
+def drive_auto(store, auto, tokens, before_learning=lambda: None) -> list:
+    """Client 1 fetches ``tokens`` (per token, each layer's experts) through ``store`` with
+    ``auto`` after each fetch and at each token's start, reads completing at once, as the
+    daemon calls them; returns the events its trace would hold."""
     ev = []
-    for t in range(150):
-        for layer, experts in enumerate(pattern_token(t)):
+    for t, token in enumerate(tokens):
+        for layer, experts in enumerate(token):
             keys = [(layer, e) for e in experts]
             plan = store.fetch((1, t), keys)
             for s in plan.new_loads:
                 store.complete(s, None)
+            before_learning()
             proposed, started = auto.after_fetch(1, keys, plan.slots, 0)
             for s in started:
                 store.complete(s, None)
@@ -134,6 +136,13 @@ def test_recorded_auto_lines_replay_like_the_class():
         for s in started:
             store.complete(s, None)
         ev += [Event(BEGIN, 1), Event(AUTO, 1, proposed)]
+    return ev
+
+def test_recorded_auto_lines_replay_like_the_class():
+    """What the daemon writes (auto lines after each fetch and begin) replays to the same counters."""
+    store = Store(2 * L + 4, policy=make("cycle", L))
+    auto = AutoPrefetch(store, CoPredictor(L, E))
+    ev = drive_auto(store, auto, [pattern_token(t) for t in range(150)])
     want = (store.stats.hits, store.stats.misses, store.stats.prefetched, store.stats.prefetch_unused)
     for predictor in (None, "coact"):
         r = run(ev, "cycle", 2 * L + 4, predictor=predictor)
@@ -174,25 +183,14 @@ def test_an_arena_holding_the_whole_model_stops_learning_and_proposing_and_repla
     known = frozenset((layer, e) for layer in range(L) for e in range(E))
     store = Store(L * E, policy=make("cycle", L))
     auto = AutoPrefetch(store, CoPredictor(L, E), known=known)
-    ev, learned = [], None
-    for t in range(40):
-        for layer, experts in enumerate(random_tokens(1, t)[0]):
-            keys = [(layer, e) for e in experts]
-            plan = store.fetch((1, t), keys)
-            for s in plan.new_loads:
-                store.complete(s, None)
-            if len(store.key_slot) == len(known) and learned is None:
-                learned = auto.predictor.state()          # the counts when the model became resident
-            proposed, started = auto.after_fetch(1, keys, plan.slots, 0)
-            for s in started:
-                store.complete(s, None)
-            ev += [Event(FETCH, 1, keys), Event(AUTO, 1, proposed)]
-        store.end_epoch(1, (1, t))
-        auto.end_token(1)
-        proposed, started = auto.begin_token(1)
-        for s in started:
-            store.complete(s, None)
-        ev += [Event(BEGIN, 1), Event(AUTO, 1, proposed)]
+    states = []
+
+    def before_learning():                                # the counts when the model became resident
+        if len(store.key_slot) == len(known) and not states:
+            states.append(auto.predictor.state())
+
+    ev = drive_auto(store, auto, [random_tokens(1, t)[0] for t in range(40)], before_learning)
+    learned = states[0] if states else None
     assert learned is not None and len(store.key_slot) == len(known)
     assert auto.predictor.state() == learned
     r = run(ev, "cycle", L * E, predictor="coact")
