@@ -35,8 +35,8 @@ KV_BYTES = 64 << 20
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 40, 90, 3, 17, 60], [100, 5]]
 MAX_TOKENS = 8
 
-_ROOT = tempfile.mkdtemp(prefix="k3d-vllm-tests-")
 _CACHE: dict = {}
+_ROOT: list[str] = []          # this module's checkpoint directory, made on first use
 
 
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -59,15 +59,17 @@ def _vllm_ipc_files():
                 with contextlib.suppress(OSError):
                     os.unlink(path)
     _CACHE.clear()
-    shutil.rmtree(_ROOT, ignore_errors=True)
+    while _ROOT:
+        shutil.rmtree(_ROOT.pop(), ignore_errors=True)
 
 
 def checkpoint(family: str, split: bool = False, **sizes) -> str:
     """A tiny ``family`` checkpoint vLLM's CPU engine runs; ``split``: experts in their own shard."""
     key = (family, split, tuple(sorted(sizes.items())))
     if key not in _CACHE:
-        os.makedirs(_ROOT, exist_ok=True)          # removed after each module (_vllm_ipc_files)
-        out = tempfile.mkdtemp(prefix=f"{family}-", dir=_ROOT)
+        if not _ROOT:                              # removed after each module (_vllm_ipc_files)
+            _ROOT.append(tempfile.mkdtemp(prefix="k3d-vllm-tests-"))
+        out = tempfile.mkdtemp(prefix=f"{family}-", dir=_ROOT[0])
         if split:
             hf_models.split_experts(checkpoint(family, **sizes), out)
         else:
