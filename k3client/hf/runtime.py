@@ -177,7 +177,7 @@ class Runtime:
         fetched = self.client.fetch(ml.layer, group, predicted=predicted)
         # views now: a restart after this leaves them on the old mapping, still correct
         try:
-            got = [(ex.expert, {n: ex.tensor(n) for n in ml.names}) for ex in fetched]
+            got = [(ex.expert, self._views(ml, ex)) for ex in fetched]
         except errors.DaemonRestarted:       # re-attached between the reply and the views
             raise _StaleSlots() from None
         dt = time.perf_counter() - t0
@@ -189,6 +189,10 @@ class Runtime:
         if predicted:
             st.predicted += len(predicted)
         return got
+
+    def _views(self, ml: MoeLayer, ex) -> dict:
+        """``{name: zero-copy view}`` of one fetched expert, what ``family.weights`` reads."""
+        return {n: ex.tensor(n) for n in ml.names}
 
     # -- gate-ahead ---------------------------------------------------------------
     def _predict_next(self, ml: MoeLayer, hidden_states):

@@ -44,14 +44,15 @@ _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{1
 
 @pytest.fixture(autouse=True, scope="module")
 def _vllm_ipc_files():
-    """vLLM's engines leave their ipc files (``TMPDIR/<uuid>``, ``TMPDIR/vllm_dist_*``)
-    behind; they are vLLM's, not k3d's: removed after each module, with this module's
+    """vLLM's engines leave their ipc files (``TMPDIR/<uuid>``, ``TMPDIR/vllm_dist_*``) and
+    torch's compile cache (``TMPDIR/torchinductor_<user>``, made by the functions vLLM
+    compiles even in eager mode) behind; they are vLLM's, not k3d's: removed after each module, with this module's
     checkpoints, so the session's leftover check sees only what k3d's code leaves."""
     tmp = tempfile.gettempdir()
     before = set(os.listdir(tmp))
     yield
     for name in set(os.listdir(tmp)) - before:
-        if _UUID.match(name) or name.startswith("vllm_dist_"):
+        if _UUID.match(name) or name.startswith(("vllm_dist_", "torchinductor_")):
             path = os.path.join(tmp, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
