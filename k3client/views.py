@@ -108,3 +108,26 @@ class Expert:
             v = views[key] = torch.frombuffer(mm, dtype=tdt, count=spec.nbytes // DTYPES[spec.dtype][0],
                                               offset=off).view(spec.shape)
         return v
+
+    def stacked(self, names: tuple[str, ...]):
+        """One torch view of tensors that lie back to back in the slot (same dtype, same
+        trailing shape), concatenated along dim 0; None when they do not.  No copy; cached
+        like ``tensor``.  Do not write to it."""
+        key = ("torch-stacked", *self._key("\0".join(names)))
+        views = self._client._views
+        v = views.get(key)
+        if v is None:
+            first = self.tensor(names[0])          # the torch filter, the mapping check
+            specs = [self._spec(n) for n in names]
+            s0 = specs[0]
+            for a, b in zip(specs, specs[1:]):
+                if b.dtype != s0.dtype or tuple(b.shape[1:]) != tuple(s0.shape[1:]) or b.offset != a.offset + a.nbytes:
+                    return None
+            import torch
+
+            rows = sum(s.shape[0] for s in specs)
+            off = self.slot * self._client.slot_bytes + s0.offset
+            v = views[key] = torch.frombuffer(self._mapping(), dtype=first.dtype,
+                                              count=sum(s.nbytes for s in specs) // first.element_size(),
+                                              offset=off).view(rows, *s0.shape[1:])
+        return v

@@ -177,7 +177,7 @@ class Runtime:
         fetched = self.client.fetch(ml.layer, group, predicted=predicted)
         # views now: a restart after this leaves them on the old mapping, still correct
         try:
-            got = [(ex.expert, {n: ex.tensor(n) for n in ml.names}) for ex in fetched]
+            got = [(ex.expert, self._views(ml, ex)) for ex in fetched]
         except errors.DaemonRestarted:       # re-attached between the reply and the views
             raise _StaleSlots() from None
         dt = time.perf_counter() - t0
@@ -190,6 +190,10 @@ class Runtime:
             st.predicted += len(predicted)
         return got
 
+    def _views(self, ml: MoeLayer, ex) -> dict:
+        """``{name: zero-copy view}`` of one fetched expert, what ``family.weights`` reads."""
+        return {n: ex.tensor(n) for n in ml.names}
+
     # -- gate-ahead ---------------------------------------------------------------
     def _predict_next(self, ml: MoeLayer, hidden_states):
         nxt = self.layers.get(ml.next) if ml.next is not None else None
@@ -198,7 +202,10 @@ class Runtime:
             return None
         with torch.no_grad():
             routed = nxt.router(hidden_states)
-        idx = routed[2] if isinstance(routed, tuple) else routed
+        idx = _expert_indices(routed)
+        if idx is None:
+            self._pending_prediction = None
+            return None
         experts = sorted(set(idx.reshape(-1).tolist()))
         self._pending_prediction = (nxt.layer, set(experts))
         return [(nxt.layer, e) for e in experts]
@@ -208,3 +215,13 @@ class Runtime:
         if p is not None and p[0] == layer:
             self.stats.predicted_used += len(p[1] & set(experts))
             self._pending_prediction = None
+
+
+def _expert_indices(routed):
+    """The expert indices among a router's outputs: its one integer tensor.  Families order
+    their router's tuple differently (``(logits, scores, indices)``, ``(indices, weights,
+    logits)``) and transformers releases have changed a family's order; None if none is."""
+    if isinstance(routed, torch.Tensor):
+        return routed if not routed.is_floating_point() else None
+    ints = [t for t in routed if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+    return ints[0] if len(ints) == 1 else None

@@ -13,9 +13,11 @@ quant method is ``K3dMoEMethod``:
   renormalisation, routed scaling, as the family configures it) and then calls
   ``apply(x, topk_weights, topk_ids)``; shared experts stay vLLM's (the runner
   runs them, since this method has no kernel to overlap them with);
-- ``apply`` hands the layer to ``Runtime.run_layer`` (``k3client.hf.runtime``): the
-  union of the step's experts, ascending, in groups the arena allows, each expert
-  ``act(x W_gate^T) * (x W_up^T) W_down^T`` times its routing weight, summed per token.
+- ``apply`` hands the layer to ``VllmRuntime.run_layer``: the union of the step's
+  experts, ascending, fetched in groups the arena allows (``k3client.hf.runtime``'s
+  epochs and pins), each expert ``act(x W_gate^T) * (x W_up^T) W_down^T`` on the
+  rows of its tokens, times their routing weights, summed per token in ascending
+  expert order.
 
 The pin rule is ``k3client.hf``'s: one vLLM step (one model forward, B sequences)
 is one epoch (``begin_token`` from a forward pre-hook the loader installs), and a
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-from k3client.hf.families import FamilyError
+from k3client.hf.families import FamilyError, _on
 from k3client.hf.runtime import MoeLayer, Runtime, Stats
 
 from . import settings
@@ -162,18 +164,63 @@ class VllmStats(Stats):
 
 
 class VllmRuntime(Runtime):
-    """``k3client.hf``'s runtime with vLLM's gate for gate-ahead and union-vs-B x top-k counts."""
+    """``k3client.hf``'s epochs, groups and pins, with a layer compute of its own.
+
+    ``run_layer`` sorts the step's (token, expert) pairs by expert once (a stable
+    argsort), gathers the tokens' rows once, computes each fetched expert on its
+    contiguous run of rows (gate and up in one ``linear`` when they lie back to back
+    in the slot), and adds every weighted row into the output with one ``index_add_``,
+    in ascending expert order per token, as the per-expert loop did.  The next layer's
+    gate picks the gate-ahead predictions; ``stats`` adds the union against B x top-k."""
 
     def __init__(self, client, layers, predict=True, host_register=None):
         super().__init__(client, layers, predict=predict, host_register=host_register)
         self.stats = VllmStats()
 
     def run_layer(self, ml, hidden_states, top_k_index, top_k_weights):
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=ml.module.num_experts).tolist()
+        experts = [e for e, c in enumerate(counts) if c]
         st = self.stats
         st.layer_steps += 1
-        st.union += int(torch.unique(top_k_index).numel())
-        st.routed += int(top_k_index.numel())
-        return super().run_layer(ml, hidden_states, top_k_index, top_k_weights)
+        st.union += len(experts)
+        st.routed += flat.numel()
+        rows = order // k                                     # the token of each sorted pair
+        xs = hidden_states[rows]
+        ws = top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        self._score_prediction(ml.layer, experts)
+        predicted = self._predict_next(ml, hidden_states) if self.predict else None
+        device, dtype, act = hidden_states.device, ml.dtype, ml.module.act_fn
+        parts, at = [], 0
+        for group in self._groups(ml, experts, predicted):
+            for e, views in group:
+                n = counts[e]
+                x = xs[at:at + n]
+                if "gate_up" in views:
+                    gate, up = F.linear(x, _on(views["gate_up"], device, dtype)).chunk(2, dim=-1)
+                else:
+                    gate = F.linear(x, _on(views["gate"], device, dtype))
+                    up = F.linear(x, _on(views["up"], device, dtype))
+                h = F.linear(act(gate) * up, _on(views["down"], device, dtype))
+                parts.append((h * ws[at:at + n]).to(hidden_states.dtype))
+                at += n
+            if device.type == "cuda":
+                self._device_work = True
+        out = torch.zeros_like(hidden_states)
+        out.index_add_(0, rows, torch.cat(parts) if len(parts) > 1 else parts[0])
+        return out
+
+    def _views(self, ml, ex) -> dict:
+        f = ml.family
+        if f.gate_up is not None:
+            return {"gate_up": ex.tensor(f.gate_up), "down": ex.tensor(f.down)}
+        if ml.fused:
+            v = ex.stacked((f.gate, f.up))
+            if v is not None:
+                return {"gate_up": v, "down": ex.tensor(f.down)}
+        return {"gate": ex.tensor(f.gate), "up": ex.tensor(f.up), "down": ex.tensor(f.down)}
 
     def _predict_next(self, ml, hidden_states):
         """The next MoE layer's own gate on this layer's input: its top-k experts travel with this fetch."""
@@ -192,8 +239,13 @@ class VllmRuntime(Runtime):
 
 
 class VllmLayer(MoeLayer):
-    """``MoeLayer`` plus the top-k its gate picks (for gate-ahead)."""
+    """``MoeLayer`` plus the top-k its gate picks (for gate-ahead) and ``fused``: the layout
+    puts the gate and up tensors back to back, so one view covers both."""
 
-    def __init__(self, layer, math, router, family, names, dtype, top_k):
+    def __init__(self, layer, math, router, family, names, dtype, top_k, specs=()):
         super().__init__(layer, math, router, family, names, dtype)
         self.top_k = top_k
+        by = {s.name: s for s in specs}
+        g, u = by.get(family.gate), by.get(family.up)
+        self.fused = (g is not None and u is not None and u.offset == g.offset + g.nbytes and g.dtype == u.dtype
+                      and tuple(g.shape[1:]) == tuple(u.shape[1:]))

@@ -136,14 +136,15 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRun
         if not is_k3d(mod):
             continue
         layer = mod.k3d_layer
-        names = tuple(s.name for s in client.layout_of(layer))
+        specs = client.layout_of(layer)
+        names = tuple(s.name for s in specs)
         act = mod.activation.value
         try:
             family = Standard(set(names))
         except FamilyError as e:
             raise FamilyError(f"model type {_model_type(model)!r}: {e}") from None
         layers[layer] = VllmLayer(layer, _Math(mod.global_num_experts, act), _router_of(model, name), family,
-                                  names, mod.k3d_params_dtype, mod.top_k)
+                                  names, mod.k3d_params_dtype, mod.top_k, specs)
         modules[layer] = mod
     if sorted(layers) != checkpoint_layers:
         # a family whose experts class subclasses RoutedExperts (gpt-oss) is not replaced out of tree

@@ -5,9 +5,10 @@ Per family: a real ``k3d start`` serves a tiny checkpoint written by
 greedy, several prompts, batched and one at a time).  Qwen3-MoE also checks
 what the vLLM process holds and reads: the engine loads its own copy of the
 checkpoint, whose experts shard it must never read (mincore after a dropped page
-cache), the daemon restarts in the middle of a generation (same tokens), and a
-second engine with ``max_num_seqs=1`` runs in an arena of two slots, smaller than
-one step's experts (grouped fetches, mid-step epochs).  In bfloat16 the check is
+cache), the daemon restarts in the middle of a generation (same tokens), and it
+restarts again with an arena of two slots, smaller than one step's experts
+(grouped fetches, mid-step epochs).  One k3d engine serves the Qwen3 tests
+(module-scoped fixtures: an engine takes ~30 s to start).  In bfloat16 the check is
 one step's log-probabilities within a stated tolerance.
 """
 
@@ -27,6 +28,7 @@ from helpers import poll_for
 pytestmark = pytest.mark.vllm
 LONG = 100            # tokens of the generation a daemon restart interrupts
 BF16_TOL = 0.02       # nats, on one step's top-5 log-probabilities
+HEAD = 1 << 20        # a shard's header (and its readahead) is read: its first MiB is not checked
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,9 @@ def qwen3(tmp_path_factory):
     return served, mine, ref, ref1, long
 
 
-def _restart_mid_generation(llm, d, path, want):
-    """SIGTERM and restart the daemon on its endpoint while ``generate`` runs in another thread."""
+def _restart_mid_generation(llm, box, path, want):
+    """SIGTERM and restart ``box["daemon"]`` on its endpoint while ``generate`` runs in another thread."""
+    d = box["daemon"]
     got, done = [], threading.Event()
 
     def run():
@@ -63,55 +66,66 @@ def _restart_mid_generation(llm, d, path, want):
         poll_for(lambda: served() > before + 24, 60, "the generation's fetches")
     assert not done.is_set(), "generation ended before the restart: make LONG longer"
     assert d.stop() == 0
-    d2 = spawn_daemon(path, "--arena", "16MiB", endpoint=d.endpoint)
+    box["daemon"] = spawn_daemon(path, "--arena", "16MiB", endpoint=d.endpoint)
     t.join(120)
     assert got == [want]
-    return d2
 
 
-def test_qwen3_batch4_tokens_equal_and_no_expert_bytes_in_vllm(qwen3):
+@pytest.fixture(scope="module")
+def qwen3_k3d(qwen3):
+    """One k3d engine for the Qwen3 tests, on its own copy of the checkpoint, started with that
+    copy's page cache dropped; ``box["daemon"]`` is the daemon it is on now (tests restart it)."""
+    served, mine, *_ = qwen3
+    for name in ("experts.safetensors", "rest.safetensors"):
+        _drop_cache(os.path.join(mine, name))
+    before, total = _resident_pages(os.path.join(mine, "experts.safetensors"), HEAD)
+    assert before == 0, f"could not drop the page cache ({before}/{total} pages resident)"
+    box = {"daemon": spawn_daemon(served, "--arena", "16MiB")}
+    try:
+        with engine(mine, k3d={"endpoint": box["daemon"].endpoint}) as llm:
+            yield llm, box
+    finally:
+        box["daemon"].stop()
+
+
+def test_qwen3_batch4_tokens_equal_and_no_expert_bytes_in_vllm(qwen3, qwen3_k3d):
     served, mine, ref, ref1, long = qwen3
-    d = spawn_daemon(served, "--arena", "16MiB")
+    llm, box = qwen3_k3d
     shard = os.path.join(mine, "experts.safetensors")
-    head = 1 << 20        # the header (and its readahead) is read: the first MiB is not checked
-    assert os.path.getsize(shard) > 4 * head
-    try:
-        for name in ("experts.safetensors", "rest.safetensors"):
-            _drop_cache(os.path.join(mine, name))
-        before, total = _resident_pages(shard, head)
-        assert before == 0, f"could not drop the page cache ({before}/{total} pages resident)"
-        with engine(mine, k3d={"endpoint": d.endpoint}) as llm:
-            assert generate(llm) == ref
-            assert generate(llm, one_by_one=True) == ref1
-            (params,) = llm.apply_model(expert_params)
-            st = stats(llm)
-            d = _restart_mid_generation(llm, d, served, long)
-            assert stats(llm)["daemon_restarts"] == 1
-        after, _ = _resident_pages(shard, head)
-        assert after == 0, f"the vLLM process read {after} of {total} pages of the experts shard"
-        rest, _ = _resident_pages(os.path.join(mine, "rest.safetensors"), 0)
-        assert rest > 0, "mincore sees reads: the non-expert shard was read"
-        assert params == []
-        assert st["experts_fetched"] > 0 and st["predicted"] > 0 and 0 < st["predicted_used"] <= st["predicted"]
-        # a step fetches the union of its tokens' experts, at most tokens x top-k
-        assert 0 < st["experts_per_layer_step"] < st["routed_per_layer_step"]
-        assert st["epochs"] == st["forwards"] and st["cache_full_retries"] == 0
-    finally:
-        d.stop()
+    assert os.path.getsize(shard) > 4 * HEAD
+    assert generate(llm) == ref
+    assert generate(llm, one_by_one=True) == ref1
+    (params,) = llm.apply_model(expert_params)
+    st = stats(llm)
+    _restart_mid_generation(llm, box, served, long)
+    assert stats(llm)["daemon_restarts"] == 1
+    after, total = _resident_pages(shard, HEAD)
+    assert after == 0, f"the vLLM process read {after} of {total} pages of the experts shard"
+    rest, _ = _resident_pages(os.path.join(mine, "rest.safetensors"), 0)
+    assert rest > 0, "mincore sees reads: the non-expert shard was read"
+    assert params == []
+    assert st["experts_fetched"] > 0 and st["predicted"] > 0 and 0 < st["predicted_used"] <= st["predicted"]
+    # a step fetches the union of its tokens' experts, at most tokens x top-k
+    assert 0 < st["experts_per_layer_step"] < st["routed_per_layer_step"]
+    assert st["epochs"] == st["forwards"] and st["cache_full_retries"] == 0
 
 
-def test_qwen3_batch1_in_an_arena_smaller_than_a_step(qwen3):
+def test_qwen3_in_an_arena_smaller_than_a_step(qwen3, qwen3_k3d):
+    """The same engine once its daemon restarts with two slots, fewer than one step's experts:
+    batched (B = 4) and one prompt at a time (B = 1 steps, what ``max_num_seqs=1`` gives)."""
     served, _, ref, ref1, _ = qwen3
-    d = spawn_daemon(served, "--arena", str(_slot_arena(served, "qwen3_moe", 2)))
-    try:
-        with engine(served, k3d={"endpoint": d.endpoint}, max_num_seqs=1) as llm:
-            assert generate(llm) == ref
-            assert generate(llm, one_by_one=True) == ref1
-            st = stats(llm)
-        assert st["epochs"] > st["forwards"]         # groups of two experts, new epochs inside steps
-        assert st["cache_full_retries"] == 0         # planned from the slot count: never refused
-    finally:
-        d.stop()
+    llm, box = qwen3_k3d
+    assert box["daemon"].stop() == 0
+    box["daemon"] = spawn_daemon(served, "--arena", str(_slot_arena(served, "qwen3_moe", 2)),
+                                 endpoint=box["daemon"].endpoint)
+    assert generate(llm) == ref                       # the first fetch finds the new daemon
+    s0 = stats(llm)
+    assert generate(llm, one_by_one=True) == ref1
+    assert generate(llm) == ref
+    s1 = stats(llm)
+    forwards, epochs = s1["forwards"] - s0["forwards"], s1["epochs"] - s0["epochs"]
+    assert epochs > forwards                          # groups of two experts, new epochs inside steps
+    assert s1["cache_full_retries"] == s0["cache_full_retries"]   # planned from the slot count: never refused
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])

@@ -35,8 +35,8 @@ KV_BYTES = 64 << 20
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 40, 90, 3, 17, 60], [100, 5]]
 MAX_TOKENS = 8
 
-_ROOT = tempfile.mkdtemp(prefix="k3d-vllm-tests-")
 _CACHE: dict = {}
+_ROOT: list[str] = []          # this module's checkpoint directory, made on first use
 
 
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -44,14 +44,15 @@ _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{1
 
 @pytest.fixture(autouse=True, scope="module")
 def _vllm_ipc_files():
-    """vLLM's engines leave their ipc files (``TMPDIR/<uuid>``, ``TMPDIR/vllm_dist_*``)
-    behind; they are vLLM's, not k3d's: removed after each module, with this module's
+    """vLLM's engines leave their ipc files (``TMPDIR/<uuid>``, ``TMPDIR/vllm_dist_*``) and
+    torch's compile cache (``TMPDIR/torchinductor_<user>``, made by the functions vLLM
+    compiles even in eager mode) behind; they are vLLM's, not k3d's: removed after each module, with this module's
     checkpoints, so the session's leftover check sees only what k3d's code leaves."""
     tmp = tempfile.gettempdir()
     before = set(os.listdir(tmp))
     yield
     for name in set(os.listdir(tmp)) - before:
-        if _UUID.match(name) or name.startswith("vllm_dist_"):
+        if _UUID.match(name) or name.startswith(("vllm_dist_", "torchinductor_")):
             path = os.path.join(tmp, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
@@ -59,15 +60,17 @@ def _vllm_ipc_files():
                 with contextlib.suppress(OSError):
                     os.unlink(path)
     _CACHE.clear()
-    shutil.rmtree(_ROOT, ignore_errors=True)
+    while _ROOT:
+        shutil.rmtree(_ROOT.pop(), ignore_errors=True)
 
 
 def checkpoint(family: str, split: bool = False, **sizes) -> str:
     """A tiny ``family`` checkpoint vLLM's CPU engine runs; ``split``: experts in their own shard."""
     key = (family, split, tuple(sorted(sizes.items())))
     if key not in _CACHE:
-        os.makedirs(_ROOT, exist_ok=True)          # removed after each module (_vllm_ipc_files)
-        out = tempfile.mkdtemp(prefix=f"{family}-", dir=_ROOT)
+        if not _ROOT:                              # removed after each module (_vllm_ipc_files)
+            _ROOT.append(tempfile.mkdtemp(prefix="k3d-vllm-tests-"))
+        out = tempfile.mkdtemp(prefix=f"{family}-", dir=_ROOT[0])
         if split:
             hf_models.split_experts(checkpoint(family, **sizes), out)
         else:

