@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -66,12 +67,19 @@ def test_status_json_failure_is_json(tmp_path):
     assert out["ok"] is False and "not running" in out["error"]
 
 
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn``: SIGINT at its default in the child, whatever the test run inherited.
+    A run started in the background by a non-interactive shell has SIGINT ignored, and an
+    ignored signal stays ignored across exec: ``k3ctl --watch`` would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_watch_prints_frames_with_interval_rates(checkpoint, start_daemon):
     import k3client
     d = start_daemon(checkpoint, "--arena", "4MiB")
     p = subprocess.Popen([sys.executable, "-m", "k3d.commands.ctl", "status", "--watch", "0.3",
                           "--endpoint", d.endpoint],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it)
     try:
         with k3client.connect(d.endpoint, name="w") as c:
             deadline = time.monotonic() + 30
@@ -83,7 +91,7 @@ def test_watch_prints_frames_with_interval_rates(checkpoint, start_daemon):
                     break
             time.sleep(1.0)
     finally:
-        p.send_signal(2)
+        p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
     frames = [f for f in out.split("\n\n") if f.strip()]
@@ -96,9 +104,9 @@ def test_watch_prints_frames_with_interval_rates(checkpoint, start_daemon):
 def test_watch_json_is_one_object_per_line(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "k3d.commands.ctl", "status", "--watch", "0.2", "--json",
                           "--endpoint", f"ipc://{tmp_path}/k.sock"], stdout=subprocess.PIPE, text=True,
-                         env=dict(os.environ))
+                         env=dict(os.environ), preexec_fn=ctrl_c_reaches_it)
     time.sleep(1.5)
-    p.send_signal(2)
+    p.send_signal(signal.SIGINT)
     out, _ = p.communicate(timeout=30)
     lines = [json.loads(line) for line in out.splitlines() if line.strip()]
     assert len(lines) >= 2 and all(x["ok"] is False for x in lines)
