@@ -38,7 +38,6 @@ class ConfigError(Exception):
     pass
 
 
-
 @dataclass
 class Live:
     """The settings a running daemon changes on SIGHUP, in the one object every component
@@ -53,7 +52,13 @@ class Live:
 
     @classmethod
     def of(cls, cfg: "Config", trace=None) -> "Live":
-        return cls(pin_quota=cfg.pin_quota, max_share=cfg.max_share, lease_s=cfg.lease_s, trace=trace)
+        live = cls()
+        live.take(cfg, trace)
+        return live
+
+    def take(self, cfg: "Config", trace) -> None:
+        """Take ``cfg``'s live settings and the open ``trace``: the one mapping from a config."""
+        self.pin_quota, self.max_share, self.lease_s, self.trace = cfg.pin_quota, cfg.max_share, cfg.lease_s, trace
 
 
 @dataclass(frozen=True)

@@ -115,11 +115,6 @@ class Store(PredictionBook):
         self.quality: dict[int, PredictionStats] = {}     # client -> its predictions and timeliness
         self.quality_gone = PredictionStats()             # summed over clients that left
 
-    @property
-    def pin_quota(self) -> int:
-        """Slots one holder may pin (0: no limit), as the live settings say now."""
-        return self.live.pin_quota
-
     # -- queries ------------------------------------------------------------
     def gauges(self) -> dict:
         waiting = len(self.reuse.limbo)

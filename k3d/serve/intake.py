@@ -69,7 +69,7 @@ class Intake:
                 # serves its only request at once, whatever its cost), so skip them.
                 self._direct = (now, routing, frames)
                 return
-            size = sum(len(f.buffer) for f in frames) if len(frames) != 1 else len(frames[0].buffer)
+            size = sum(len(f.buffer) for f in frames)
             turns.push(routing, (now, routing, frames), cost_of(size))
             if not more:
                 return

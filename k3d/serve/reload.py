@@ -46,8 +46,7 @@ def apply(cur, new, live, t0: float):
                if getattr(cur, n) != getattr(new, n)]
     logging.getLogger().setLevel(new.log_level.upper())
     running = dataclasses.replace(cur, **{n: getattr(new, n) for n in LIVE})
-    live.pin_quota, live.max_share, live.lease_s, live.trace = \
-        running.pin_quota, running.max_share, running.lease_s, opened
+    live.take(running, opened)
     if fixed:
         log.warning("reload: %s only change on restart; keeping the running values", ", ".join(fixed))
     log.info("reloaded config: %s", ", ".join(changed) or "no live setting changed")

@@ -73,26 +73,19 @@ class CyclePolicy(PinTable):
         self._cand.pop(layer, None)
 
     def _used(self, key) -> None:
-        layer, expert = key
-        v = self._visits.get(layer, 0)
-        st = self._stat.get(key)
-        if st is None:
-            st = self._stat[key] = [1.0, v]
-        else:
-            st[0] = st[0] * self._decay ** (v - st[1]) + 1.0
-            st[1] = v
-        self._fwd[key] = self._forward(st)
-        self._picks[layer] = self._picks.get(layer, 0) + 1
-        if expert >= self._experts.get(layer, 0):
-            self._experts[layer] = expert + 1
-        self._cand.pop(layer, None)
+        self._used_all((key,))
 
     def touch_all(self, slots, keys) -> None:
-        """``touch`` of each key in order, as ``_used`` does it (the same arithmetic, so the
-        same floats), with the dictionaries looked up once for the fetch."""
+        """``touch`` of each key in order (a fetch's hits)."""
+        self._used_all(keys)
+
+    def _used_all(self, keys) -> None:
+        """Each of ``keys`` was used, in order: its decayed count, its order within the
+        layer (``_forward``'s value), the layer's picks.  The one copy of this arithmetic,
+        with the dictionaries looked up once per call (a fetch's keys come together)."""
         visits, stat, fwd, picks, experts, cand = \
             self._visits, self._stat, self._fwd, self._picks, self._experts, self._cand
-        decay, log_decay, log = self._decay, self._log_decay, math.log
+        decay, forward = self._decay, self._forward
         for layer, expert in keys:
             key = (layer, expert)
             v = visits.get(layer, 0)
@@ -102,7 +95,7 @@ class CyclePolicy(PinTable):
             else:
                 st[0] = st[0] * decay ** (v - st[1]) + 1.0
                 st[1] = v
-            fwd[key] = log(st[0]) - st[1] * log_decay
+            fwd[key] = forward(st)
             picks[layer] = picks.get(layer, 0) + 1
             if expert >= experts.get(layer, 0):
                 experts[layer] = expert + 1
@@ -135,9 +128,7 @@ class CyclePolicy(PinTable):
         return slot in self._key
 
     def _pinned(self, slot: int) -> None:
-        key = self._key.get(slot)
-        if key is not None:
-            self._cand.pop(key[0], None)
+        self._pinned_all((slot,))
 
     _unpinned = _pinned
 
