@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import glob
 import os
 import re
 import shutil
@@ -39,6 +40,7 @@ _CACHE: dict = {}
 _ROOT: list[str] = []          # this module's checkpoint directory, made on first use
 
 
+SHM = "/dev/shm"
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
@@ -46,11 +48,18 @@ _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{1
 def _vllm_ipc_files():
     """vLLM's engines leave their ipc files (``TMPDIR/<uuid>``, ``TMPDIR/vllm_dist_*``) and
     torch's compile cache (``TMPDIR/torchinductor_<user>``, made by the functions vLLM
-    compiles even in eager mode) behind; they are vLLM's, not k3d's: removed after each module, with this module's
-    checkpoints, so the session's leftover check sees only what k3d's code leaves."""
+    compiles even in eager mode) behind, and a killed vLLM process its shared memory; they are
+    vLLM's, not k3d's: removed after each module, with this module's checkpoints, so the
+    session's leftover check sees only what k3d's code leaves."""
     tmp = tempfile.gettempdir()
-    before = set(os.listdir(tmp))
+    before, shm_before = set(os.listdir(tmp)), set(os.listdir(SHM))
     yield
+    # Python shared-memory segments (``/dev/shm/psm_*``, hundreds of MiB each) of vLLM
+    # processes this module killed: nobody unlinks them.  Only new ones that no live
+    # process maps go (a concurrent run's segments in use are left alone).
+    for name in _unmapped({n for n in set(os.listdir(SHM)) - shm_before if n.startswith("psm_")}):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM, name))
     for name in set(os.listdir(tmp)) - before:
         if _UUID.match(name) or name.startswith(("vllm_dist_", "torchinductor_")):
             path = os.path.join(tmp, name)
@@ -63,6 +72,18 @@ def _vllm_ipc_files():
     while _ROOT:
         shutil.rmtree(_ROOT.pop(), ignore_errors=True)
 
+
+
+def _unmapped(names: set[str]) -> set[str]:
+    """Those of the /dev/shm ``names`` that no process here has mapped."""
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        if not names:
+            break
+        with contextlib.suppress(OSError):
+            with open(maps) as f:
+                text = f.read()
+            names = {n for n in names if f"{SHM}/{n}" not in text}
+    return names
 
 def checkpoint(family: str, split: bool = False, **sizes) -> str:
     """A tiny ``family`` checkpoint vLLM's CPU engine runs; ``split``: experts in their own shard."""
