@@ -93,7 +93,7 @@ class Cache:
         for slot in plan.waiting:     # someone else's held-back read: this client waits too
             self.reads.waited_on(slot, s.client_id)
         s.fetches += 1
-        self._trace_fetch(s, keys, plan, now)
+        self._trace_fetch(s, keys, now, plan.misses, plan.evictions, plan.waited, plan.prefetched_hits)
         started = self.predict(s, predicted, now) if predicted else 0
         if self.auto is not None:             # the daemon's own, after the client's
             self._auto(s, keys, plan, started, now)
@@ -104,14 +104,23 @@ class Cache:
         self.replies.ok(s.routing, rid, {"slots": checked_slots(store, keys, plan.slots)})
         self.latency.record(result, time.monotonic() - t0)
 
-    def report(self, s: Session, hits, now: float) -> None:
-        """Apply ``s``'s hit reports: ``[(keys, slots seen), ...]`` in the order it fetched."""
-        for keys, seen in hits:
-            plan = self.store.report(s.holder, keys, seen)
-            s.fetches += 1
-            self._trace_fetch(s, keys, plan, now)
-            if self.auto is not None:         # learn only: the client is past this layer
-                self.auto.after_fetch(s.client_id, keys, plan.slots, predict=False)
+    def report(self, s: Session, hits, now: float, ends_epoch: bool = False) -> int:
+        """Apply ``s``'s hit reports: ``[(keys, slots seen), ...]`` in the order it fetched.
+        ``ends_epoch``: ``s``'s epoch ends next (``begin_token``), so no pins are taken
+        (``Store.report_all``); returns the pins that ending it would have released."""
+        if not hits:
+            return 0
+        used, skipped = self.store.report_all(s.holder, hits, pin=not ends_epoch)
+        s.fetches += len(hits)
+        if self.live.trace is not None:
+            for (keys, _), prefetched in zip(hits, used):
+                self._trace_fetch(s, keys, now, prefetched=prefetched)
+        auto = self.auto
+        if auto is not None:                  # learn only: the client is past these layers
+            cid = s.client_id
+            for keys, seen in hits:
+                auto.after_fetch(cid, keys, seen, predict=False)
+        return skipped
 
     def predict(self, s: Session, keys, now: float) -> int:
         """Start background reads of ``keys`` not resident; returns how many started.
@@ -135,11 +144,11 @@ class Cache:
         """``s`` begins its next token: its reports first, then its pins go.  Returns the
         pins released."""
         now = time.monotonic()
-        if hits:
-            self.report(s, hits, now)
+        skipped = self.report(s, hits, now, ends_epoch=True)
         if self.live.trace is not None:
             self.live.trace.begin(now, s.client_id, s.epoch)
         released, unused = self.store.end_epoch(s.client_id, s.holder)
+        released += skipped
         if self.auto is not None:             # after the client's own, as k3d replay does
             self.auto.end_token(s.client_id)
             # the token's first layer, which no client can name yet
@@ -164,11 +173,11 @@ class Cache:
         if store.want or now - store.pressed < PRESSURE_S:
             store.make_room(now)
 
-    def _trace_fetch(self, s: Session, keys, plan, now: float) -> None:
+    def _trace_fetch(self, s: Session, keys, now: float, misses: int = 0, evictions: int = 0,
+                     waited: int = 0, prefetched: int = 0) -> None:
         if self.live.trace is not None:
             try:
-                self.live.trace.fetch(now, s.client_id, s.epoch, keys, plan.misses, plan.evictions, plan.waited,
-                                 plan.prefetched_hits, s.pfu)
+                self.live.trace.fetch(now, s.client_id, s.epoch, keys, misses, evictions, waited, prefetched, s.pfu)
             except OSError as e:   # a full disk must not fail a fetch that is already planned
                 log.error("route trace %s: %s; tracing stops", self.live.trace.path, e)
                 self.live.trace = None

@@ -46,8 +46,8 @@ slots that are free or reusable now: when only waiting ones would do, it raises
 ``SlotsBusy`` (the client retries) and ``make_room`` evicts ahead.  With one
 client, blocked in the request that evicts, every victim is reusable at once,
 so slots, counters and the trace are those of a store without the index.
-Clients report their hits later (``report``), with the same effect on the policy
-and the counters as a fetch of those keys.
+Clients report their hits later (``report_all``, ``k3d.cache.reported``), with the
+same effect on the policy and the counters as a fetch of those keys.
 
 Predictions (who predicted which slot, used or not, the quota) are the store's
 ``PredictionBook`` (``k3d.cache.predictions``).
@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from k3client.errors import CacheFull, QuotaExceeded, SlotsBusy
 from k3d.cache.policy import LruPolicy
 from k3d.cache.predictions import PredictionBook
+from k3d.cache.reported import ReportedHits
 from k3d.cache.reuse import Reuse
 from k3d.config import Live
 from k3d.memory.index import NoIndex
@@ -92,7 +93,7 @@ class Loading:
 
 
 @dataclass
-class Store(PredictionBook):
+class Store(PredictionBook, ReportedHits):
     slots: int
     live: Live = field(default_factory=Live)             # its pin_quota is read at each use
     policy: object = field(default_factory=LruPolicy)    # any k3d.cache.policy class
@@ -204,49 +205,6 @@ class Store(PredictionBook):
         q.missed += plan.misses
         q.waited += plan.waited
         q.ready += len(keys) - plan.misses - plan.waited
-        return plan
-
-    def report(self, holder, keys: list[tuple[int, int]], seen: list[int]) -> FetchPlan:
-        """A fetch of ``keys`` the client answered itself, from slots ``seen`` in the index.
-
-        A key still READY in the slot it was seen in counts as the hit of a fetch
-        (the policy hears it in the same order, prediction accounting alike) and is
-        pinned for ``holder``; over the pin quota, or if the key has left that slot
-        since (a late report), the slot is claimed instead: it is not reused before
-        the client's next token (``reuse``).  Nothing is read and nothing refused."""
-        client = holder[0]
-        policy, state, key_slot, quota = self.policy, self.state, self.key_slot, self.live.pin_quota
-        for layer in dict.fromkeys(k[0] for k in keys):
-            policy.visit(layer)
-        plan = FetchPlan(slots=list(seen), new_loads=[], waiting=set(), promote=[])
-        good = [(key, s) for key, s in zip(keys, seen) if key_slot.get(key) == s and state[s] == READY]
-        n = len(keys)
-        late = n - len(good)
-        if late:
-            for key, s in zip(keys, seen):
-                if key_slot.get(key) != s or state[s] != READY:
-                    self.reuse.claim(client, s)
-            keys, seen = [k for k, _ in good], [s for _, s in good]   # (the counts below: all of them)
-        if not quota:
-            policy.pin_all(seen, holder)           # pins, then touches in order: as a fetch's hits
-        else:
-            for s in seen:
-                if s not in (held := policy.held(holder)) and len(held) >= quota:
-                    self.reuse.claim(client, s)
-                else:
-                    policy.pin(s, holder)
-        policy.touch_all(seen, keys)
-        if self.predicted_by:
-            for s in seen:
-                if s in self.predicted_by:
-                    plan.prefetched_hits += self._prediction_used(s)
-        st = self.stats
-        st.fetches += 1
-        st.hits += n
-        st.client_hits += n
-        st.late_hits += late
-        st.prefetch_hits += plan.prefetched_hits
-        self.client_quality(client).ready += n
         return plan
 
     def _all_plain_hits(self, have: list) -> bool:

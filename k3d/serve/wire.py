@@ -162,13 +162,15 @@ def keys(msg: dict, field: str, unique: bool, source) -> list[tuple[int, int]]:
 def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], list[int]]]:
     """``msg["hits"]``: a client's reports of fetches it answered itself, each
     ``[layer, [experts], [slots seen]]``; ``[]`` when absent.  Every key must be one
-    ``source`` serves (unique within its report) and every slot one of the arena's."""
+    ``source`` serves (unique within its report) and every slot one of the arena's.
+    This runs for every hit every client reports, so the common case is checked with
+    a few builtins per report (``_dense``); ``keys`` names the first bad key otherwise."""
     raw = msg.get("hits")
     if raw is None:
         return []
-    if not isinstance(raw, list):
+    if type(raw) is not list:
         raise BadRequest("hits must be a list of [layer, [experts], [slots]] reports")
-    out, total, known = [], 0, source.keys
+    out, total, dense = [], 0, _dense(source.keys)
     for item in raw:
         if not (type(item) is list and len(item) == 3 and type(item[1]) is list
                 and type(item[2]) is list and len(item[1]) == len(item[2]) and item[1]):
@@ -177,16 +179,31 @@ def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], lis
         total += len(experts)
         if total > MAX_KEYS:
             raise BadRequest(f"hits report more than {MAX_KEYS} keys in one request")
-        # type sets, not a generator per element: this runs for every hit every client reports
         if not (set(map(type, seen)) <= _INT and 0 <= min(seen) and max(seen) < slots):
             raise BadRequest(f"hits: slots {str(seen)[:80]} are not slots of this arena (0..{slots - 1})")
-        ks = [(layer, e) for e in experts]
-        # the common case at once; keys() below names the first bad key otherwise
-        if type(layer) is not int or not set(map(type, experts)) <= _INT or not known.keys() >= set(ks) \
-                or len(set(experts)) != len(experts):
-            ks = keys({"hits": [[layer, e] for e in experts]}, "hits", True, source)
-        out.append((ks, seen))
+        n = dense.get(layer) if type(layer) is int else None
+        if n is not None and set(map(type, experts)) <= _INT and 0 <= min(experts) and max(experts) < n \
+                and len(set(experts)) == len(experts):
+            out.append(([(layer, e) for e in experts], seen))
+        else:
+            out.append((keys({"hits": [[layer, e] for e in experts]}, "hits", True, source), seen))
     return out
+
+
+_dense_of: list = [None, 0, {}]       # (the source's key dict, its size, its _dense table)
+
+
+def _dense(known: dict) -> dict[int, int]:
+    """Layer -> n for the layers whose experts are exactly 0..n-1 in ``known`` (every
+    checkpoint's so far): a key of such a layer is known when its expert is in range.
+    Rebuilt when the dict or its size changes (keys are only ever added to it)."""
+    if _dense_of[0] is not known or _dense_of[1] != len(known):
+        per: dict[int, set] = {}
+        for layer, expert in known:
+            per.setdefault(layer, set()).add(expert)
+        table = {layer: len(es) for layer, es in per.items() if max(es) == len(es) - 1 and min(es) == 0}
+        _dense_of[:] = [known, len(known), table]
+    return _dense_of[2]
 
 
 class Replies:

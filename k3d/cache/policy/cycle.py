@@ -81,25 +81,35 @@ class CyclePolicy(PinTable):
 
     def _used_all(self, keys) -> None:
         """Each of ``keys`` was used, in order: its decayed count, its order within the
-        layer (``_forward``'s value), the layer's picks.  The one copy of this arithmetic,
-        with the dictionaries looked up once per call (a fetch's keys come together)."""
+        layer (``_forward``'s value, written out here), the layer's picks.  The one copy
+        of this arithmetic.  Per key it is a few dictionary operations, because every
+        reported hit of every client costs the daemon this: the layer's entries are
+        looked up once per run of keys of one layer (a fetch's keys come so), and the
+        highest expert id is checked only for a key seen the first time (``restore``
+        keeps it above every key's)."""
         visits, stat, fwd, picks, experts, cand = \
             self._visits, self._stat, self._fwd, self._picks, self._experts, self._cand
-        decay, forward = self._decay, self._forward
-        for layer, expert in keys:
-            key = (layer, expert)
-            v = visits.get(layer, 0)
+        decay, log_decay, log = self._decay, self._log_decay, math.log
+        layer, run = None, 0
+        for key in keys:
+            if key[0] != layer:
+                if run:
+                    picks[layer] = picks.get(layer, 0) + run
+                layer, run = key[0], 0
+                v = visits.get(layer, 0)
+                cand.pop(layer, None)
+            run += 1
             st = stat.get(key)
             if st is None:
                 st = stat[key] = [1.0, v]
+                if key[1] >= experts.get(layer, 0):
+                    experts[layer] = key[1] + 1
             else:
                 st[0] = st[0] * decay ** (v - st[1]) + 1.0
                 st[1] = v
-            fwd[key] = forward(st)
-            picks[layer] = picks.get(layer, 0) + 1
-            if expert >= experts.get(layer, 0):
-                experts[layer] = expert + 1
-            cand.pop(layer, None)
+            fwd[key] = log(st[0]) - v * log_decay
+        if run:
+            picks[layer] = picks.get(layer, 0) + run
 
     def insert(self, slot: int, key=None, predicted: bool = False) -> None:
         layer = key[0]
@@ -255,6 +265,8 @@ class CyclePolicy(PinTable):
         for key, st in keys:                  # an update can't be later than its layer's visits
             st[1] = min(st[1], self._visits.get(key[0], 0))
             self._stat[key] = st
+            if key[1] >= self._experts.get(key[0], 0):    # (``_used_all`` relies on it)
+                self._experts[key[0]] = key[1] + 1
             if st[0] > 0:
                 self._fwd[key] = self._forward(st)
         self._cand.clear()

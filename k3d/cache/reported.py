@@ -1,0 +1,96 @@
+"""The store's half of the hit path: fetches a client answered itself, applied later.
+
+Part of ``Store`` (``k3d.cache.store``; a mixin over the store's own fields, as
+``PredictionBook``), kept apart because it is one concern and the one per-hit cost
+left in the daemon: every access a client answers from the shared index reaches
+the policy here, in the order the client made it.
+
+A report is ``(keys, seen)``: one fetch's keys, all of one layer (``wire.hits``
+builds them so), and the slots the client saw them in.  A key still READY in
+the slot it was seen in counts as the hit of a fetch: the policy hears the
+layer's visit and the touch in the same order as for a fetch, prediction
+accounting alike, and the slot is pinned for the client's epoch.  A key that has
+left that slot since (a late report) is claimed instead: its slot is not reused
+before the client's next token (``reuse``).  Nothing is read and nothing refused.
+
+Batching, and why it changes nothing: ``report_all`` applies a request's reports
+in one call.  Between two reports of one request nothing chooses a victim (a
+report never evicts, and the daemon's predictor only learns from it), and pins
+only ever matter to a victim choice; so the pins of all the reports can be taken
+once, after their visits and touches, and victims, counters and the route trace
+are those of one ``report`` per fetch.  When the same request then ends the
+client's epoch (``begin_token``) and there is no pin quota, ``pin=False`` takes
+no pins at all: they would be released before anything could see them.  The
+count of pins released stays what it would have been (``released``).
+
+Thread: the server thread, as the store.
+"""
+
+from __future__ import annotations
+
+READY = "ready"          # (the store's; a literal here so that the mixin imports nothing back)
+
+
+class ReportedHits:
+    def report(self, holder, keys: list[tuple[int, int]], seen: list[int]) -> int:
+        """One report (``report_all`` of one); returns the predicted slots it used."""
+        return self.report_all(holder, [(keys, seen)])[0][0]
+
+    def report_all(self, holder, reports, pin: bool = True) -> tuple[list[int], int]:
+        """Apply ``reports`` (``[(keys, slots seen), ...]``, in the order the client
+        answered them) for ``holder`` (client, epoch).  ``pin`` False: the caller ends
+        ``holder``'s epoch next, with nothing in between (see the module docstring).
+        Returns (per report, how many of its keys were predicted slots it used; the
+        pins not taken because of ``pin`` False, which ending the epoch would have released)."""
+        client = holder[0]
+        policy, state, key_slot = self.policy, self.state, self.key_slot
+        predicted = self.predicted_by
+        visit, touch_all = policy.visit, policy.touch_all
+        used, pins = [], []
+        n = late = 0
+        for keys, seen in reports:
+            m = len(keys)
+            n += m
+            visit(keys[0][0])
+            for key, s in zip(keys, seen):
+                if key_slot.get(key) != s or state[s] != READY:
+                    keys, seen = self._not_late(client, keys, seen)
+                    late += m - len(keys)
+                    break
+            pins += seen
+            touch_all(seen, keys)
+            used.append(sum(self._prediction_used(s) for s in seen if s in predicted) if predicted else 0)
+        skipped = 0
+        quota = self.live.pin_quota
+        if quota:                                   # (``pin`` False is for no quota only)
+            for s in pins:
+                if s not in (held := policy.held(holder)) and len(held) >= quota:
+                    self.reuse.claim(client, s)
+                else:
+                    policy.pin(s, holder)
+        elif pin:
+            policy.pin_all(pins, holder)
+        else:
+            held = policy.held(holder)
+            skipped = sum(1 for s in set(pins) if s not in held)
+        st = self.stats
+        st.fetches += len(reports)
+        st.hits += n
+        st.client_hits += n
+        st.late_hits += late
+        st.prefetch_hits += sum(used)
+        self.client_quality(client).ready += n
+        return used, skipped
+
+    def _not_late(self, client: int, keys, seen) -> tuple[list, list]:
+        """``keys`` and ``seen`` less the keys no longer READY in the slot seen, whose
+        slots are claimed until ``client``'s next token."""
+        good_k, good_s = [], []
+        key_slot, state, claim = self.key_slot, self.state, self.reuse.claim
+        for key, s in zip(keys, seen):
+            if key_slot.get(key) == s and state[s] == READY:
+                good_k.append(key)
+                good_s.append(s)
+            else:
+                claim(client, s)
+        return good_k, good_s
