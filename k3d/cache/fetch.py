@@ -115,11 +115,8 @@ class Cache:
         if self.live.trace is not None:
             for (keys, _), prefetched in zip(hits, used):
                 self._trace_fetch(s, keys, now, prefetched=prefetched)
-        auto = self.auto
-        if auto is not None:                  # learn only: the client is past these layers
-            cid = s.client_id
-            for keys, seen in hits:
-                auto.after_fetch(cid, keys, seen, predict=False)
+        if self.auto is not None:             # learn only: the client is past these layers
+            self.auto.after_reports(s.client_id, hits)
         return skipped
 
     def predict(self, s: Session, keys, now: float) -> int:

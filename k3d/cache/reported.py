@@ -45,21 +45,24 @@ class ReportedHits:
         client = holder[0]
         policy, state, key_slot = self.policy, self.state, self.key_slot
         predicted = self.predicted_by
-        visit, touch_all = policy.visit, policy.touch_all
-        used, pins = [], []
+        heard, pins = [], []
         n = late = 0
         for keys, seen in reports:
             m = len(keys)
             n += m
-            visit(keys[0][0])
+            layer = keys[0][0]
             for key, s in zip(keys, seen):
                 if key_slot.get(key) != s or state[s] != READY:
                     keys, seen = self._not_late(client, keys, seen)
                     late += m - len(keys)
                     break
+            heard.append((layer, keys, seen))
             pins += seen
-            touch_all(seen, keys)
-            used.append(sum(self._prediction_used(s) for s in seen if s in predicted) if predicted else 0)
+        policy.hear_all(heard)
+        if predicted:
+            used = [sum(self._prediction_used(s) for s in seen if s in predicted) for _, _, seen in heard]
+        else:
+            used = [0] * len(heard)
         skipped = 0
         quota = self.live.pin_quota
         if quota:                                   # (``pin`` False is for no quota only)

@@ -8,11 +8,14 @@ read-only whatever it asks for.  A
 peer that ``access.peer_allowed`` refuses gets one line of text and no fd.
 
 The socket is bound 0660 by the caller (``access.private_umask``) and removed by
-``close``.  Accepting never blocks the loop: the socket is non-blocking, each
-connection gets its one packet or nothing, and EMFILE leaves the waiting
-client for the next poll while everyone else is served.
+``close``.  Each connection gets its one packet or nothing (the send never
+waits), and EMFILE leaves the waiting client for the next try.
 
-Thread: the server thread owns the socket (``serve`` runs in its loop).
+Thread: ``k3d-handout`` accepts and answers; it reads only what never changes
+while the daemon runs (the two fds, their sizes, ``gen``) and touches nothing
+the server thread owns, so the loop never polls this socket.  ``bind``,
+``start`` and ``close`` are the server thread's; ``close`` shuts the listener
+down, which ends the thread's ``accept``, and joins it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+import time
 
 from k3client.protocol import pack
 from k3d.serve.access import peer_allowed, refusal, unix_peer_cred
@@ -31,27 +36,33 @@ class ArenaHandout:
     def __init__(self, path: str, arena, gen: int, index):
         self.path, self.arena, self.gen, self.index = path, arena, gen, index
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._closed = False
+        self._thread: threading.Thread | None = None
 
     def bind(self) -> None:
         """Bind and listen (call under ``private_umask``; the mode is set again after)."""
         self.listener.bind(self.path)
         os.chmod(self.path, 0o660)
         self.listener.listen(64)
-        self.listener.setblocking(False)
 
-    def fileno(self) -> int:
-        return self.listener.fileno()
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name="k3d-handout", daemon=True)
+        self._thread.start()
 
-    def serve(self) -> None:
-        """Answer every connection waiting now."""
-        while True:
+    def _serve(self) -> None:
+        """Answer connections until ``close``."""
+        while not self._closed:
             try:
                 conn, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:   # EMFILE/ENFILE: this client waits; everyone else is served
+            except InterruptedError:
+                continue
+            except OSError as e:
+                if self._closed:
+                    return
+                # EMFILE/ENFILE: this client waits; a pause, not a spin
                 log.warning("cannot accept an arena connection: %s", e)
-                return
+                time.sleep(0.1)
+                continue
             with conn:
                 conn.setblocking(False)
                 self._answer(conn)
@@ -76,7 +87,14 @@ class ArenaHandout:
             log.warning("could not hand out the arena: %s", e)
 
     def close(self) -> None:
-        """Stop accepting and remove the socket file."""
+        """Stop accepting (the thread ends) and remove the socket file."""
+        self._closed = True
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)     # ends a blocked accept (Linux: EINVAL)
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
         self.listener.close()
         try:
             os.unlink(self.path)

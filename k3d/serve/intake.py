@@ -19,7 +19,9 @@ Three steps, in the order the server loop takes them:
 
 ``poll_ms`` is how long the loop may sleep in poll: 0 while a request may be
 handled now, until the first held client's release while only held ones
-wait, else 100 ms (housekeeping).
+wait, else ``IDLE_MS`` (housekeeping).  With nothing waiting and no read in
+flight the loop does not poll: it waits in ``receive(block=True)``, up to the
+socket's RCVTIMEO, which the server sets to ``IDLE_MS``.
 
 Thread: the server thread owns all of it (``charge`` for a read is called from
 ``Cache.apply_done``, on the same thread).
@@ -36,6 +38,7 @@ from k3d.serve.pacing import Pacer
 from k3d.serve.turns import Turns, cost_of
 
 RECV_BATCH = 256         # requests taken off the socket per loop pass, at most
+IDLE_MS = 100            # the longest the loop sleeps: housekeeping runs at least this often
 BILL_S = 0.001           # CPU seconds a client runs up before the pacer hears of them
 
 
@@ -52,18 +55,24 @@ class Intake:
     def waiting(self) -> int:
         return self.turns.waiting + (self._direct is not None)
 
-    def receive(self) -> None:
-        """Take the requests waiting on the socket into ``turns``.  The socket's EVENTS
-        says whether another request waits: asking it is cheaper than a recv failing
-        with zmq.Again (bench/README.md, "intake")."""
+    def receive(self, block: bool = False) -> None:
+        """Take the requests waiting on the socket into ``turns``; ``block``: wait for
+        the first one (up to the socket's RCVTIMEO).  The socket's EVENTS says whether
+        another request waits: asking it is cheaper than a recv failing with zmq.Again
+        (bench/README.md, "intake").  The loop's own wake-ups are taken and dropped."""
         sock, turns = self.sock, self.turns
         for _ in range(RECV_BATCH):
-            got = wire.receive(sock)
+            got = wire.receive(sock, block)
             if got is None:
                 return
+            block = False
             routing, frames = got
-            now = time.monotonic()
             more = wire.more_waiting(sock)
+            if routing == wire.WAKE_ID:
+                if not more:
+                    return
+                continue
+            now = time.monotonic()
             if not more and not turns.waiting and self._direct is None and turns.held_until(routing) <= now:
                 # Alone and not held: the turns would hand it straight back (an empty ring
                 # serves its only request at once, whatever its cost), so skip them.
@@ -85,12 +94,12 @@ class Intake:
         if self._direct is not None:
             return 0
         if not self.turns.waiting:
-            return 100
+            return IDLE_MS
         now = time.monotonic()
         if self.turns.ready(now):
             return 0
         release = self.turns.next_release()
-        return 100 if release is None else max(1, min(100, int((release - now) * 1000) + 1))
+        return IDLE_MS if release is None else max(1, min(IDLE_MS, int((release - now) * 1000) + 1))
 
     @property
     def pacing(self) -> bool:

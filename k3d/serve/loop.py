@@ -1,12 +1,20 @@
 """The server loop: one thread owns the ROUTER socket, the store and the policy.
 
-Loop (``serve_forever``): poll the ROUTER socket, the reader pool's eventfd and
-the arena hand-out socket; handle the next request in turn, apply every
-finished read, hand out the arena and index fds, publish a status snapshot when
+Loop (``serve_forever``): wait for a request or a finished read; handle the next
+request in turn, apply every finished read, publish a status snapshot when
 ``/metrics`` asked for one (other threads never read the store), then
 housekeeping (dead clients, views whose lease ended, systemd status and
 watchdog).  Nothing in the loop waits on I/O: a fetch that misses starts reads
 and is parked until its slots are ready, while other clients are answered.
+
+How it waits: while a read is in flight or a request waits its turn, it polls
+the ROUTER socket beside the reader pool's eventfd.  Otherwise nothing but a
+message can need it, so it waits in a blocking receive on the ROUTER alone,
+which costs a request several times less CPU than a poll does (bench/README.md,
+"the loop's own cost").  What must wake it then sends a message: ``_wake``
+(stop, reload, a ``/metrics`` scrape) through ``wire.Waker``; housekeeping runs
+at least every ``intake.IDLE_MS``.  The arena hand-out has its own thread
+(``handout.py``), which touches nothing the loop owns.
 
 One small handler per op (``op_*``); its docstring is the spec.  ``_handle`` is
 the one place that turns exceptions into error replies; nothing a client sends
@@ -27,11 +35,11 @@ Who does what (all on this thread; reader threads only fill slot memory):
 - ``cache/sessions``: attached clients and their liveness;
 - ``cache/fetch``: the fetch service, keeping ``store``, ``reads`` and
   ``parked`` in step;
-- ``handout``: the arena and index fds over the Unix socket;
+- ``handout``: the arena and index fds over the Unix socket (its own thread);
 - ``observe/status``, ``reload``: what status shows; what SIGHUP may change.
 
 Signals: the CLI's handlers only call ``request_stop`` / ``request_reload``
-(set a flag and write the eventfd); the loop acts.  Stop drains: stop
+(set a flag and wake the loop); the loop acts.  Stop drains: stop
 accepting, cancel queued reads, wait for running ones, answer parked fetches
 with an error, release the arena.
 
@@ -72,7 +80,7 @@ from k3d.observe.trace import RouteTrace
 from k3d.serve import reload, wire
 from k3d.serve.access import admit, peer_cred, private_umask
 from k3d.serve.handout import ArenaHandout
-from k3d.serve.intake import Intake
+from k3d.serve.intake import IDLE_MS, Intake
 
 log = logging.getLogger("k3d")
 
@@ -114,10 +122,13 @@ class Server:
             self.ctx, self.sock = sock.context, sock
         if not ipc_path(cfg.endpoint):
             log.warning("endpoint %s is not ipc: peers have no credentials, so no uid check", cfg.endpoint)
+        self.sock.setsockopt(zmq.RCVTIMEO, IDLE_MS)    # the blocking receive's limit (see "How it waits")
+        self.waker = wire.Waker(self.ctx, self.sock, str(self.gen))
         self.arena_socket = arena_socket
         self.handout = ArenaHandout(arena_socket, arena, self.gen, self.index)
         with private_umask():
             self.handout.bind()
+        self.handout.start()
         self.replies = wire.Replies(self.sock, self.gen)
         # requests in turn, each client's CPU charged, a client far over its share held back
         self.intake = Intake(self.sock, self.sessions, self.stats, self.live)
@@ -144,11 +155,8 @@ class Server:
         self._wake()
 
     def _wake(self) -> None:
-        """Make the loop's poll return now (it polls the reader pool's eventfd)."""
-        try:
-            os.eventfd_write(self.reads.wake_fd, 1)
-        except (OSError, TypeError, AttributeError):   # the pool already stopped (or not yet made)
-            pass
+        """Make the loop's wait end now: a message on its socket ends a poll and a blocking receive alike."""
+        self.waker.wake()
 
     def _do_reload(self) -> None:
         self._reload = False
@@ -158,33 +166,33 @@ class Server:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.reads.wake_fd, zmq.POLLIN)
-        poller.register(self.handout.fileno(), zmq.POLLIN)
         next_reap = next_status = next_wd = time.monotonic()
         wd = self.notifier.watchdog_interval if self.notifier else None
-        poll, sock, wake_fd, handout_fd = poller.poll, self.sock, self.reads.wake_fd, self.handout.fileno()
-        intake, cache, board = self.intake, self.cache, self.board
+        poll, sock, wake_fd = poller.poll, self.sock, self.reads.wake_fd
+        intake, cache, board, reads = self.intake, self.cache, self.board, self.reads
         monotonic = time.monotonic
         try:
             while not self._stop:
-                try:
-                    events = dict(poll(intake.poll_ms()))
-                except zmq.ZMQError as e:
-                    if e.errno == zmq.EINTR:
-                        continue
-                    raise
-                if wake_fd in events:
-                    self.reads.drain_wake()
+                if intake.waiting or reads.in_flight():    # a turn or a read may end: poll both
+                    try:
+                        events = dict(poll(intake.poll_ms()))
+                    except zmq.ZMQError as e:
+                        if e.errno == zmq.EINTR:
+                            continue
+                        raise
+                    if wake_fd in events:
+                        reads.drain_wake()
+                    if sock in events:
+                        intake.receive()
+                else:                                       # only a message can need the loop
+                    intake.receive(block=True)
                 if self._reload:
                     self._do_reload()
                 if board.wanted:
                     board.publish(self.status())
                 cache.apply_done()
-                if sock in events:
-                    intake.receive()
                 if intake.waiting:
                     self._serve_one(monotonic())
-                if handout_fd in events:
-                    self.handout.serve()
                 now = monotonic()
                 if now >= next_reap:
                     for s, reason in self.sessions.expired(now, self.live.lease_s):
@@ -393,6 +401,7 @@ class Server:
         self.handout.close()
         self.cache.shut_down()        # cancelled reads answer ShuttingDown, not ReadFailed
         self.index.close()
+        self.waker.close()            # (before the context ends: it waits for every socket)
         self.sock.close()
         self.ctx.term()
         path = ipc_path(self.cfg.endpoint)

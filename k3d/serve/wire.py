@@ -34,6 +34,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 
 import zmq
 
@@ -57,12 +58,13 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _INT = frozenset((int,))
 
 
-def receive(sock: zmq.Socket):
-    """The next request waiting on ``sock`` without blocking: (routing id, [body
-    frames]) or None.  The body frames are ``zmq.Frame``s: ``hello`` and
-    ``heartbeat`` read the sender's credentials from them."""
+def receive(sock: zmq.Socket, block: bool = False):
+    """The next request on ``sock``: (routing id, [body frames]) or None.  Without
+    ``block`` only one waiting now; with it, one arriving within the socket's
+    RCVTIMEO.  The body frames are ``zmq.Frame``s: ``hello`` and ``heartbeat`` read
+    the sender's credentials from them."""
     try:
-        first = _recv(sock, _NOBLOCK, False)
+        first = _recv(sock, 0 if block else _NOBLOCK, False)
     except zmq.Again:
         return None
     frames, f = [], first
@@ -75,6 +77,43 @@ def receive(sock: zmq.Socket):
 def more_waiting(sock: zmq.Socket) -> bool:
     """Whether another request waits on ``sock`` (cheaper than a recv failing with Again)."""
     return bool(_get(sock, _EVENTS) & _POLLIN)
+
+
+WAKE_ID = b"k3d-wake"     # routing id of the loop's own waker (no client can take it: see Waker)
+
+
+class Waker:
+    """Wakes the loop out of a blocking receive: an empty message from an inproc
+    DEALER (routing id ``WAKE_ID``) connected to the loop's ROUTER.  ``wake`` is safe
+    from any thread and from a signal handler (an RLock serialises the one socket; a
+    handler that interrupts a wake in the same thread only sends first).  It never
+    blocks: a wake that finds the queue full is not needed.  A client connecting
+    later with the same routing id is refused by the ROUTER, as any duplicate is."""
+
+    def __init__(self, ctx: zmq.Context, router: zmq.Socket, name: str):
+        endpoint = f"inproc://k3d-wake-{name}"
+        router.bind(endpoint)
+        self._lock = threading.RLock()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, WAKE_ID)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 64)
+        self._sock.connect(endpoint)
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._sock is None:
+                return
+            try:
+                _send(self._sock, b"", _NOBLOCK, False)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close(0)
 
 
 def open_endpoint(ctx: zmq.Context, endpoint: str) -> zmq.Socket:

@@ -12,6 +12,7 @@ The protocol (the store is the only caller, always on the server thread)::
                                         it enters the order at request time, even
                                         though its read has not finished
     touch(slot, key)                    key requested now and resident (a hit)
+    hear_all(fetches)                   visit + touches of several fetches of hits, in order
     demote(slot)                        an unused prediction: next victim unless pinned
     remove(slot)                        the store evicted or dropped the slot
     victim(exclude=())                  the slot to evict, or None
@@ -51,6 +52,8 @@ class PinTable:
 
     def pin_all(self, slots, holder) -> None:
         """``pin`` each of ``slots`` for ``holder``: one lookup of the holder's set for a fetch."""
+        if not slots:
+            return                                  # (no empty pin set is kept: check_pins)
         held = self._pins.setdefault(holder, set())
         holders = self._holders
         first = []
@@ -71,6 +74,15 @@ class PinTable:
         """``touch`` each of ``slots`` (holding ``keys``), in order: a fetch's hits."""
         for slot, key in zip(slots, keys):
             self.touch(slot, key)
+
+    def hear_all(self, fetches) -> None:
+        """Each of ``fetches`` (layer, keys of that layer, their slots), in order: the
+        layer's ``visit``, then the keys' touches.  A client's reported hits come so."""
+        visit, touch_all = self.visit, self.touch_all
+        for layer, keys, slots in fetches:
+            visit(layer)
+            if keys:
+                touch_all(slots, keys)
 
     def release(self, holder) -> list[int]:
         """Drop every pin of ``holder``; returns the slots it held, sorted."""

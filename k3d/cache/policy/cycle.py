@@ -79,6 +79,13 @@ class CyclePolicy(PinTable):
         """``touch`` of each key in order (a fetch's hits)."""
         self._used_all(keys)
 
+    def hear_all(self, fetches) -> None:
+        """``PinTable.hear_all`` without the touches' indirection (every reported hit runs it)."""
+        visit, used = self.visit, self._used_all
+        for layer, keys, _ in fetches:
+            visit(layer)
+            used(keys)
+
     def _used_all(self, keys) -> None:
         """Each of ``keys`` was used, in order: its decayed count, its order within the
         layer (``_forward``'s value, written out here), the layer's picks.  The one copy

@@ -104,6 +104,15 @@ class AutoPrefetch:
             return [], []
         return self._predict(client, layer, (self.budget or len(keys)) - client_started, now)
 
+    def after_reports(self, client: int, reports) -> None:
+        """``after_fetch`` without predicting, for each of ``client``'s reported fetches
+        (``[(keys, slots), ...]``); nothing per report while nothing can come of it."""
+        if not self._out and self._all_resident():
+            self.fetches += len(reports)
+            return
+        for keys, slots in reports:
+            self.after_fetch(client, keys, slots, predict=False)
+
     def begin_token(self, client: int, now: float = 0.0) -> tuple[list, list[int]]:
         """``client`` began its next token (after ``end_token``): predict the first layer
         of the token from the last layers of the one before.  Returns as ``after_fetch``."""
