@@ -75,7 +75,7 @@ class ReportedHits:
             policy.pin_all(pins, holder)
         else:
             held = policy.held(holder)
-            skipped = sum(1 for s in set(pins) if s not in held)
+            skipped = len(set(pins).difference(held))
         st = self.stats
         st.fetches += len(reports)
         st.hits += n

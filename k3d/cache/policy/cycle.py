@@ -27,7 +27,7 @@ not (a returning expert keeps its history): one small record per expert.
 
 Index (so a victim costs O(L), not O(slots)): residents are grouped by layer; within
 a layer ``d`` is shared, so the layer's candidate is its unpinned resident with the
-lowest decayed count, cached until something in that layer changes.
+lowest decayed count (``_forward``), cached until something in that layer changes.
 
 Background reads (``admits``): a prediction may evict a slot only if the slot's
 score is larger than the prediction's own (its layer's distance, the predicting
@@ -54,7 +54,6 @@ class CyclePolicy(PinTable):
         self._picks: dict[int, int] = {}              # layer -> keys used in those visits
         self._experts: dict[int, int] = {}            # layer -> highest expert id + 1 seen
         self._stat: dict[tuple, list] = {}            # key -> [decayed count, visit of last update]
-        self._fwd: dict[tuple, float] = {}            # key -> log count scaled to visit 0 (order in layer)
         self._key: dict[int, tuple] = {}              # resident slot -> key
         self._by_layer: dict[int, set[int]] = {}      # layer -> resident slots
         self._cand: dict[int, int | None] = {}        # layer -> cached candidate (absent: stale)
@@ -87,16 +86,16 @@ class CyclePolicy(PinTable):
             used(keys)
 
     def _used_all(self, keys) -> None:
-        """Each of ``keys`` was used, in order: its decayed count, its order within the
-        layer (``_forward``'s value, written out here), the layer's picks.  The one copy
-        of this arithmetic.  Per key it is a few dictionary operations, because every
-        reported hit of every client costs the daemon this: the layer's entries are
+        """Each of ``keys`` was used, in order: its decayed count and the layer's picks
+        (its order within the layer, ``_forward``, is computed from them when a victim
+        is chosen, which is rarer than a use).  The one copy of this arithmetic.  Per
+        key it is a few dictionary operations, because every reported hit of every
+        client costs the daemon this: the layer's entries are
         looked up once per run of keys of one layer (a fetch's keys come so), and the
         highest expert id is checked only for a key seen the first time (``restore``
         keeps it above every key's)."""
-        visits, stat, fwd, picks, experts, cand = \
-            self._visits, self._stat, self._fwd, self._picks, self._experts, self._cand
-        decay, log_decay, log = self._decay, self._log_decay, math.log
+        visits, stat, picks, experts, cand = self._visits, self._stat, self._picks, self._experts, self._cand
+        decay = self._decay
         layer, run = None, 0
         for key in keys:
             if key[0] != layer:
@@ -114,7 +113,6 @@ class CyclePolicy(PinTable):
             else:
                 st[0] = st[0] * decay ** (v - st[1]) + 1.0
                 st[1] = v
-            fwd[key] = log(st[0]) - v * log_decay
         if run:
             picks[layer] = picks.get(layer, 0) + run
 
@@ -196,12 +194,13 @@ class CyclePolicy(PinTable):
             return self._cand[layer]
         except KeyError:
             pass
-        holders, fwd, key_of = self._holders, self._fwd, self._key
+        holders, stat, key_of, forward = self._holders, self._stat, self._key, self._forward
         best, best_v = None, math.inf
         for s in self._by_layer.get(layer, ()):
             if s in holders:
                 continue
-            v = fwd.get(key_of[s], -math.inf)
+            st = stat.get(key_of[s])
+            v = forward(st) if st is not None and st[0] > 0 else -math.inf
             if v < best_v or (v == best_v and s < best):
                 best, best_v = s, v
         cand = None if best is None else (best, max(self.rate(key_of[best]), 1e-9))
@@ -274,8 +273,6 @@ class CyclePolicy(PinTable):
             self._stat[key] = st
             if key[1] >= self._experts.get(key[0], 0):    # (``_used_all`` relies on it)
                 self._experts[key[0]] = key[1] + 1
-            if st[0] > 0:
-                self._fwd[key] = self._forward(st)
         self._cand.clear()
 
     def check(self) -> None:
