@@ -13,19 +13,21 @@ serve``)::
 What ``register`` installs, through vLLM's own extension points:
 
 - ``RoutedExperts`` (a ``PluggableLayer``) is replaced out of tree by
-  ``experts.K3dRoutedExperts``: with the ``k3d`` key its quant method allocates no
-  expert parameter and computes the experts from arena views; without it, the
-  class is vLLM's own, unchanged;
+  ``experts.K3dRoutedExperts``, and gpt-oss's subclass ``GptOssRoutedExperts`` by
+  ``experts.K3dGptOssRoutedExperts``: with the ``k3d`` key their quant method
+  allocates no expert parameter and computes the experts from arena views; without
+  it, the classes are vLLM's own, unchanged;
 - the ``auto``/``safetensors`` load formats get ``loader.K3dLoader``, vLLM's
   ``DefaultModelLoader`` that, with the ``k3d`` key, connects to the daemon first,
   checks it serves this checkpoint and never reads the routed-expert tensors.
 
-Computed, and tested against plain vLLM: Qwen3-MoE, Mixtral, DeepSeek-V3 (vLLM's own
-router picks the experts).  The same math serves any family whose experts vLLM
-builds with plain ``RoutedExperts`` as gated SiLU/GELU experts without bias
-(Qwen2-MoE, DeepSeek-V2, ...: untested).  Anything else (gpt-oss's
-``GptOssRoutedExperts``, quantized experts, tensor parallelism) is refused at
-load in one line naming the model type.
+Computed, and tested against plain vLLM: Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss in
+bf16 (vLLM's own router picks the experts).  The same math serves any family whose
+experts vLLM builds with plain ``RoutedExperts`` as gated SiLU/GELU experts without
+bias (Qwen2-MoE, DeepSeek-V2, ...: untested).  Anything else (quantized experts, gpt-oss's
+MXFP4 as shipped among them, which vLLM's CPU build itself runs only on AMX CPUs;
+other ``RoutedExperts`` subclasses; tensor parallelism) is refused at load in one line
+naming the model type.
 
 Covered vLLM versions: ``SUPPORTED_VLLM``.  The plugin reaches into internals
 that change between releases (``RoutedExperts``' quant-method hook,

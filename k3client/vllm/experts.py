@@ -1,13 +1,14 @@
-"""vLLM's routed experts computed from k3d arena views: the layer, its method, the runtime.
+"""vLLM's routed experts computed from k3d arena views: the layers, their method, the runtime.
 
-``K3dRoutedExperts`` replaces vLLM's ``RoutedExperts`` through
-``PluggableLayer.register_oot`` (vLLM's out-of-tree layer hook; every MoE model
-builds its experts through it).  When the model's ``additional_config`` has no
-``k3d`` key it is vLLM's class, byte for byte the same path.  With the key its
-quant method is ``K3dMoEMethod``:
+``K3dRoutedExperts`` replaces vLLM's ``RoutedExperts`` and ``K3dGptOssRoutedExperts``
+gpt-oss's ``GptOssRoutedExperts`` through ``PluggableLayer.register_oot`` (vLLM's
+out-of-tree layer hook, keyed by the class name the model instantiates).  When the
+model's ``additional_config`` has no ``k3d`` key each is vLLM's class, byte for byte
+the same path.  With the key its quant method is ``K3dMoEMethod``:
 
-- ``create_weights`` registers no parameter: no ``w13_weight``/``w2_weight`` storage
-  exists in the process, and vLLM's weight tracking does not expect any;
+- ``create_weights`` registers no parameter: no ``w13_weight``/``w2_weight`` (nor
+  gpt-oss's ``w13_bias``/``w2_bias``) storage exists in the process, and vLLM's
+  weight tracking does not expect any;
 - it is a *modular* method, so vLLM's runner first runs vLLM's own router
   (``select_experts``: softmax or sigmoid scoring, grouped top-k, correction bias,
   renormalisation, routed scaling, as the family configures it) and then calls
@@ -15,20 +16,23 @@ quant method is ``K3dMoEMethod``:
   runs them, since this method has no kernel to overlap them with);
 - ``apply`` hands the layer to ``VllmRuntime.run_layer``: the union of the step's
   experts, ascending, fetched in groups the arena allows (``k3client.hf.runtime``'s
-  epochs and pins), each expert ``act(x W_gate^T) * (x W_up^T) W_down^T`` on the
-  rows of its tokens, times their routing weights, summed per token in ascending
-  expert order.
+  epochs and pins), each expert computed on the rows of its tokens, times their
+  routing weights, summed per token in ascending expert order.  Gated families:
+  ``act(x W_gate^T) * (x W_up^T) W_down^T``; gpt-oss: vLLM's ``swigluoai`` with both
+  biases (``_gpt_oss_expert``).
 
 The pin rule is ``k3client.hf``'s: one vLLM step (one model forward, B sequences)
 is one epoch (``begin_token`` from a forward pre-hook the loader installs), and a
 group that does not fit beside the epoch's pins starts a new one.
 
 What is refused, in one line naming the model type (``FamilyError``), when the
-model is built: activations other than gated SiLU/GELU, expert biases, router
-weights applied on the input, quantized experts, and tensor/expert parallelism
-(each rank would compute whole experts).  A family whose experts class is a
-subclass of ``RoutedExperts`` (gpt-oss's ``GptOssRoutedExperts``) is not replaced
-out of tree; the loader finds its layers unbound and refuses it the same way.
+model is built: activations other than gated SiLU/GELU (gpt-oss: other than
+``swigluoai``), expert biases outside gpt-oss, router weights applied on the input,
+quantized experts (gpt-oss's MXFP4 as shipped among them: vLLM's CPU build runs it
+only on x86 CPUs with AMX, so no plain-vLLM reference exists here to test against),
+and tensor/expert parallelism (each rank would compute whole experts).  Another
+subclass of ``RoutedExperts`` is not replaced out of tree; the loader finds its
+layers unbound and refuses it the same way.
 
 Caller's obligations: the runtime is bound (``layer._k3d``) by ``loader.K3dLoader``
 before the first forward; forwards run on the thread that loaded the model.
@@ -43,16 +47,20 @@ import torch
 import torch.nn.functional as F
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
 
-from k3client.hf.families import FamilyError, _on
+from k3client.hf.families import FamilyError, GptOss, _on
 from k3client.hf.runtime import MoeLayer, Runtime, Stats
 
 from . import settings
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-SUPPORTED = ("it computes gated SiLU/GELU experts without bias, built by vLLM's RoutedExperts, on one rank "
-             "(tested: Qwen3-MoE, Mixtral, DeepSeek-V3)")
+SUPPORTED = ("it computes gated SiLU/GELU experts without bias built by vLLM's RoutedExperts, and gpt-oss's "
+             "unquantized experts, on one rank (tested: Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss bf16)")
+# vLLM's SwigluOAIAndMul defaults: gpt-oss's MoE config leaves swiglu_alpha/limit unset and its
+# CPU kernel uses these
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
 
 
 def _model_type() -> str:
@@ -63,30 +71,48 @@ def _model_type() -> str:
 
 
 def _refuse(layer, moe_config, quant_config) -> None:
-    """FamilyError unless the layer's experts are the gated MLP this plugin computes."""
+    """FamilyError unless the layer's experts are math this plugin computes: the gated MLP of
+    ``RoutedExperts`` or, for ``GptOssRoutedExperts``, gpt-oss's biased clamped SwiGLU."""
     mt = _model_type()
     act = layer.activation.value
+    gpt_oss = isinstance(layer, GptOssRoutedExperts)
     why = None
-    if act not in ACTIVATIONS:
+    if quant_config is not None:
+        why = _quantized(quant_config)
+    elif gpt_oss and act != "swigluoai":
+        why = f"gpt-oss experts with activation {act!r}, not 'swigluoai'"
+    elif not gpt_oss and act not in ACTIVATIONS:
         why = f"expert activation {act!r}"
-    elif moe_config.has_bias:
+    elif not gpt_oss and moe_config.has_bias:
         why = "expert biases"
     elif layer.apply_router_weight_on_input:
         why = "router weights applied to the input"
-    elif quant_config is not None:
-        why = f"quantized experts ({type(quant_config).__name__})"
     elif moe_config.moe_parallel_config.tp_size > 1 or moe_config.moe_parallel_config.use_ep:
         why = "tensor or expert parallelism"
     if why is not None:
         raise FamilyError(f"k3client.vllm cannot compute the experts of model type {mt!r} ({why}); {SUPPORTED}")
 
 
-class _Math:
-    """What ``k3client.hf.families.Standard.compute`` reads from an experts module."""
+def _quantized(quant_config) -> str:
+    name = type(quant_config).__name__
+    if "mxfp4" in name.lower():
+        # vLLM 0.32's CPU build runs MXFP4 MoE only with CPUExpertsMxfp4 (x86 with AMX tiles); elsewhere
+        # plain vLLM raises "No MXFP4 MoE backend supports the deployment configuration", so no
+        # reference exists here to test a k3d MXFP4 compute against
+        return (f"MXFP4 experts ({name}): not computed; vLLM's own CPU MXFP4 MoE kernel needs an x86 CPU with "
+                "AMX; serve a bf16 copy, or use k3client.hf, which dequantizes MXFP4")
+    return f"quantized experts ({name})"
 
-    def __init__(self, num_experts: int, activation: str):
+
+class _Math:
+    """What ``VllmRuntime.run_layer`` reads from an experts module: the expert count and the
+    activation (gated SiLU/GELU: ``act_fn``; gpt-oss: ``alpha``/``limit`` of its clamped SwiGLU)."""
+
+    def __init__(self, num_experts: int, activation: str, moe_config=None):
         self.num_experts = num_experts
-        self.act_fn = ACTIVATIONS[activation]
+        self.act_fn = ACTIVATIONS.get(activation)
+        self.alpha = getattr(moe_config, "swiglu_alpha", None) or OAI_ALPHA
+        self.limit = getattr(moe_config, "swiglu_limit", None) or OAI_LIMIT
 
 
 class K3dMoEMethod(FusedMoEMethodBase):
@@ -118,8 +144,8 @@ class K3dMoEMethod(FusedMoEMethodBase):
         return rt.run_layer(ml, x, topk_ids.long(), topk_weights)
 
 
-class K3dRoutedExperts(RoutedExperts):
-    """vLLM's ``RoutedExperts``; with ``additional_config['k3d']`` its method is ``K3dMoEMethod``."""
+class _K3dExperts:
+    """Mixin: with ``additional_config['k3d']`` the layer's method is ``K3dMoEMethod``, else vLLM's own."""
 
     def _get_quant_method(self, prefix, quant_config, moe_config):
         if settings.current() is None:
@@ -136,15 +162,24 @@ class K3dRoutedExperts(RoutedExperts):
         return int(m.group(1))
 
 
+class K3dRoutedExperts(_K3dExperts, RoutedExperts):
+    """vLLM's ``RoutedExperts``; with ``additional_config['k3d']`` its method is ``K3dMoEMethod``."""
+
+
+class K3dGptOssRoutedExperts(_K3dExperts, GptOssRoutedExperts):
+    """gpt-oss's ``GptOssRoutedExperts`` (a subclass, so registered out of tree under its own name)."""
+
+
 def is_k3d(module) -> bool:
-    return isinstance(module, K3dRoutedExperts) and isinstance(module.quant_method, K3dMoEMethod)
+    return isinstance(module, _K3dExperts) and isinstance(module.quant_method, K3dMoEMethod)
 
 
 def install() -> None:
     from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 
-    if op_registry_oot.get("RoutedExperts") is not K3dRoutedExperts:
-        PluggableLayer.register_oot(K3dRoutedExperts, name="RoutedExperts")
+    for cls, name in ((K3dRoutedExperts, "RoutedExperts"), (K3dGptOssRoutedExperts, "GptOssRoutedExperts")):
+        if op_registry_oot.get(name) is not cls:
+            PluggableLayer.register_oot(cls, name=name)
 
 
 @dataclass
@@ -192,18 +227,13 @@ class VllmRuntime(Runtime):
         ws = top_k_weights.reshape(-1)[order].unsqueeze(-1)
         self._score_prediction(ml.layer, experts)
         predicted = self._predict_next(ml, hidden_states) if self.predict else None
-        device, dtype, act = hidden_states.device, ml.dtype, ml.module.act_fn
+        device, dtype = hidden_states.device, ml.dtype
+        expert = _gpt_oss_expert if isinstance(ml.family, GptOss) else _gated_expert
         parts, at = [], 0
         for group in self._groups(ml, experts, predicted):
             for e, views in group:
                 n = counts[e]
-                x = xs[at:at + n]
-                if "gate_up" in views:
-                    gate, up = F.linear(x, _on(views["gate_up"], device, dtype)).chunk(2, dim=-1)
-                else:
-                    gate = F.linear(x, _on(views["gate"], device, dtype))
-                    up = F.linear(x, _on(views["up"], device, dtype))
-                h = F.linear(act(gate) * up, _on(views["down"], device, dtype))
+                h = expert(ml.module, views, xs[at:at + n], device, dtype)
                 parts.append((h * ws[at:at + n]).to(hidden_states.dtype))
                 at += n
             if device.type == "cuda":
@@ -214,6 +244,8 @@ class VllmRuntime(Runtime):
 
     def _views(self, ml, ex) -> dict:
         f = ml.family
+        if isinstance(f, GptOss):
+            return {n: ex.tensor(n) for n in f.NAMES}
         if f.gate_up is not None:
             return {"gate_up": ex.tensor(f.gate_up), "down": ex.tensor(f.down)}
         if ml.fused:
@@ -238,13 +270,39 @@ class VllmRuntime(Runtime):
         return [(nxt.layer, e) for e in experts]
 
 
+def _gated_expert(math, views, x, device, dtype):
+    """``act(x W_gate^T) * (x W_up^T) W_down^T``: gate and up in one ``linear`` when one view holds both."""
+    if "gate_up" in views:
+        gate, up = F.linear(x, _on(views["gate_up"], device, dtype)).chunk(2, dim=-1)
+    else:
+        gate = F.linear(x, _on(views["gate"], device, dtype))
+        up = F.linear(x, _on(views["up"], device, dtype))
+    return F.linear(math.act_fn(gate) * up, _on(views["down"], device, dtype))
+
+
+def _gpt_oss_expert(math, views, x, device, dtype):
+    """gpt-oss's expert as vLLM computes it (``SwigluOAIAndMul.forward_native``): the checkpoint's
+    ``gate_up_proj [H, 2I]`` holds gate and up *interleaved* (even and odd columns, which vLLM keeps
+    when it transposes it into w13), gate clamped above and up on both sides at ``limit``,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``, then ``down_proj [I, H]``; both with their biases."""
+    w = {n: _on(v, device, dtype) for n, v in views.items()}
+    gate_up = torch.addmm(w["gate_up_proj_bias"], x, w["gate_up_proj"])
+    gate = gate_up[..., ::2].clamp(max=math.limit)
+    up = gate_up[..., 1::2].clamp(min=-math.limit, max=math.limit)
+    h = (up + 1) * (gate * torch.sigmoid(gate * math.alpha))
+    return torch.addmm(w["down_proj_bias"], h, w["down_proj"])
+
+
 class VllmLayer(MoeLayer):
     """``MoeLayer`` plus the top-k its gate picks (for gate-ahead) and ``fused``: the layout
-    puts the gate and up tensors back to back, so one view covers both."""
+    puts the gate and up tensors back to back, so one view covers both (gated families only)."""
 
     def __init__(self, layer, math, router, family, names, dtype, top_k, specs=()):
         super().__init__(layer, math, router, family, names, dtype)
         self.top_k = top_k
+        self.fused = False
+        if isinstance(family, GptOss):
+            return
         by = {s.name: s for s in specs}
         g, u = by.get(family.gate), by.get(family.up)
         self.fused = (g is not None and u is not None and u.offset == g.offset + g.nbytes and g.dtype == u.dtype

@@ -39,10 +39,10 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from k3client.client import connect
 from k3client.hf import fingerprint, gpu
 from k3client.hf.checkpoint import Files, LazyTensor
-from k3client.hf.families import FamilyError, Standard
+from k3client.hf.families import FamilyError, GptOss, Standard
 
 from . import settings
-from .experts import SUPPORTED, VllmLayer, VllmRuntime, _Math, is_k3d
+from .experts import SUPPORTED, K3dGptOssRoutedExperts, VllmLayer, VllmRuntime, _Math, is_k3d
 
 FORMATS = ("auto", "safetensors", "hf")
 EXPERT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.")
@@ -140,14 +140,14 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRun
         names = tuple(s.name for s in specs)
         act = mod.activation.value
         try:
-            family = Standard(set(names))
+            family = _family(mod, set(names))
         except FamilyError as e:
             raise FamilyError(f"model type {_model_type(model)!r}: {e}") from None
-        layers[layer] = VllmLayer(layer, _Math(mod.global_num_experts, act), _router_of(model, name), family,
-                                  names, mod.k3d_params_dtype, mod.top_k, specs)
+        layers[layer] = VllmLayer(layer, _Math(mod.global_num_experts, act, mod.moe_config), _router_of(model, name),
+                                  family, names, mod.k3d_params_dtype, mod.top_k, specs)
         modules[layer] = mod
     if sorted(layers) != checkpoint_layers:
-        # a family whose experts class subclasses RoutedExperts (gpt-oss) is not replaced out of tree
+        # a family whose experts class is another subclass of RoutedExperts is not replaced out of tree
         own = sorted({type(m).__name__ for m in model.modules() if isinstance(m, RoutedExperts) and not is_k3d(m)})
         raise FamilyError(f"k3client.vllm cannot compute the experts of model type {_model_type(model)!r} "
                           f"(vLLM builds them with {', '.join(own) or 'no RoutedExperts'}; the checkpoint has "
@@ -157,6 +157,18 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRun
     for layer, mod in modules.items():
         mod._k3d = (rt, layers[layer])
     return rt
+
+
+def _family(mod, names: set[str]):
+    """The daemon's layout names as the math of ``mod``'s experts: gpt-oss's or the gated MLP's."""
+    if not isinstance(mod, K3dGptOssRoutedExperts):
+        return Standard(names)
+    family = GptOss(names)
+    if family.quantized:
+        # the model was built unquantized (no mxfp4 quantization_config), so vLLM would not run these
+        raise FamilyError(f"gpt-oss experts in the daemon are MXFP4 ({sorted(names)}) but the model's config has "
+                          "no mxfp4 quantization_config; k3client.vllm computes gpt-oss's bf16 experts only")
+    return family
 
 
 def _model_type(model) -> str:

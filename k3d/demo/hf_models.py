@@ -88,12 +88,12 @@ def write(family: str, out_dir: str, seed: int = 0, fields: dict | None = None, 
     return out_dir
 
 
-def write_gpt_oss_mxfp4(out_dir: str, seed: int = 0, **sizes) -> str:
+def write_gpt_oss_mxfp4(out_dir: str, seed: int = 0, fields: dict | None = None, **sizes) -> str:
     """A gpt-oss checkpoint as openai ships it: experts in MXFP4 ``_blocks``/``_scales``."""
     import torch  # optional extra (hf)
     from safetensors.torch import load_file, save_file
 
-    write("gpt_oss", out_dir, seed=seed, **sizes)
+    write("gpt_oss", out_dir, seed=seed, fields=fields, **sizes)
     path = os.path.join(out_dir, "model.safetensors")
     tensors = load_file(path)
     g = torch.Generator().manual_seed(seed + 1)

@@ -5,7 +5,8 @@ of 32..512 for MHA; MLA only with a 576 latent: ``kv_lora_rank`` 512 plus a rope
 dim of 64), and transformers' DeepSeek-V3 config omits the ``topk_method`` and
 ``scoring_func`` keys that vLLM reads (DeepSeek's own config.json ships them).
 ``write(family, out_dir)`` is ``hf_models.write`` with those fields set; random
-bf16 weights, fixed seed.  Used by the vLLM tests and ``bench/vllm_overhead.py``.
+bf16 weights, fixed seed; ``gpt_oss_mxfp4`` is ``hf_models.write_gpt_oss_mxfp4`` (MXFP4
+experts, as openai ships gpt-oss).  Used by the vLLM tests and ``bench/vllm_overhead.py``.
 torch and transformers are imported inside (the ``hf``/``vllm`` extras).
 """
 
@@ -20,6 +21,7 @@ OVERRIDES = {
                     "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32, "qk_head_dim": 96,
                     "head_dim": 64},
     "gpt_oss": {"head_dim": 32},
+    "gpt_oss_mxfp4": {"head_dim": 32},    # gpt-oss as openai ships it (hf_models.write_gpt_oss_mxfp4)
 }
 
 
@@ -30,5 +32,8 @@ def write(family: str, out_dir: str, seed: int = 0, hidden: int = HIDDEN, inter:
 
     if family not in OVERRIDES:
         raise ValueError(f"no vLLM-CPU tiny config for {family!r}; have {sorted(OVERRIDES)}")
+    if family == "gpt_oss_mxfp4":
+        return hf_models.write_gpt_oss_mxfp4(out_dir, seed=seed, fields={**OVERRIDES[family], **fields},
+                                             hidden=hidden, inter=inter, layers=layers, experts=experts)
     return hf_models.write(family, out_dir, seed=seed, fields={**OVERRIDES[family], **fields},
                            hidden=hidden, inter=inter, layers=layers, experts=experts)

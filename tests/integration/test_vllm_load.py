@@ -1,5 +1,5 @@
 """The vLLM plugin refuses in one line: daemon down (before any weight is read), another
-checkpoint, a family it cannot compute.
+checkpoint, experts it cannot compute (gpt-oss's MXFP4).
 
 Each case builds an in-process engine in a fresh Python (``run_engine_script``) and
 reads the last line of its stderr, what a person running ``vllm serve`` sees last.
@@ -14,6 +14,7 @@ from vllm_common import _vllm_ipc_files, checkpoint, run_engine_script  # noqa: 
 from conftest import SCRATCH, spawn_daemon
 
 pytestmark = pytest.mark.vllm
+torch = pytest.importorskip("torch")
 
 
 def test_daemon_down_is_one_line_before_any_weight_is_read():
@@ -40,14 +41,22 @@ def test_other_checkpoint_is_one_line_mismatch():
     assert "Mismatch" in last and served in last and other in last and "k3d start --source" in last, err[-3000:]
 
 
-def test_family_it_cannot_compute_is_named():
-    """gpt-oss (clamped SwiGLU, expert biases): refused while the model is built, naming the family."""
-    path = checkpoint("gpt_oss")
+def test_gpt_oss_mxfp4_is_one_line_where_vllm_cpu_has_no_mxfp4_kernel():
+    """gpt-oss as openai ships it (MXFP4 ``_blocks``/``_scales`` experts, ``quant_method: mxfp4``, bf16):
+    plain vLLM 0.32's CPU build runs MXFP4 MoE only with its AMX kernel (``CPUExpertsMxfp4``), so on a
+    CPU without AMX it refuses the model; with k3d the plugin refuses it first, in one line naming
+    the family and why, while the model is built (after the daemon check, before any weight is read)."""
+    path = checkpoint("gpt_oss_mxfp4")
+    if not torch.cpu._is_amx_tile_supported():
+        rc, last, err = run_engine_script(path, None, dtype="bfloat16")
+        assert rc != 0
+        assert "NotImplementedError: No MXFP4 MoE backend supports the deployment configuration" in last, err[-3000:]
+        assert "backend: CPU, reason: kernel does not support current device cpu" in last
     d = spawn_daemon(path, "--arena", "8MiB")
     try:
-        rc, last, err = run_engine_script(path, {"endpoint": d.endpoint})
+        rc, last, err = run_engine_script(path, {"endpoint": d.endpoint}, dtype="bfloat16")
     finally:
         d.stop()
     assert rc != 0
-    assert "FamilyError" in last and "gpt_oss" in last and "GptOssRoutedExperts" in last, err[-3000:]
-    assert "Qwen3-MoE" in last                     # what it does compute
+    assert "FamilyError" in last and "'gpt_oss'" in last and "MXFP4" in last and "AMX" in last, err[-3000:]
+    assert "gpt-oss bf16" in last                  # what it does compute

@@ -135,17 +135,20 @@ def stats(llm) -> dict:
 
 
 def expert_params(model) -> list[str]:
-    """Names of the routed-expert parameters in a vLLM model (run in the worker by ``apply_model``)."""
-    return [n for n, _ in model.named_parameters() if n.endswith(("w13_weight", "w2_weight"))]
+    """Names of the routed-expert parameters (weights, gpt-oss's biases) in a vLLM model (run in the
+    worker by ``apply_model``)."""
+    return [n for n, _ in model.named_parameters() if n.endswith(("w13_weight", "w2_weight", "w13_bias", "w2_bias"))]
 
 
-def run_engine_script(path: str, k3d: dict, timeout: float = 300):
-    """A fresh Python that builds an in-process engine (no engine-core child) and exits: its stderr's last line."""
+def run_engine_script(path: str, k3d: dict | None, timeout: float = 300, dtype: str = "float32"):
+    """A fresh Python that builds an in-process engine (no engine-core child) and exits: its stderr's last line.
+    ``k3d`` None: plain vLLM (no additional_config)."""
     import subprocess
 
+    extra = f", additional_config={{'k3d': {k3d!r}}}" if k3d is not None else ""
     code = ("from vllm import LLM\n"
             f"LLM(model={path!r}, enforce_eager=True, kv_cache_memory_bytes={KV_BYTES}, skip_tokenizer_init=True,"
-            f" dtype='float32', max_model_len=128, max_num_seqs=1, additional_config={{'k3d': {k3d!r}}})\n")
+            f" dtype={dtype!r}, max_model_len=128, max_num_seqs=1{extra})\n")
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
                        check=False)
