@@ -296,7 +296,8 @@ class Client:
         if hits is not None:
             # Predictions of keys not resident go with a fetch through the daemon: a slot
             # they evict is reused at once only while this client waits for the reply.
-            preds = hits.not_resident(preds)
+            if preds:
+                preds = hits.not_resident(preds)
             slots = None if preds else hits.answer(layer, experts)
             if slots is not None:
                 if hits.full():
