@@ -102,7 +102,12 @@ class Cache:
             self.parked.park(s, rid, keys, plan.slots, plan.waiting, t0, result)
             return
         self.replies.ok(s.routing, rid, {"slots": checked_slots(store, keys, plan.slots)})
-        self.latency.record(result, time.monotonic() - t0)
+        now = time.monotonic()
+        self.latency.record(result, now - t0)
+        # The reply is the client's quiescent point, as for a parked fetch: the loop's
+        # own call is skipped for a deferred op, and without this one the client would
+        # count as still blocked while it reads the index again (slots reused under it).
+        store.reuse.replied(s.client_id, now)
 
     def report(self, s: Session, hits, now: float, ends_epoch: bool = False) -> int:
         """Apply ``s``'s hit reports: ``[(keys, slots seen), ...]`` in the order it fetched.

@@ -2,6 +2,8 @@
 
 - a fetch of resident experts sends nothing; the daemon counts it with the
   client's next message, as the same fetch through the daemon;
+- a fetch through the daemon answered at once ends the client's wait, as any reply
+  does (deferred reuse holds evicted slots for it again);
 - the index is read-only for clients (sealed memfd), like the arena;
 - a garbage hit report is a one-line error for its sender, and others go on;
 - views of a slot already seen are the same objects (no new mapping);
@@ -35,6 +37,25 @@ def test_a_hit_sends_nothing_and_is_counted_with_the_next_message(server):  # no
         assert st.fetches == before + 2 and st.hits == 4 and st.misses == 2 and st.client_hits == 4
         for e in ex:
             assert bytes(e.memory()) == bytes(c.fetch(0, [e.expert])[0].memory())
+
+
+def test_a_fetch_answered_at_once_ends_the_clients_wait(server):  # noqa: F811
+    """A fetch through the daemon whose keys are all ready (it went because of a
+    prediction) is answered at once.  That reply is the client's quiescent point like
+    any other: afterwards it answers hits from the index again, so a slot evicted
+    now must wait for it, not be reused under its views (found by the stress test:
+    the client stayed "blocked in a request" and 12 views read another key's bytes)."""
+    srv = server()
+    with k3client.connect(srv.cfg.endpoint, name="a") as a:
+        a.fetch(0, [1, 2])                        # misses: read, then ready
+        a.begin_token()
+        a.fetch(0, [1, 2], predicted=[(1, 3)])    # ready keys + a prediction: through the daemon
+        reader = srv.store.reuse.readers[a.client_id]
+        assert reader.synced != float("inf")      # not "blocked in a request" any more
+        assert not srv.store.reuse.could_reuse_now(reader.t_sync)
+        before = srv.stats.fetches
+        a.fetch(0, [1])                           # answered here, from the index ...
+        assert srv.stats.fetches == before        # ... while the daemon holds evicted slots for it
 
 
 def test_index_cannot_be_mapped_writable(server):  # noqa: F811
