@@ -158,8 +158,11 @@ def test_state_round_trip_and_bad_state():
             p.observe(1, [(layer, e) for e in experts])
             p.propose(1, layer + 1, 0, ())
     q = CoPredictor(L, E)
-    q.restore(p.state())
-    assert q.state() == p.state()
+    saved = p.state()                          # the counts as folded, without folding
+    q.restore(saved)
+    assert q.state() == saved
+    p.fold()                                   # a restored predictor proposes as the saved one after its fold
+    assert p.state() == saved
     for r in (p, q):
         r.observe(2, [(0, 0), (0, 1)])
     got = q.propose(2, 1, 2, ())
@@ -195,3 +198,69 @@ def test_an_arena_holding_the_whole_model_stops_learning_and_proposing_and_repla
     assert auto.predictor.state() == learned
     r = run(ev, "cycle", L * E, predictor="coact")
     assert (r.hits, r.misses, r.prefetched) == (store.stats.hits, store.stats.misses, store.stats.prefetched)
+
+
+def reference_counts(tokens, depth: int) -> dict:
+    """The counts a fetch at a time, by plain loops: what the batched learning must equal."""
+    pop, seen, co, visits = {}, {}, {}, {}
+    prev = []
+    for route in tokens:
+        hist = []
+        for m, picks in enumerate(route):
+            ctx = [(m - l, p) for l, p in hist] if hist else [(m + len(route) - l, p) for l, p in prev]
+            visits[m] = visits.get(m, 0) + 1
+            for e in picks:
+                pop[(m, e)] = pop.get((m, e), 0) + 1
+            for d, ps in ctx:
+                if 1 <= d <= depth:
+                    for a in ps:
+                        seen[(m, d - 1, a)] = seen.get((m, d - 1, a), 0) + 1
+                        for e in picks:
+                            co[(m, d - 1, a, e)] = co.get((m, d - 1, a, e), 0) + 1
+            hist = (hist + [(m, sorted(picks))])[-depth:]
+        prev = hist
+    return {"visits": sorted([m, n] for m, n in visits.items()), "pop": sorted([*k, n] for k, n in pop.items()),
+            "seen": sorted([*k, n] for k, n in seen.items()), "co": sorted([*k, n] for k, n in co.items())}
+
+
+def test_batched_learning_counts_what_a_fetch_at_a_time_counts():
+    """Learning appends to a buffer and folds in batches: the counts (state(), which folds a
+    copy) are exactly the plain per-fetch counts, at every point, folded or not."""
+    tokens = random_tokens(40, 11)
+    p = CoPredictor(L, E, depth=3)
+    for n, route in enumerate(tokens):
+        for layer, experts in enumerate(route):
+            p.observe(1, [(layer, e) for e in experts])
+        p.end_pass(1)
+        if n in (0, 5, 39):
+            got = {k: sorted(v) for k, v in p.state().items() if k in ("visits", "pop", "seen", "co")}
+            assert got == reference_counts(tokens[:n + 1], 3)
+    assert p.learned > 0 and p.c.pending() < 40 * L       # it did fold, and state() did not
+
+
+def test_state_does_not_change_what_is_proposed():
+    """A warm-restart save (state()) mid-stream leaves the proposals as they were: the
+    daemon saves, replay does not, and both must propose alike."""
+    a, b = CoPredictor(L, E), CoPredictor(L, E)
+    for t in range(120):
+        for layer, experts in enumerate(pattern_token(t)):
+            keys = [(layer, e) for e in experts]
+            for p in (a, b):
+                p.observe(1, keys)
+            a.state()
+            assert a.propose(1, layer + 1, 2, ()) == b.propose(1, layer + 1, 2, ())
+        for p in (a, b):
+            p.end_pass(1)
+
+
+def test_a_layer_reaching_the_window_has_its_counts_halved_at_the_fold():
+    p = CoPredictor(2, 4, window=8)
+    for t in range(30):
+        p.observe(1, [(0, t % 2), (0, 2)])
+        p.observe(1, [(1, 3)])
+    p.fold()
+    s = p.state()
+    assert all(v < 8 for *_, v in s["visits"]) and all(v <= 8 for *_, v in s["pop"])
+    pop = {(m, e): v for m, e, v in s["pop"]}
+    assert pop[(0, 2)] == dict((m, v) for m, v in s["visits"])[0]     # always picked: still every visit
+

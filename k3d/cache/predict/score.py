@@ -1,0 +1,149 @@
+"""Scoring a layer's experts for ``CoPredictor.propose``, from one fold's tables.
+
+Two ways to the same quantities (``model``'s docstring): ``small`` for models of up
+to ``SMALL`` experts, in plain Python lists (a handful of experts costs less as list
+arithmetic than as numpy calls, whose fixed cost is ~1 µs each), and ``dense`` with
+one numpy gather of the context rows for larger models.  Both return
+
+    (best, cands): best = [(-confidence, expert)] of the candidates (experts whose
+    key is not in ``resident``) at ``min_prob`` or more, unsorted; cands = each
+    candidate's calibration bin (``small``: {expert: bin}; ``dense``: an array of
+    the experts' bins, BINS where not a candidate), which the caller keeps until the
+    layer's fetch resolves them.
+
+Pure: reads the predictor's folded counts and ``Tables``; the caches here are
+keyed by shapes only (subsets of ``experts``, context sizes), never by counts.
+Bins: raw probability o / (1 + o) in [b / BINS, (b + 1) / BINS).  ``small`` takes
+the bin by arithmetic, ``dense`` by ``searchsorted`` on the same edges; they may
+differ at an exact edge by rounding, which is harmless: one predictor always uses
+one of them (by its expert count), so the daemon and replay agree.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+from math import comb, prod
+
+import numpy as np
+
+from k3d.cache.predict.counts import BINS, Tables
+
+EDGES = np.array([i / (BINS - i) for i in range(1, BINS)])  # bin i's lower edge, as odds
+SMALL = 16              # models of at most this many experts score with lists
+SUBSETS = 128           # a context layer's picks: every set of their size tabulated at once up to this many
+
+_subsets_of: dict[tuple, tuple] = {}       # (experts, size) -> subsets' answer
+_averaging: dict[tuple, np.ndarray] = {}   # context group sizes -> the matrix averaging each group
+
+
+def small(p, t: Tables, m: int, parts, keys, resident) -> tuple[list, dict]:
+    """``p``'s scores of layer ``m``'s experts given the context ``parts``, in lists."""
+    fs = factors(p, t, m, parts)
+    # odds = prod_d q_d / (1 - q_d) * io^(n - 1): each factor carries one io, inv_io takes one back
+    fs.append(t.inv_io_l[m])
+    odds = list(map(prod, zip(*fs)))
+    ct, E, mp = t.ct_l[m], p.experts, p.min_prob
+    cands, best = {}, []
+    for e in range(E):
+        if keys[e] in resident:
+            continue
+        o = odds[e]
+        b = int(o * BINS / (1.0 + o))              # the bin of the raw probability o / (1 + o)
+        if b >= BINS:
+            b = BINS - 1
+        cands[e] = b
+        conf = ct[b * E + e]
+        if conf >= mp:
+            best.append((-conf, e))
+    return best, cands
+
+
+def factors(p, t: Tables, m: int, parts) -> list[list[float]]:
+    """The context layers' odds factors for layer ``m``, times ``io``: per part (distance
+    ``d``, ``picks``) and expert ``e``, q / (1 - q) * io[e], q the mean over ``picks`` of
+    (co + prior * pm) / (seen + prior).  When the picks' size has few sets, a fold's
+    first use computes every set of every layer in one numpy pass and a fetch turns
+    its rows into lists (a row at a time: cheaper than numpy's fancy indexing, or
+    ``tolist`` of the whole table at every fold); else each is computed once per fold
+    (memoised in ``t.memo``)."""
+    if not parts:
+        return []
+    n = len(parts[0][1])
+    index, vals = set_table(p, t, n)
+    if index is not None and all(len(ps) == n for _, ps in parts):
+        vm = vals[m]
+        return [vm[d - 1, index[ps]].tolist() for d, ps in parts]
+    out = []
+    for d, picks in parts:
+        f = t.memo.get((m, d, picks))
+        if f is None:
+            index, vals = set_table(p, t, len(picks))
+            if index is not None:
+                f = vals[m, d - 1, index[picks]].tolist()
+            else:
+                base = (d - 1) * p.experts
+                q = vals[m].take([base + a for a in picks], 0).sum(0) * (1.0 / len(picks))
+                f = (q / (1.0 - q) * t.io[m]).tolist()
+            t.memo[(m, d, picks)] = f
+        out.append(f)
+    return out
+
+
+def set_table(p, t: Tables, n: int) -> tuple:
+    """(subset index or None, the factors of every n-subset (L, D, sets, E), or the rows
+    (co + prior * pm) / (seen + prior) (L, D * E, E) when there are too many sets)."""
+    tab = t.sets.get(n)
+    if tab is None:
+        c, L, D, E = p.c, p.layers, p.depth, p.experts
+        index, cols = subsets(E, n)
+        rows = (c.co + t.ppm[:, None, :]) / (c.seen + p.prior)[:, :, None]         # (L, D * E, E)
+        if index is not None:
+            r4 = rows.reshape(L, D, E, E)
+            q = r4[:, :, cols[0], :]                                                # (L, D, sets, E)
+            for col in cols[1:]:
+                q = q + r4[:, :, col, :]
+            q *= 1.0 / n
+            rows = q / (1.0 - q) * t.io[:, None, None, :]
+        tab = t.sets[n] = (index, rows)
+    return tab
+
+
+def subsets(experts: int, n: int) -> tuple:
+    """({sorted n-subset of the experts: its number}, [the subsets' j-th members, per j]),
+    or (None, None) when there are over SUBSETS."""
+    got = _subsets_of.get((experts, n))
+    if got is None:
+        got = (None, None)
+        if comb(experts, n) <= SUBSETS:
+            sets = list(combinations(range(experts), n))
+            got = ({s: i for i, s in enumerate(sets)}, list(np.array(sets, np.int64).reshape(len(sets), n).T))
+        _subsets_of[(experts, n)] = got
+    return got
+
+
+def dense(p, t: Tables, m: int, parts, rows, keys, resident) -> tuple[list, np.ndarray]:
+    """As ``small``, with one gather of the context rows (many experts)."""
+    c, E = p.c, p.experts
+    if parts:
+        sizes = tuple(len(ps) for _, ps in parts)
+        avg = _averaging.get(sizes)
+        if avg is None:
+            avg = _averaging[sizes] = np.zeros((len(sizes), len(rows)))
+            start = 0
+            for i, n in enumerate(sizes):
+                avg[i, start:start + n] = 1.0 / n
+                start += n
+        idx = np.array(rows, np.int64)
+        # per context layer: mean over its picks a of (co[a, e] + prior * pm) / (seen[a] + prior)
+        q = avg @ ((c.co[m].take(idx, 0) + t.ppm[m]) / (c.seen[m].take(idx) + p.prior)[:, None])
+        odds = (q / (1.0 - q)).prod(axis=0)        # naive Bayes: the layers' odds multiply ...
+        if len(sizes) > 1:                         # ... over the prior odds, counted once
+            odds *= t.io[m] ** (len(sizes) - 1)
+    else:
+        odds = 1.0 / t.io[m]
+    bins = np.searchsorted(EDGES, odds, side="right")
+    conf = t.ct[m].take(bins * E + t.ar)
+    cand = ~np.fromiter(map(resident.__contains__, keys), bool, E)
+    conf *= cand
+    ok = np.flatnonzero(conf >= p.min_prob)
+    return list(zip((-conf[ok]).tolist(), ok.tolist())), np.where(cand, bins, BINS)
