@@ -120,32 +120,24 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     begun = None                    # the client whose begin line came last (marked traces)
 
     def predict(client, keys):
-        before = set(store.key_slot)
-        started = store.predict(client, keys)
-        if store.stats.evictions:
-            audit.predicted(before - set(store.key_slot), [store.slot_key[s] for s in started])
+        return issued(*_before(store), store.predict(client, keys))
+
+    def issued(slots, evictions, started):
+        if store.stats.evictions != evictions:
+            audit.predicted(_evicted(store, slots), [store.slot_key[s] for s in started])
         for s in started:
             complete(s, None)
         timing.issued(started)
         return started
 
-    def issued(before, started):
-        if started and store.stats.evictions:
-            audit.predicted(before - set(store.key_slot), [store.slot_key[s] for s in started])
-        for s in started:
-            complete(s, None)
-        timing.issued(started)
-
     def flush(predict=True):
         nonlocal pending
         c, keys, got, n, _ = pending
         pending = None
-        before = set(store.key_slot)
-        issued(before, auto.after_fetch(c, keys, got, n, predict=predict)[1])
+        issued(*_before(store), auto.after_fetch(c, keys, got, n, predict=predict)[1])
 
     def begin_token(c):
-        before = set(store.key_slot)
-        issued(before, auto.begin_token(c)[1])
+        issued(*_before(store), auto.begin_token(c)[1])
 
     for ev in events:
         kind, c = ev.kind, ev.client
@@ -213,6 +205,19 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     return Result(st.hits, st.misses, st.evictions, st.prefetched, st.prefetch_hits, st.prefetch_unused,
                   st.prefetch_refused, cache_full, audit.evictions, audit.current, audit.sooner,
                   timing.ready, timing.waited, daemon.prefetched, daemon.prefetch_hits, daemon.prefetch_unused)
+
+
+def _before(store) -> tuple[list, int]:
+    """What a background read's audit needs of the store before it: its slots' keys (a
+    list copy, cheap; the keys' set is built only if something was evicted) and the
+    eviction count."""
+    return store.slot_key[:], store.stats.evictions
+
+
+def _evicted(store, before: list) -> set:
+    """The keys resident in ``before`` (``_before``'s slots) and not any more."""
+    key_slot = store.key_slot
+    return {k for k, now in zip(before, store.slot_key) if k is not now and k is not None and k not in key_slot}
 
 
 class _Timing:
