@@ -18,6 +18,7 @@ from k3client.errors import CacheFull
 from k3d.cache.policy import make
 from k3d.cache.policy.opt import OptPolicy
 from k3d.cache.predict import AutoPrefetch, auto_id, make as make_predictor
+from k3d.cache.predict.private import PerClient
 from k3d.cache.store import Store
 from k3d.observe.stats import PredictionStats
 from k3d.observe.trace import AUTO, BEGIN, BYE, FETCH, PREDICT
@@ -87,7 +88,8 @@ def experts_of(events) -> int:
 
 
 def run(events, policy: str, slots: int, predictions: bool = True, layers: int | None = None,
-        predictor: str | None = None, read_lead: int = 1, budget: int = 0, experts: int | None = None) -> Result:
+        predictor: str | None = None, read_lead: int = 1, budget: int = 0, experts: int | None = None,
+        learn: str = "shared") -> Result:
     """Replay ``events`` with ``slots`` slots under the policy called ``policy`` ("opt": Belady).
 
     ``predictor``: the daemon's own predictions.  None: the trace's ``auto`` lines as
@@ -95,7 +97,9 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     run through ``AutoPrefetch`` (as the daemon does) where the trace's ``auto`` lines
     say the daemon ran it (after a fetch, or after a ``begin``: the token's first
     layer), else right after each fetch and its ``predict`` line, and after each
-    ``begin``.
+    ``begin``.  ``learn``: "shared" (the daemon: one predictor learns from every
+    client) or "private" (one predictor per client, ``PerClient``: the counterfactual
+    that tells what sharing what was learned is worth).
     ``read_lead``: a used prediction was ready before the request when at least this
     many fetches came between it and its use, else its request waited (reads
     complete at once here, so this is the model of read time)."""
@@ -108,7 +112,13 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     store = Store(slots, policy=pol)
     auto = None
     if predictor not in (None, "none"):
-        model = make_predictor(predictor, layers, experts_of(events) if experts is None else experts)
+        E = experts_of(events) if experts is None else experts
+        if learn == "private":
+            model = PerClient(lambda: make_predictor(predictor, layers, E))
+        elif learn == "shared":
+            model = make_predictor(predictor, layers, E)
+        else:
+            raise ValueError(f"learn: shared or private, not {learn!r}")
         auto = AutoPrefetch(store, model, budget=budget, read_lead=read_lead)
     marked = auto is not None and any(ev.kind == AUTO for ev in events)
     epoch: dict[int, int] = {}

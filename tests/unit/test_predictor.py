@@ -264,3 +264,54 @@ def test_a_layer_reaching_the_window_has_its_counts_halved_at_the_fold():
     pop = {(m, e): v for m, e, v in s["pop"]}
     assert pop[(0, 2)] == dict((m, v) for m, v in s["visits"])[0]     # always picked: still every visit
 
+
+def test_per_client_learning_keeps_clients_apart():
+    """PerClient: a client's proposals come from its own stream only."""
+    from k3d.cache.predict.private import PerClient
+    p = PerClient(lambda: CoPredictor(L, E))
+    for t in range(200):
+        for layer, experts in enumerate(pattern_token(t)):
+            p.observe(1, [(layer, e) for e in experts])
+            p.propose(1, layer + 1, 0, ())
+        p.end_pass(1)
+    p.observe(1, [(0, e) for e in pattern_token(200)[0]])
+    assert sorted(k for k, _ in p.propose(1, 1, 2, ())) == sorted((1, e) for e in pattern_token(200)[1])
+    p.observe(2, [(0, e) for e in pattern_token(200)[0]])
+    assert p.propose(2, 1, 2, ()) == []                      # client 2 learned nothing yet
+    assert sorted(p.clients()) == [1, 2] and p.remaining(2) == (L - 1) * 2
+
+
+def test_shared_learning_beats_private_learning_where_it_must():
+    """Two clients playing the same pattern: one predictor taught by both streams learns it in
+    half the tokens, so the shared arena hits more with shared learning than with one
+    predictor per client (the arena is the same, so the difference is the learning)."""
+    from k3d.replay.sharing import compare
+    ev = events_of(pattern_token(t) for t in range(40))
+    size = 2 * (2 * L + 4)
+    row = compare(ev, 2, [size], ["cycle"], offset=1, predictor="coact", learn="both")["cycle"][size]
+    assert row["shared"] > row["shared_learn_private"] >= row["shared_no_predictor"]
+    assert row["learning_gain"] > 0
+    assert row["arena_gain"] == round(100 * (row["shared_learn_private"] - row["private"]), 2)
+    alone = compare(ev, 2, [size], ["cycle"], offset=1, predictor="coact", learn="private")["cycle"][size]
+    assert alone["shared"] == row["shared_learn_private"]
+
+
+def test_replay_cli_learn_both_splits_the_gain(tmp_path, capsys):
+    """``k3d replay --clients 2 --learn both --json``: the learning split per size, and sizes
+    whose private arenas cannot hold a token are the split alone (no error)."""
+    import json
+
+    from k3d.commands.cli import main as k3d_main
+    trace = tmp_path / "pattern.trace"
+    trace.write_text("".join(f"{t} L{layer} n=2 {a} {b}\n" for t in range(40)
+                             for layer, (a, b) in enumerate(pattern_token(t))))
+    size = 2 * (2 * L + 4)
+    args = ["replay", str(trace), "--clients", "2", "--policy", "cycle", "--predictor", "coact", "--json"]
+    assert k3d_main([*args, "--slots", f"{2 * L + 4},{size}", "--learn", "both"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["learn"] == "both" and out["clients"] == 2
+    small, row = out["results"]["cycle"][str(2 * L + 4)], out["results"]["cycle"][str(size)]
+    assert small["private"] is None and small["arena_gain"] is None and "learning_gain" in small
+    assert row["shared"] >= row["shared_learn_private"] and row["learning_gain"] >= 0
+    assert k3d_main([*args, "--slots", str(2 * L + 4)]) == 2          # --learn shared: still an error
+    assert "below one token's pins" in capsys.readouterr().err
