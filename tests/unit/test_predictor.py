@@ -5,11 +5,16 @@
   replay turns every demand miss after the first tokens into a prediction hit;
 - a random stream: the calibration finds no information, so after the first tokens
   nothing is read ahead and the hit rate is never below the predictor-off run;
-- the same stream gives the same proposals; state()/restore() carries them.
+- the same stream gives the same proposals; state()/restore() carries them;
+- learning in batches counts exactly what a fetch at a time counts, state() does
+  not change what is proposed, deferred calibration counts what scoring at once
+  counts; one predictor per client (replay --learn private) keeps clients apart,
+  and shared learning beats it where clients teach each other.
 """
 
 import random
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from k3d.cache.policy import make
@@ -315,3 +320,38 @@ def test_replay_cli_learn_both_splits_the_gain(tmp_path, capsys):
     assert row["shared"] >= row["shared_learn_private"] and row["learning_gain"] >= 0
     assert k3d_main([*args, "--slots", str(2 * L + 4)]) == 2          # --learn shared: still an error
     assert "below one token's pins" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("experts", [E, 32])
+def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, experts):
+    """A proposal that cannot propose anything has its candidates binned at the fold
+    (score.resolve), not at once: the calibration counts are the same either way."""
+    from k3d.cache.predict import counts
+
+    rng = random.Random(3)
+    tokens = [[rng.sample(range(experts), 2) for _ in range(L)] for _ in range(60)]
+    tokens += [[[(2 * (t % 4) + 3 * l) % experts, (2 * (t % 4) + 3 * l + 1) % experts] for l in range(L)]
+               for t in range(60)]
+
+    def drive(p):
+        deferred = 0
+        for route in tokens:
+            for layer, experts_ in enumerate(route):
+                p.observe(1, [(layer, e) for e in experts_])
+                if layer + 1 < L:
+                    p.propose(1, layer + 1, 2, {(layer + 1, experts_[0])})
+                    deferred += p._pending[1][1] is None
+            p.end_pass(1)
+        return p.state(), deferred
+
+    lazy, n_lazy = drive(CoPredictor(L, experts))
+    init = counts.Tables.__init__
+
+    def at_once(self, *a):
+        init(self, *a)
+        self.reachable[:] = True                    # never defer
+
+    monkeypatch.setattr(counts.Tables, "__init__", at_once)
+    eager, n_eager = drive(CoPredictor(L, experts))
+    assert n_lazy > 0 and n_eager == 0
+    assert lazy == eager

@@ -105,10 +105,13 @@ class Counts:
         if cparts:
             cal += np.bincount(np.concatenate(cparts), minlength=2 * BINS + 2)
 
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(blk, visits, cal) as a fold would leave them, without folding."""
+    def snapshot(self, cal_extra=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(blk, visits, cal) as a fold would leave them, without folding (``cal_extra``:
+        calibration indices the fold would add too)."""
         blk, visits, cal = self.blk.copy(), self.visits.copy(), self.cal.copy()
         self._apply(blk.reshape(-1), visits, cal)
+        if cal_extra is not None and cal_extra.size:
+            cal += np.bincount(cal_extra, minlength=2 * BINS + 2)
         return blk, visits, cal
 
     def views(self, blk=None, visits=None) -> dict:
@@ -138,12 +141,15 @@ class Tables:
     - ``ct[m, b, e] = (cal_hit[b] + CAL_PRIOR * pm[m, e]) / (cal_n[b] + CAL_PRIOR)``: the
       calibrated confidence of expert ``e`` of layer ``m`` whose raw score fell in bin
       ``b``, shrunk towards the plain rate while the bin has few resolved candidates;
+    - ``reachable[m, e]``: some bin of expert ``e`` of layer ``m`` reaches ``min_prob``;
+      where no candidate is reachable, nothing can be proposed until the next fold,
+      whatever the context;
     - small models only: ``sets`` and ``memo``, the context layers' odds factors,
       filled on demand by ``CoPredictor._factors``; ``ct`` and ``inv_io`` per layer as
       lists (``ct_l``, ``inv_io_l``: ``1 / io``).
     """
 
-    def __init__(self, counts: Counts, k: int, prior: float, small: bool):
+    def __init__(self, counts: Counts, k: int, prior: float, small: bool, min_prob: float):
         c = counts
         self.version = c.version
         E = c.experts
@@ -153,7 +159,10 @@ class Tables:
         ct = (c.cal_hit[None, :, None] + CAL_PRIOR * pm[:, None, :]) / (c.cal_n + CAL_PRIOR)[None, :, None]
         self.ct = ct.reshape(c.layers, BINS * E)
         self.ar = np.arange(E)
+        # per layer and expert: whether any bin reaches min_prob (else it cannot be proposed)
+        self.reachable = (ct.max(axis=1) >= min_prob)                   # (L, E)
         self.small = small
+        self.q: dict[int, np.ndarray] = {}      # layer -> score.q_rows (dense models)
         if small:                               # plain lists: cheaper than numpy calls for a few experts
             self.sets: dict[int, tuple] = {}    # picks size -> CoPredictor._factors' table
             self.memo: dict[tuple, list] = {}   # (layer, distance, picks) -> CoPredictor._factors

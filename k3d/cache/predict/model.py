@@ -34,7 +34,10 @@ every table scoring reads is fixed (``counts.Tables``), so it is computed once p
 fold, not per fetch: for models of up to ``SMALL`` experts, every context layer's
 odds factors at once, and a fetch's scoring is list arithmetic over its experts
 (``score.small``); larger ones take one numpy gather per fetch (``score.dense``).
-The calibration's resolved candidates are buffered the same way.  The fold
+The calibration's resolved candidates are buffered the same way, and a proposal
+that cannot propose anything (no candidate reaches ``min_prob`` in any bin under
+this fold's tables) is not scored at all then: its candidates' bins are computed
+at the fold, all together (``score.resolve``), with the same counts.  The fold
 schedule is a function of the stream alone, so the daemon and ``k3d replay`` fold
 at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 
@@ -48,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 
 from k3d.cache.predict.counts import BINS, HIT, Counts, Tables
-from k3d.cache.predict.score import SMALL, dense, small
+from k3d.cache.predict.score import SMALL, dense, resolve, small
 
 MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
 
@@ -67,7 +70,9 @@ class CoPredictor:
         self._tables: dict[int, Tables] = {}    # fetch size -> tables of the current fold
         self._recent: dict[int, list] = {}      # client -> [(layer, picks)] of this pass, newest last
         self._prev: dict[int, list] = {}        # client -> the same for its previous pass
-        self._pending: dict[int, tuple] = {}    # client -> (target layer, its candidates' bins)
+        self._pending: dict[int, tuple] = {}    # client -> (target layer, its candidates' bins, or None
+        #                                                    and what score.resolve needs: deferred)
+        self._deferred: list[tuple] = []        # resolved deferred proposals, for score.resolve at the fold
         self._k: dict[int, int] = {}            # client -> keys in its last fetch
         self._ctx: dict[int, tuple] = {}        # client -> (target layer, _context's answer)
         self._keys: dict[int, list] = {}        # layer -> its keys, expert order
@@ -97,8 +102,15 @@ class CoPredictor:
         if self.c.n >= self._fold_at:
             self.fold()
 
+    def fold_every(self) -> int:
+        """Fetches between this fold and the next."""
+        return self._fold_at
+
     def fold(self) -> None:
         """Move what was learned since the last fold into the counts (the proposals see it)."""
+        if self._deferred:                         # binned under the tables they were made with
+            self.c.cal_arrs.append(resolve(self, self._deferred))
+            self._deferred = []
         self.learned += self.c.pending()
         self.c.fold()
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
@@ -107,7 +119,9 @@ class CoPredictor:
         c = self.c
         pend = self._pending.pop(client, None)
         if pend is not None and pend[0] == m:      # resolve the calibration of the last proposal
-            if self.small:
+            if pend[1] is None:                    # deferred: binned at the fold
+                self._deferred.append((pend[2], m, pend[3], pend[4], pend[5], picks))
+            elif self.small:
                 cands = pend[1]                    # expert -> its bin, the candidates only
                 ci = c.cal_idx
                 ci += cands.values()
@@ -168,7 +182,7 @@ class CoPredictor:
         k = min(max(1, self._k.get(client, 1)), E - 1) if E > 1 else 1
         t = self._tables.get(k)
         if t is None or t.version != self.c.version:
-            t = self._tables[k] = Tables(self.c, k, self.prior, self.small)
+            t = self._tables[k] = Tables(self.c, k, self.prior, self.small, self.min_prob)
         return t
 
     def propose(self, client: int, layer: int, budget: int, resident=()) -> list[tuple[tuple[int, int], float]]:
@@ -186,6 +200,13 @@ class CoPredictor:
         # less often than its score's bin says on average).
         t = self._table(client)
         parts, rows = self._context(client, layer)
+        res = np.fromiter(map(resident.__contains__, keys), bool, self.experts)
+        if not (t.reachable[layer] > res).any():
+            # No candidate can be proposed until the next fold, whatever the context: the
+            # candidates' bins only feed the calibration, which moves at the fold, so
+            # they are computed there, for all such proposals at once (score.resolve).
+            self._pending[client] = (layer, None, t, rows, tuple(len(ps) for _, ps in parts), res)
+            return []
         if self.small:
             best, cands = small(self, t, layer, parts, keys, resident)
         else:
@@ -257,7 +278,7 @@ class CoPredictor:
         def sparse(arr):
             idx = np.nonzero(arr)
             return [[*map(int, i), int(arr[i])] for i in zip(*idx)]
-        blk, visits, cal = self.c.snapshot()
+        blk, visits, cal = self.c.snapshot(resolve(self, self._deferred) if self._deferred else None)
         return {"predictor": self.name, "layers": self.layers, "experts": self.experts, "depth": self.depth,
                 **{name: sparse(arr) for name, arr in self.c.views(blk, visits).items()},
                 "cal_n": [int(x) for x in cal[:BINS]], "cal_hit": [int(x) for x in cal[HIT:HIT + BINS]]}
@@ -287,6 +308,7 @@ class CoPredictor:
             raise ValueError(f"malformed predictor state: {e}") from None
         new.cal_n[:], new.cal_hit[:] = cal_n, cal_hit
         self.layers, self.experts, self.c = L, E, new
+        self._deferred = []
         self.learned = int(new.visits.sum())
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
         self._fetched = [bool(v) for v in new.visits.tolist()]

@@ -11,6 +11,9 @@ one numpy gather of the context rows for larger models.  Both return
     the experts' bins, BINS where not a candidate), which the caller keeps until the
     layer's fetch resolves them.
 
+``resolve`` bins, at a fold and all at once, the candidates of proposals that could
+propose nothing (``Tables.hopeless``): their bins only feed the calibration.
+
 Pure: reads the predictor's folded counts and ``Tables``; the caches here are
 keyed by shapes only (subsets of ``experts``, context sizes), never by counts.
 Bins: raw probability o / (1 + o) in [b / BINS, (b + 1) / BINS).  ``small`` takes
@@ -26,11 +29,12 @@ from math import comb, prod
 
 import numpy as np
 
-from k3d.cache.predict.counts import BINS, Tables
+from k3d.cache.predict.counts import BINS, HIT, Tables
 
 EDGES = np.array([i / (BINS - i) for i in range(1, BINS)])  # bin i's lower edge, as odds
 SMALL = 16              # models of at most this many experts score with lists
 SUBSETS = 128           # a context layer's picks: every set of their size tabulated at once up to this many
+Q_ROWS_FROM = 128       # dense: keep a layer's q rows for the fold once folds are this many fetches apart
 
 _subsets_of: dict[tuple, tuple] = {}       # (experts, size) -> subsets' answer
 _averaging: dict[tuple, np.ndarray] = {}   # context group sizes -> the matrix averaging each group
@@ -121,29 +125,83 @@ def subsets(experts: int, n: int) -> tuple:
     return got
 
 
+def averaging(sizes: tuple) -> np.ndarray:
+    """The matrix that averages each group of rows of these sizes (one row per group)."""
+    avg = _averaging.get(sizes)
+    if avg is None:
+        avg = _averaging[sizes] = np.zeros((len(sizes), sum(sizes)))
+        start = 0
+        for i, n in enumerate(sizes):
+            avg[i, start:start + n] = 1.0 / n
+            start += n
+    return avg
+
+
+def resolve(p, deferred) -> np.ndarray:
+    """Calibration buffer indices (``counts``: a candidate's bin, and HIT + bin where it was
+    picked) of the proposals ``propose`` deferred, computed together: entries (tables,
+    layer, context rows, context sizes, resident mask, picks), scored as ``dense`` would
+    have under those tables (the counts must not have moved since: call before the
+    fold).  Vectorised over the entries of one shape, a few hundred at a time."""
+    groups: dict[tuple, list] = {}
+    for t, m, rows, sizes, resident, picks in deferred:
+        groups.setdefault((t, sizes), []).append((m, rows, resident, picks))
+    c, out = p.c, []
+    for (t, sizes), entries in groups.items():
+        for at in range(0, len(entries), 256):
+            part = entries[at:at + 256]
+            M = np.array([e[0] for e in part], np.int64)
+            if sizes:
+                R = np.array([e[1] for e in part], np.int64)                          # (N, rows)
+                g = (c.co[M[:, None], R] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], R] + p.prior)[:, :, None]
+                q = averaging(sizes) @ g                                             # (N, groups, E)
+                odds = (q / (1.0 - q)).prod(axis=1)
+                if len(sizes) > 1:
+                    odds *= t.io[M] ** (len(sizes) - 1)
+            else:
+                odds = 1.0 / t.io[M]
+            bins = np.searchsorted(EDGES, odds, side="right")
+            cand = ~np.array([e[2] for e in part], bool)
+            hit = np.zeros(cand.shape, bool)
+            hit[[i for i, e in enumerate(part) for _ in e[3]], [x for e in part for x in e[3]]] = True
+            out += [bins[cand], bins[cand & hit] + HIT]
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def q_rows(p, t: Tables, m: int, rows) -> np.ndarray:
+    """``rows`` of layer ``m``'s (co + prior * pm) / (seen + prior) (D * E rows of E).  Once
+    the folds are far enough apart to pay for it (``Q_ROWS_FROM`` fetches or more), the
+    whole layer's is computed at the fold's first use and kept; before, only the rows
+    asked for, per fetch."""
+    got = t.q.get(m)
+    if got is not None:
+        return got.take(rows, 0)
+    c = p.c
+    if p.fold_every() >= Q_ROWS_FROM:
+        got = t.q[m] = (c.co[m] + t.ppm[m]) / (c.seen[m] + p.prior)[:, None]
+        return got.take(rows, 0)
+    idx = np.array(rows, np.int64)
+    return (c.co[m].take(idx, 0) + t.ppm[m]) / (c.seen[m].take(idx) + p.prior)[:, None]
+
+
 def dense(p, t: Tables, m: int, parts, rows, keys, resident) -> tuple[list, np.ndarray]:
     """As ``small``, with one gather of the context rows (many experts)."""
-    c, E = p.c, p.experts
+    E = p.experts
     if parts:
         sizes = tuple(len(ps) for _, ps in parts)
-        avg = _averaging.get(sizes)
-        if avg is None:
-            avg = _averaging[sizes] = np.zeros((len(sizes), len(rows)))
-            start = 0
-            for i, n in enumerate(sizes):
-                avg[i, start:start + n] = 1.0 / n
-                start += n
-        idx = np.array(rows, np.int64)
+        avg = averaging(sizes)
         # per context layer: mean over its picks a of (co[a, e] + prior * pm) / (seen[a] + prior)
-        q = avg @ ((c.co[m].take(idx, 0) + t.ppm[m]) / (c.seen[m].take(idx) + p.prior)[:, None])
+        q = avg @ q_rows(p, t, m, rows)
         odds = (q / (1.0 - q)).prod(axis=0)        # naive Bayes: the layers' odds multiply ...
         if len(sizes) > 1:                         # ... over the prior odds, counted once
             odds *= t.io[m] ** (len(sizes) - 1)
     else:
         odds = 1.0 / t.io[m]
     bins = np.searchsorted(EDGES, odds, side="right")
-    conf = t.ct[m].take(bins * E + t.ar)
     cand = ~np.fromiter(map(resident.__contains__, keys), bool, E)
-    conf *= cand
-    ok = np.flatnonzero(conf >= p.min_prob)
-    return list(zip((-conf[ok]).tolist(), ok.tolist())), np.where(cand, bins, BINS)
+    pb = np.where(cand, bins, BINS)
+    conf = t.ct[m].take(bins * E + t.ar)
+    ok = np.flatnonzero((conf >= p.min_prob) & cand)
+    if not ok.size:                                # the usual answer: skip the lists
+        return [], pb
+    return list(zip((-conf[ok]).tolist(), ok.tolist())), pb
