@@ -161,6 +161,8 @@ class Tables:
         self.ar = np.arange(E)
         # per layer and expert: whether any bin reaches min_prob (else it cannot be proposed)
         self.reachable = (ct.max(axis=1) >= min_prob)                   # (L, E)
+        if small:
+            self.reachable_l = self.reachable.tolist()
         self.small = small
         self.q: dict[int, np.ndarray] = {}      # layer -> score.q_rows (dense models)
         if small:                               # plain lists: cheaper than numpy calls for a few experts

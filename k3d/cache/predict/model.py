@@ -200,17 +200,22 @@ class CoPredictor:
         # less often than its score's bin says on average).
         t = self._table(client)
         parts, rows = self._context(client, layer)
-        res = np.fromiter(map(resident.__contains__, keys), bool, self.experts)
-        if not (t.reachable[layer] > res).any():
+        if self.small:
+            res = [k in resident for k in keys]
+            hopeless = not any(r > s for r, s in zip(t.reachable_l[layer], res))
+        else:
+            res = np.fromiter(map(resident.__contains__, keys), bool, self.experts)
+            hopeless = not (t.reachable[layer] > res).any()
+        if hopeless:
             # No candidate can be proposed until the next fold, whatever the context: the
             # candidates' bins only feed the calibration, which moves at the fold, so
             # they are computed there, for all such proposals at once (score.resolve).
             self._pending[client] = (layer, None, t, rows, tuple(len(ps) for _, ps in parts), res)
             return []
         if self.small:
-            best, cands = small(self, t, layer, parts, keys, resident)
+            best, cands = small(self, t, layer, parts, res)
         else:
-            best, cands = dense(self, t, layer, parts, rows, keys, resident)
+            best, cands = dense(self, t, layer, parts, rows, res)
         self._pending[client] = (layer, cands)
         if budget <= 0 or not best:
             return []

@@ -6,7 +6,7 @@ arithmetic than as numpy calls, whose fixed cost is ~1 µs each), and ``dense`` 
 one numpy gather of the context rows for larger models.  Both return
 
     (best, cands): best = [(-confidence, expert)] of the candidates (experts whose
-    key is not in ``resident``) at ``min_prob`` or more, unsorted; cands = each
+    key is not resident: ``res[e]`` false) at ``min_prob`` or more, unsorted; cands = each
     candidate's calibration bin (``small``: {expert: bin}; ``dense``: an array of
     the experts' bins, BINS where not a candidate), which the caller keeps until the
     layer's fetch resolves them.
@@ -40,7 +40,7 @@ _subsets_of: dict[tuple, tuple] = {}       # (experts, size) -> subsets' answer
 _averaging: dict[tuple, np.ndarray] = {}   # context group sizes -> the matrix averaging each group
 
 
-def small(p, t: Tables, m: int, parts, keys, resident) -> tuple[list, dict]:
+def small(p, t: Tables, m: int, parts, res) -> tuple[list, dict]:
     """``p``'s scores of layer ``m``'s experts given the context ``parts``, in lists."""
     fs = factors(p, t, m, parts)
     # odds = prod_d q_d / (1 - q_d) * io^(n - 1): each factor carries one io, inv_io takes one back
@@ -49,7 +49,7 @@ def small(p, t: Tables, m: int, parts, keys, resident) -> tuple[list, dict]:
     ct, E, mp = t.ct_l[m], p.experts, p.min_prob
     cands, best = {}, []
     for e in range(E):
-        if keys[e] in resident:
+        if res[e]:
             continue
         o = odds[e]
         b = int(o * BINS / (1.0 + o))              # the bin of the raw probability o / (1 + o)
@@ -184,7 +184,7 @@ def q_rows(p, t: Tables, m: int, rows) -> np.ndarray:
     return (c.co[m].take(idx, 0) + t.ppm[m]) / (c.seen[m].take(idx) + p.prior)[:, None]
 
 
-def dense(p, t: Tables, m: int, parts, rows, keys, resident) -> tuple[list, np.ndarray]:
+def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray) -> tuple[list, np.ndarray]:
     """As ``small``, with one gather of the context rows (many experts)."""
     E = p.experts
     if parts:
@@ -198,7 +198,7 @@ def dense(p, t: Tables, m: int, parts, rows, keys, resident) -> tuple[list, np.n
     else:
         odds = 1.0 / t.io[m]
     bins = np.searchsorted(EDGES, odds, side="right")
-    cand = ~np.fromiter(map(resident.__contains__, keys), bool, E)
+    cand = ~res
     pb = np.where(cand, bins, BINS)
     conf = t.ct[m].take(bins * E + t.ar)
     ok = np.flatnonzero((conf >= p.min_prob) & cand)
