@@ -322,10 +322,11 @@ def test_replay_cli_learn_both_splits_the_gain(tmp_path, capsys):
     assert "below one token's pins" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("experts", [E, 32])
-def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, experts):
+@pytest.mark.parametrize("experts, clients", [(E, 1), (32, 1), (E, 2), (32, 2)])
+def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, experts, clients):
     """A proposal that cannot propose anything has its candidates binned at the fold
-    (score.resolve), not at once: the calibration counts are the same either way."""
+    (score.resolve), not at once: the calibration counts are the same either way, also
+    when another client's fetch folds while the proposal waits for its layer."""
     from k3d.cache.predict import counts
 
     rng = random.Random(3)
@@ -335,13 +336,16 @@ def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, ex
 
     def drive(p):
         deferred = 0
-        for route in tokens:
+        for t, route in enumerate(tokens):
             for layer, experts_ in enumerate(route):
-                p.observe(1, [(layer, e) for e in experts_])
-                if layer + 1 < L:
-                    p.propose(1, layer + 1, 2, {(layer + 1, experts_[0])})
-                    deferred += p._pending[1][1] is None
-            p.end_pass(1)
+                for c in range(1, clients + 1):       # client c plays the tokens c - 1 later
+                    mine = tokens[t - c + 1][layer] if t >= c - 1 else experts_
+                    p.observe(c, [(layer, e) for e in mine])
+                    if layer + 1 < L:
+                        p.propose(c, layer + 1, 2, {(layer + 1, mine[0])})
+                        deferred += p._pending[c][1] is None
+            for c in range(1, clients + 1):
+                p.end_pass(c)
         return p.state(), deferred
 
     lazy, n_lazy = drive(CoPredictor(L, experts))

@@ -51,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 
 from k3d.cache.predict.counts import BINS, HIT, Counts, Tables
-from k3d.cache.predict.score import SMALL, dense, resolve, small
+from k3d.cache.predict.score import SMALL, bins_of, dense, resolve, small
 
 MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
 
@@ -111,6 +111,17 @@ class CoPredictor:
         if self._deferred:                         # binned under the tables they were made with
             self.c.cal_arrs.append(resolve(self, self._deferred))
             self._deferred = []
+        # Deferred proposals still waiting for their layer's fetch: bin them now, while
+        # the counts are those they were made under, and keep the bins as if scored.
+        waiting = [(c, pend) for c, pend in self._pending.items() if pend[1] is None]
+        if waiting:
+            bins = bins_of(self, [(pend[2], pend[0], pend[3], pend[4]) for _, pend in waiting])
+            for (c, pend), b in zip(waiting, bins):
+                res = pend[5]
+                if self.small:
+                    self._pending[c] = (pend[0], {e: x for e, x in enumerate(b.tolist()) if not res[e]})
+                else:
+                    self._pending[c] = (pend[0], np.where(res, BINS, b))
         self.learned += self.c.pending()
         self.c.fold()
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))

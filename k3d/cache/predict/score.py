@@ -137,22 +137,22 @@ def averaging(sizes: tuple) -> np.ndarray:
     return avg
 
 
-def resolve(p, deferred) -> np.ndarray:
-    """Calibration buffer indices (``counts``: a candidate's bin, and HIT + bin where it was
-    picked) of the proposals ``propose`` deferred, computed together: entries (tables,
-    layer, context rows, context sizes, resident mask, picks), scored as ``dense`` would
-    have under those tables (the counts must not have moved since: call before the
-    fold).  Vectorised over the entries of one shape, a few hundred at a time."""
+def bins_of(p, items) -> np.ndarray:
+    """The raw-score bins (N, E) of proposals (tables, layer, context rows, context
+    sizes), scored as ``dense`` would have under those tables: the counts must not
+    have moved since they were made (call before the fold).  Vectorised over the
+    items of one shape, a few hundred at a time."""
+    c, E = p.c, p.experts
+    out = np.zeros((len(items), E), np.int64)
     groups: dict[tuple, list] = {}
-    for t, m, rows, sizes, resident, picks in deferred:
-        groups.setdefault((t, sizes), []).append((m, rows, resident, picks))
-    c, out = p.c, []
+    for i, (t, m, rows, sizes) in enumerate(items):
+        groups.setdefault((t, sizes), []).append((i, m, rows))
     for (t, sizes), entries in groups.items():
         for at in range(0, len(entries), 256):
             part = entries[at:at + 256]
-            M = np.array([e[0] for e in part], np.int64)
+            M = np.array([e[1] for e in part], np.int64)
             if sizes:
-                R = np.array([e[1] for e in part], np.int64)                          # (N, rows)
+                R = np.array([e[2] for e in part], np.int64)                          # (N, rows)
                 g = (c.co[M[:, None], R] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], R] + p.prior)[:, :, None]
                 q = averaging(sizes) @ g                                             # (N, groups, E)
                 odds = (q / (1.0 - q)).prod(axis=1)
@@ -160,12 +160,21 @@ def resolve(p, deferred) -> np.ndarray:
                     odds *= t.io[M] ** (len(sizes) - 1)
             else:
                 odds = 1.0 / t.io[M]
-            bins = np.searchsorted(EDGES, odds, side="right")
-            cand = ~np.array([e[2] for e in part], bool)
-            hit = np.zeros(cand.shape, bool)
-            hit[[i for i, e in enumerate(part) for _ in e[3]], [x for e in part for x in e[3]]] = True
-            out += [bins[cand], bins[cand & hit] + HIT]
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
+            out[[e[0] for e in part]] = np.searchsorted(EDGES, odds, side="right")
+    return out
+
+
+def resolve(p, deferred) -> np.ndarray:
+    """Calibration buffer indices (``counts``: a candidate's bin, and HIT + bin where it was
+    picked) of the proposals ``propose`` deferred, all at once: entries (tables, layer,
+    context rows, context sizes, resident mask, picks); see ``bins_of``."""
+    if not deferred:
+        return np.zeros(0, np.int64)
+    bins = bins_of(p, [e[:4] for e in deferred])
+    cand = ~np.array([e[4] for e in deferred], bool)
+    hit = np.zeros(cand.shape, bool)
+    hit[[i for i, e in enumerate(deferred) for _ in e[5]], [x for e in deferred for x in e[5]]] = True
+    return np.concatenate((bins[cand], bins[cand & hit] + HIT))
 
 
 def q_rows(p, t: Tables, m: int, rows) -> np.ndarray:
