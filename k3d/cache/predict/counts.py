@@ -9,10 +9,11 @@
 - ``cal_n[b]`` / ``cal_hit[b]``: candidates whose raw score fell in bin ``b``, and those
   of them picked when their layer came.
 
-Learning only appends to buffers (``learn``, ``calibrate``: flat indices into the
-counts, a Python list or numpy arrays): the arrays move at ``fold``, all at once, so a
-fetch pays for a few list appends instead of a few numpy calls, and everything read
-from the counts (``Tables``) stays fixed between folds and can be memoised.  The owner
+Learning only appends to buffers (``learn``: a fetch's (layer, context rows, picks);
+``cal_idx`` / ``cal_arrs``: calibration indices, as a list or as arrays): the arrays
+move at ``fold``, all at once, so a fetch pays for a tuple and a few list appends
+instead of a few numpy calls, and everything read from the counts (``Tables``)
+stays fixed between folds and is computed once per fold.  The owner
 decides when to fold; any schedule that is a function of the stream keeps the
 predictor deterministic.
 
@@ -144,9 +145,10 @@ class Tables:
     - ``reachable[m, e]``: some bin of expert ``e`` of layer ``m`` reaches ``min_prob``;
       where no candidate is reachable, nothing can be proposed until the next fold,
       whatever the context;
-    - small models only: ``sets`` and ``memo``, the context layers' odds factors,
-      filled on demand by ``CoPredictor._factors``; ``ct`` and ``inv_io`` per layer as
-      lists (``ct_l``, ``inv_io_l``: ``1 / io``).
+    - ``q``: dense models' kept q rows per layer (``score.q_rows``); small models:
+      ``sets`` and ``memo``, the context layers' odds factors (``score.factors``),
+      ``ct``, ``reachable`` and ``1 / io`` as lists (``ct_l``, ``reachable_l``,
+      ``inv_io_l``).
     """
 
     def __init__(self, counts: Counts, k: int, prior: float, small: bool, min_prob: float):
@@ -161,12 +163,11 @@ class Tables:
         self.ar = np.arange(E)
         # per layer and expert: whether any bin reaches min_prob (else it cannot be proposed)
         self.reachable = (ct.max(axis=1) >= min_prob)                   # (L, E)
-        if small:
-            self.reachable_l = self.reachable.tolist()
         self.small = small
         self.q: dict[int, np.ndarray] = {}      # layer -> score.q_rows (dense models)
         if small:                               # plain lists: cheaper than numpy calls for a few experts
-            self.sets: dict[int, tuple] = {}    # picks size -> CoPredictor._factors' table
-            self.memo: dict[tuple, list] = {}   # (layer, distance, picks) -> CoPredictor._factors
+            self.sets: dict[int, tuple] = {}    # picks size -> score.set_table
+            self.memo: dict[tuple, list] = {}   # (layer, distance, picks) -> score.factors
             self.ct_l = self.ct.tolist()       # one call: cheaper than a layer at a time
+            self.reachable_l = self.reachable.tolist()
             self.inv_io_l = (pm / (1.0 - pm)).tolist()
