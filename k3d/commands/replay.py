@@ -4,7 +4,7 @@
 
     k3d replay TRACE --slots N[,N...] [--policy P[,P...]] [--json] [--sweep] [--plot FILE.png]
                      [--no-predictions] [--predictor NAME|recorded|none] [--read-lead N]
-                     [--clients N --offset TOKENS]
+                     [--clients N --offset TOKENS --learn shared|private|both]
 
 Prints hits, misses, evictions and hit rate per policy and size, OPT (exact, under
 the same pins) beside them.  ``--sweep`` replays every size from the smallest the
@@ -26,7 +26,10 @@ prediction was ready before its request when N or more fetches came between them
 
 ``--clients N`` interleaves N copies of the trace (each offset by
 ``--offset`` tokens, later ones starting later) and compares one shared arena of S
-slots with N private arenas of S/N (``k3d.replay.sharing``).
+slots with N private arenas of S/N (``k3d.replay.sharing``); ``--learn`` says
+whether the shared arena's predictor learns from every client (``shared``, as the
+daemon), from each client apart (``private``), or ``both``, splitting the gain into
+the arena's and the shared learning's.
 
 Errors (one line, exit 2), all found before anything is replayed: a malformed trace
 line (with its number), a trace without fetches, ``--slots`` below one token's pins
@@ -73,6 +76,9 @@ def add_parser(sub):
     p.add_argument("--clients", type=int, default=1,
                    help="interleave N offset copies: one shared arena of S vs N private ones of S/N")
     p.add_argument("--offset", type=int, default=None, help="tokens between the copies' starts (default: trace/N)")
+    p.add_argument("--learn", choices=sharing.LEARN, default="shared",
+                   help="with --clients: the shared arena's predictor learns from every client (shared, as the "
+                        "daemon), one per client (private), or both, splitting the gain (arena_gain, learning_gain)")
     return p
 
 

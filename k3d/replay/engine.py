@@ -18,6 +18,7 @@ from k3client.errors import CacheFull
 from k3d.cache.policy import make
 from k3d.cache.policy.opt import OptPolicy
 from k3d.cache.predict import AutoPrefetch, auto_id, make as make_predictor
+from k3d.cache.predict.private import PerClient
 from k3d.cache.store import Store
 from k3d.observe.stats import PredictionStats
 from k3d.observe.trace import AUTO, BEGIN, BYE, FETCH, PREDICT
@@ -87,7 +88,8 @@ def experts_of(events) -> int:
 
 
 def run(events, policy: str, slots: int, predictions: bool = True, layers: int | None = None,
-        predictor: str | None = None, read_lead: int = 1, budget: int = 0, experts: int | None = None) -> Result:
+        predictor: str | None = None, read_lead: int = 1, budget: int = 0, experts: int | None = None,
+        learn: str = "shared") -> Result:
     """Replay ``events`` with ``slots`` slots under the policy called ``policy`` ("opt": Belady).
 
     ``predictor``: the daemon's own predictions.  None: the trace's ``auto`` lines as
@@ -95,7 +97,9 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     run through ``AutoPrefetch`` (as the daemon does) where the trace's ``auto`` lines
     say the daemon ran it (after a fetch, or after a ``begin``: the token's first
     layer), else right after each fetch and its ``predict`` line, and after each
-    ``begin``.
+    ``begin``.  ``learn``: "shared" (the daemon: one predictor learns from every
+    client) or "private" (one predictor per client, ``PerClient``: the counterfactual
+    that tells what sharing what was learned is worth).
     ``read_lead``: a used prediction was ready before the request when at least this
     many fetches came between it and its use, else its request waited (reads
     complete at once here, so this is the model of read time)."""
@@ -108,7 +112,13 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     store = Store(slots, policy=pol)
     auto = None
     if predictor not in (None, "none"):
-        model = make_predictor(predictor, layers, experts_of(events) if experts is None else experts)
+        E = experts_of(events) if experts is None else experts
+        if learn == "private":
+            model = PerClient(lambda: make_predictor(predictor, layers, E))
+        elif learn == "shared":
+            model = make_predictor(predictor, layers, E)
+        else:
+            raise ValueError(f"learn: shared or private, not {learn!r}")
         auto = AutoPrefetch(store, model, budget=budget, read_lead=read_lead)
     marked = auto is not None and any(ev.kind == AUTO for ev in events)
     epoch: dict[int, int] = {}
@@ -120,32 +130,24 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     begun = None                    # the client whose begin line came last (marked traces)
 
     def predict(client, keys):
-        before = set(store.key_slot)
-        started = store.predict(client, keys)
-        if store.stats.evictions:
-            audit.predicted(before - set(store.key_slot), [store.slot_key[s] for s in started])
+        return issued(*_before(store), store.predict(client, keys))
+
+    def issued(slots, evictions, started):
+        if store.stats.evictions != evictions:
+            audit.predicted(_evicted(store, slots), [store.slot_key[s] for s in started])
         for s in started:
             complete(s, None)
         timing.issued(started)
         return started
 
-    def issued(before, started):
-        if started and store.stats.evictions:
-            audit.predicted(before - set(store.key_slot), [store.slot_key[s] for s in started])
-        for s in started:
-            complete(s, None)
-        timing.issued(started)
-
     def flush(predict=True):
         nonlocal pending
         c, keys, got, n, _ = pending
         pending = None
-        before = set(store.key_slot)
-        issued(before, auto.after_fetch(c, keys, got, n, predict=predict)[1])
+        issued(*_before(store), auto.after_fetch(c, keys, got, n, predict=predict)[1])
 
     def begin_token(c):
-        before = set(store.key_slot)
-        issued(before, auto.begin_token(c)[1])
+        issued(*_before(store), auto.begin_token(c)[1])
 
     for ev in events:
         kind, c = ev.kind, ev.client
@@ -213,6 +215,19 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     return Result(st.hits, st.misses, st.evictions, st.prefetched, st.prefetch_hits, st.prefetch_unused,
                   st.prefetch_refused, cache_full, audit.evictions, audit.current, audit.sooner,
                   timing.ready, timing.waited, daemon.prefetched, daemon.prefetch_hits, daemon.prefetch_unused)
+
+
+def _before(store) -> tuple[list, int]:
+    """What a background read's audit needs of the store before it: its slots' keys (a
+    list copy, cheap; the keys' set is built only if something was evicted) and the
+    eviction count."""
+    return store.slot_key[:], store.stats.evictions
+
+
+def _evicted(store, before: list) -> set:
+    """The keys resident in ``before`` (``_before``'s slots) and not any more."""
+    key_slot = store.key_slot
+    return {k for k, now in zip(before, store.slot_key) if k is not now and k is not None and k not in key_slot}
 
 
 class _Timing:

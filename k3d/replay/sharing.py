@@ -7,6 +7,11 @@ statistics.  Their fetches are interleaved one request each in turn, each client
 keeping its own epochs (``begin`` lines per client).  The shared arena replays the
 interleaved trace; each private cache replays its client's own sequence with S/N
 slots.  Both go through ``k3d.replay.engine.run`` (the daemon's Store and policies).
+
+With the daemon's predictor, sharing gains twice: the arena (a key one client read
+serves the others) and what was learned (one predictor taught by every client's
+stream).  ``--learn both`` tells them apart: the shared arena is replayed again with
+one predictor per client (``k3d.cache.predict.private.PerClient``).
 """
 
 from __future__ import annotations
@@ -54,54 +59,88 @@ def interleave(events, n: int, offset: int | None = None) -> tuple[list[Event], 
     return shared, per
 
 
-def compare(events, n: int, sizes, policies, offset: int | None = None, predictor: str | None = "none") -> dict:
+LEARN = ("shared", "private", "both")
+
+
+def compare(events, n: int, sizes, policies, offset: int | None = None, predictor: str | None = "none",
+            learn: str = "shared") -> dict:
     """{policy: {S: {"shared": hit_rate, "private": hit_rate, "private_slots": S//N}}}.
 
-    ``predictor``: the daemon's own predictor (``engine.run``): the shared arena's one
-    learns from every client, each private arena's only from its own; with one,
-    ``shared_no_predictor`` is the shared arena without it."""
+    ``predictor``: the daemon's own predictor (``engine.run``).  Each private arena's
+    learns from its own client only.  The shared arena's learns from every client
+    (``learn`` "shared", the daemon) or one per client (``learn`` "private": what the
+    shared arena alone gives); with ``learn`` "both", ``shared`` is the former and
+    ``shared_learn_private`` the latter, and the gain splits in two, in hit-rate
+    points: ``arena_gain`` (shared arena, private learning, over private arenas) and
+    ``learning_gain`` (shared learning over private learning, same arena).  With a
+    predictor, ``shared_no_predictor`` is the shared arena without it.  A size whose
+    private arenas cannot hold one token's pins is an error, except with a predictor
+    and ``learn`` "private" or "both": the private arenas' figures are then None and
+    the learning split stands alone (N clients of a small model fill it at S/N)."""
+    if learn not in LEARN:
+        raise ValueError(f"--learn: one of {', '.join(LEARN)}, not {learn!r}")
     shared, per = interleave(events, n, offset)
     layers = layers_of(events)
     floor = min_slots(per[0])
+    predicting = predictor not in (None, "none")
     out: dict = {}
     for name in policies:
         rows = out[name] = {}
         for s in sizes:
-            if s // n < floor:
+            too_small = s // n < floor
+            if too_small and (learn == "shared" or not predicting):
                 raise ValueError(f"--slots {s}: a private cache of {s}/{n} slots is below one token's pins "
                                  f"({floor}); use at least {floor * n}")
-            sh = run(shared, name, s, layers=layers, predictor=predictor)
-            pr = [run(p, name, s // n, layers=layers, predictor=predictor) for p in per]
-            hits, total = sum(r.hits for r in pr), sum(r.hits + r.misses for r in pr)
-            rows[s] = {"shared": round(sh.hit_rate, 6), "private": round(hits / total, 6),
-                       "private_slots": s // n, "shared_bytes_read_ratio": round(sh.misses / max(total - hits, 1), 4)}
-            if predictor not in (None, "none") and name != "opt":
+            sh = run(shared, name, s, layers=layers, predictor=predictor,
+                     learn="private" if learn == "private" else "shared")
+            rows[s] = row = {"shared": round(sh.hit_rate, 6), "private": None, "private_slots": s // n,
+                             "shared_bytes_read_ratio": None}
+            if not too_small:                  # else (--learn private|both only) the learning split alone
+                pr = [run(p, name, s // n, layers=layers, predictor=predictor) for p in per]
+                hits, total = sum(r.hits for r in pr), sum(r.hits + r.misses for r in pr)
+                row["private"] = round(hits / total, 6)
+                row["shared_bytes_read_ratio"] = round(sh.misses / max(total - hits, 1), 4)
+            if predicting and name != "opt":
                 off = run(shared, name, s, layers=layers, predictor="none")
-                rows[s]["shared_no_predictor"] = round(off.hit_rate, 6)
-                rows[s]["shared_prefetch_unused_share"] = round(sh.prefetch_unused / max(sh.prefetched, 1), 4)
+                row["shared_no_predictor"] = round(off.hit_rate, 6)
+                row["shared_prefetch_unused_share"] = round(sh.prefetch_unused / max(sh.prefetched, 1), 4)
+                if learn == "both":
+                    alone = run(shared, name, s, layers=layers, predictor=predictor, learn="private")
+                    row["shared_learn_private"] = round(alone.hit_rate, 6)
+                    row["arena_gain"] = None if too_small else round(100 * (alone.hit_rate - row["private"]), 2)
+                    row["learning_gain"] = round(100 * (sh.hit_rate - alone.hit_rate), 2)
     return out
 
 
 def main(args, events, names) -> int:
+    learn = getattr(args, "learn", "shared")
     try:
         sizes = [int(x) for x in args.slots.split(",") if x.strip()]
         predictor = getattr(args, "predictor", "none")
         res = compare(events, args.clients, sizes, names, args.offset,
-                      None if predictor == "recorded" else predictor)
+                      None if predictor == "recorded" else predictor, learn)
     except ValueError as e:
         print(f"k3d replay: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"clients": args.clients, "predictor": getattr(args, "predictor", "none"),
-                          "results": {n: {str(s): r for s, r in rs.items()}
-                                                              for n, rs in res.items()}}))
+        print(json.dumps({"clients": args.clients, "predictor": getattr(args, "predictor", "none"), "learn": learn,
+                          "results": {n: {str(s): r for s, r in rs.items()} for n, rs in res.items()}}))
         return 0
-    print(f"{args.clients} clients, offset in time; one shared arena of S slots vs {args.clients} private of S/N")
+    print(f"{args.clients} clients, offset in time; one shared arena of S slots vs {args.clients} private of S/N"
+          + ("" if learn == "shared" else f"; the shared arena's predictor learns: {learn}"))
+    both = learn == "both"
     print(f"{'policy':<7} {'S':>5} {'shared':>8} {'private':>8}  {'S/N':>4}  reads shared/private  "
-          "shared without the daemon's predictor")
+          "shared without the daemon's predictor" + ("  shared, learning private  arena gain  learning gain"
+                                                      if both else ""))
     for n, rs in res.items():
         for s, r in rs.items():
             off = f"{100 * r['shared_no_predictor']:7.1f}%" if "shared_no_predictor" in r else ""
-            print(f"{n:<7} {s:>5} {100 * r['shared']:7.1f}% {100 * r['private']:7.1f}%  {r['private_slots']:>4}  "
-                  f"{r['shared_bytes_read_ratio']:20.2f}  {off}")
+            split = ""
+            if both and "learning_gain" in r:
+                arena = "        -" if r["arena_gain"] is None else f"{r['arena_gain']:+9.1f}"
+                split = f"{' ' * 30}{100 * r['shared_learn_private']:7.1f}%  {arena}  {r['learning_gain']:+12.1f}"
+            private = "       -" if r["private"] is None else f"{100 * r['private']:7.1f}%"
+            ratio = "-" if r["shared_bytes_read_ratio"] is None else f"{r['shared_bytes_read_ratio']:.2f}"
+            print(f"{n:<7} {s:>5} {100 * r['shared']:7.1f}% {private}  {r['private_slots']:>4}  {ratio:>20}  "
+                  f"{off}{split}")
     return 0

@@ -5,11 +5,16 @@
   replay turns every demand miss after the first tokens into a prediction hit;
 - a random stream: the calibration finds no information, so after the first tokens
   nothing is read ahead and the hit rate is never below the predictor-off run;
-- the same stream gives the same proposals; state()/restore() carries them.
+- the same stream gives the same proposals; state()/restore() carries them;
+- learning in batches counts exactly what a fetch at a time counts, state() does
+  not change what is proposed, deferred calibration counts what scoring at once
+  counts; one predictor per client (replay --learn private) keeps clients apart,
+  and shared learning beats it where clients teach each other.
 """
 
 import random
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from k3d.cache.policy import make
@@ -158,8 +163,11 @@ def test_state_round_trip_and_bad_state():
             p.observe(1, [(layer, e) for e in experts])
             p.propose(1, layer + 1, 0, ())
     q = CoPredictor(L, E)
-    q.restore(p.state())
-    assert q.state() == p.state()
+    saved = p.state()                          # the counts as folded, without folding
+    q.restore(saved)
+    assert q.state() == saved
+    p.fold()                                   # a restored predictor proposes as the saved one after its fold
+    assert p.state() == saved
     for r in (p, q):
         r.observe(2, [(0, 0), (0, 1)])
     got = q.propose(2, 1, 2, ())
@@ -195,3 +203,161 @@ def test_an_arena_holding_the_whole_model_stops_learning_and_proposing_and_repla
     assert auto.predictor.state() == learned
     r = run(ev, "cycle", L * E, predictor="coact")
     assert (r.hits, r.misses, r.prefetched) == (store.stats.hits, store.stats.misses, store.stats.prefetched)
+
+
+def reference_counts(tokens, depth: int) -> dict:
+    """The counts a fetch at a time, by plain loops: what the batched learning must equal."""
+    pop, seen, co, visits = {}, {}, {}, {}
+    prev = []
+    for route in tokens:
+        hist = []
+        for m, picks in enumerate(route):
+            ctx = [(m - l, p) for l, p in hist] if hist else [(m + len(route) - l, p) for l, p in prev]
+            visits[m] = visits.get(m, 0) + 1
+            for e in picks:
+                pop[(m, e)] = pop.get((m, e), 0) + 1
+            for d, ps in ctx:
+                if 1 <= d <= depth:
+                    for a in ps:
+                        seen[(m, d - 1, a)] = seen.get((m, d - 1, a), 0) + 1
+                        for e in picks:
+                            co[(m, d - 1, a, e)] = co.get((m, d - 1, a, e), 0) + 1
+            hist = (hist + [(m, sorted(picks))])[-depth:]
+        prev = hist
+    return {"visits": sorted([m, n] for m, n in visits.items()), "pop": sorted([*k, n] for k, n in pop.items()),
+            "seen": sorted([*k, n] for k, n in seen.items()), "co": sorted([*k, n] for k, n in co.items())}
+
+
+def test_batched_learning_counts_what_a_fetch_at_a_time_counts():
+    """Learning appends to a buffer and folds in batches: the counts (state(), which folds a
+    copy) are exactly the plain per-fetch counts, at every point, folded or not."""
+    tokens = random_tokens(40, 11)
+    p = CoPredictor(L, E, depth=3)
+    for n, route in enumerate(tokens):
+        for layer, experts in enumerate(route):
+            p.observe(1, [(layer, e) for e in experts])
+        p.end_pass(1)
+        if n in (0, 5, 39):
+            got = {k: sorted(v) for k, v in p.state().items() if k in ("visits", "pop", "seen", "co")}
+            assert got == reference_counts(tokens[:n + 1], 3)
+    assert p.learned > 0 and p.c.pending() < 40 * L       # it did fold, and state() did not
+
+
+def test_state_does_not_change_what_is_proposed():
+    """A warm-restart save (state()) mid-stream leaves the proposals as they were: the
+    daemon saves, replay does not, and both must propose alike."""
+    a, b = CoPredictor(L, E), CoPredictor(L, E)
+    for t in range(120):
+        for layer, experts in enumerate(pattern_token(t)):
+            keys = [(layer, e) for e in experts]
+            for p in (a, b):
+                p.observe(1, keys)
+            a.state()
+            assert a.propose(1, layer + 1, 2, ()) == b.propose(1, layer + 1, 2, ())
+        for p in (a, b):
+            p.end_pass(1)
+
+
+def test_a_layer_reaching_the_window_has_its_counts_halved_at_the_fold():
+    p = CoPredictor(2, 4, window=8)
+    for t in range(30):
+        p.observe(1, [(0, t % 2), (0, 2)])
+        p.observe(1, [(1, 3)])
+    p.fold()
+    s = p.state()
+    assert all(v < 8 for *_, v in s["visits"]) and all(v <= 8 for *_, v in s["pop"])
+    pop = {(m, e): v for m, e, v in s["pop"]}
+    assert pop[(0, 2)] == dict((m, v) for m, v in s["visits"])[0]     # always picked: still every visit
+
+
+def test_per_client_learning_keeps_clients_apart():
+    """PerClient: a client's proposals come from its own stream only."""
+    from k3d.cache.predict.private import PerClient
+    p = PerClient(lambda: CoPredictor(L, E))
+    for t in range(200):
+        for layer, experts in enumerate(pattern_token(t)):
+            p.observe(1, [(layer, e) for e in experts])
+            p.propose(1, layer + 1, 0, ())
+        p.end_pass(1)
+    p.observe(1, [(0, e) for e in pattern_token(200)[0]])
+    assert sorted(k for k, _ in p.propose(1, 1, 2, ())) == sorted((1, e) for e in pattern_token(200)[1])
+    p.observe(2, [(0, e) for e in pattern_token(200)[0]])
+    assert p.propose(2, 1, 2, ()) == []                      # client 2 learned nothing yet
+    assert sorted(p.clients()) == [1, 2] and p.remaining(2) == (L - 1) * 2
+
+
+def test_shared_learning_beats_private_learning_where_it_must():
+    """Two clients playing the same pattern: one predictor taught by both streams learns it in
+    half the tokens, so the shared arena hits more with shared learning than with one
+    predictor per client (the arena is the same, so the difference is the learning)."""
+    from k3d.replay.sharing import compare
+    ev = events_of(pattern_token(t) for t in range(40))
+    size = 2 * (2 * L + 4)
+    row = compare(ev, 2, [size], ["cycle"], offset=1, predictor="coact", learn="both")["cycle"][size]
+    assert row["shared"] > row["shared_learn_private"] >= row["shared_no_predictor"]
+    assert row["learning_gain"] > 0
+    assert row["arena_gain"] == round(100 * (row["shared_learn_private"] - row["private"]), 2)
+    alone = compare(ev, 2, [size], ["cycle"], offset=1, predictor="coact", learn="private")["cycle"][size]
+    assert alone["shared"] == row["shared_learn_private"]
+
+
+def test_replay_cli_learn_both_splits_the_gain(tmp_path, capsys):
+    """``k3d replay --clients 2 --learn both --json``: the learning split per size, and sizes
+    whose private arenas cannot hold a token are the split alone (no error)."""
+    import json
+
+    from k3d.commands.cli import main as k3d_main
+    trace = tmp_path / "pattern.trace"
+    trace.write_text("".join(f"{t} L{layer} n=2 {a} {b}\n" for t in range(40)
+                             for layer, (a, b) in enumerate(pattern_token(t))))
+    size = 2 * (2 * L + 4)
+    args = ["replay", str(trace), "--clients", "2", "--policy", "cycle", "--predictor", "coact", "--json"]
+    assert k3d_main([*args, "--slots", f"{2 * L + 4},{size}", "--learn", "both"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["learn"] == "both" and out["clients"] == 2
+    small, row = out["results"]["cycle"][str(2 * L + 4)], out["results"]["cycle"][str(size)]
+    assert small["private"] is None and small["arena_gain"] is None and "learning_gain" in small
+    assert row["shared"] >= row["shared_learn_private"] and row["learning_gain"] >= 0
+    assert k3d_main([*args, "--slots", str(2 * L + 4)]) == 2          # --learn shared: still an error
+    assert "below one token's pins" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("experts, clients", [(E, 1), (32, 1), (E, 2), (32, 2)])
+def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, experts, clients):
+    """A proposal that cannot propose anything has its candidates binned at the fold
+    (score.resolve), not at once: the calibration counts are the same either way, also
+    when another client's fetch folds while the proposal waits for its layer."""
+    from k3d.cache.predict import counts
+
+    rng = random.Random(3)
+    tokens = [[rng.sample(range(experts), 2) for _ in range(L)] for _ in range(60)]
+    tokens += [[[(2 * (t % 4) + 3 * l) % experts, (2 * (t % 4) + 3 * l + 1) % experts] for l in range(L)]
+               for t in range(60)]
+
+    def drive(p):
+        deferred = 0
+        for t, route in enumerate(tokens):
+            for layer, experts_ in enumerate(route):
+                for c in range(1, clients + 1):       # client c plays the tokens c - 1 later
+                    mine = tokens[t - c + 1][layer] if t >= c - 1 else experts_
+                    p.observe(c, [(layer, e) for e in mine])
+                    if layer + 1 < L:
+                        p.propose(c, layer + 1, 2, {(layer + 1, mine[0])})
+                        deferred += p._pending[c][1] is None
+            for c in range(1, clients + 1):
+                p.end_pass(c)
+        return p.state(), deferred
+
+    lazy, n_lazy = drive(CoPredictor(L, experts))
+    init = counts.Tables.__init__
+
+    def at_once(self, *a):
+        init(self, *a)
+        self.reachable[:] = True                    # never defer
+        if self.small:
+            self.reachable_l = self.reachable.tolist()
+
+    monkeypatch.setattr(counts.Tables, "__init__", at_once)
+    eager, n_eager = drive(CoPredictor(L, experts))
+    assert n_lazy > 0 and n_eager == 0
+    assert lazy == eager

@@ -5,7 +5,7 @@ order) and proposes keys for a layer the client has not fetched yet (``propose``
 Pure and deterministic: integer counts, no clock, I/O, threads or randomness, so
 the same stream gives the same proposals (``k3d replay`` relies on it).
 
-Model, per target layer ``m`` and expert ``e``:
+Model, per target layer ``m`` and expert ``e`` (the counts: ``counts.Counts``):
 
 - ``pop[m, e] / visits[m]``: how often ``e`` is picked when ``m`` is fetched;
 - the *context* of a fetch of ``m``: the client's layers fetched at distance
@@ -15,7 +15,7 @@ Model, per target layer ``m`` and expert ``e``:
   layers of the previous token predict the first layer of the next;
 - ``co[m, d, a, e] / seen[m, d, a]``: how often ``e`` followed expert ``a`` of the
   context layer at distance ``d``.  The context layers' choices are combined
-  naive-Bayes style (a log-odds sum over ``d`` of the mean over that layer's
+  naive-Bayes style (a product of odds over ``d`` of the mean over that layer's
   picks, each shrunk towards ``pop`` by ``prior`` pseudo-counts), so a layer whose
   picks say nothing adds nothing;
 - the raw score is then *calibrated*: its bin's measured hit frequency
@@ -25,24 +25,35 @@ Model, per target layer ``m`` and expert ``e``:
   no information every bin converges to the base rate and nothing clears
   ``min_prob``.
 
-Counts are halved (floor) once a layer has ``window`` visits: old behaviour fades,
-and every count stays an integer.
+Learning is batched (``counts.Counts``): a fetch appends (layer, context rows,
+picks) to a buffer, and the counts move at a *fold*, once ``_fold_at`` fetches were
+learned since the last (a share ``1 / FOLD_SHARE`` of all learned so far, between
+``MIN_FOLD`` and ``MAX_FOLD``): what was learned reaches the proposals at most that
+many fetches late, a small share of what they already rest on.  Between folds
+every table scoring reads is fixed (``counts.Tables``), so it is computed once per
+fold, not per fetch: for models of up to ``SMALL`` experts, every context layer's
+odds factors at once, and a fetch's scoring is list arithmetic over its experts
+(``score.small``); larger ones take one numpy gather per fetch (``score.dense``).
+The calibration's resolved candidates are buffered the same way, and a proposal
+that cannot propose anything (no candidate reaches ``min_prob`` in any bin under
+this fold's tables) is not scored at all then: its candidates' bins are computed
+at the fold, all together (``score.resolve``), with the same counts.  The fold
+schedule is a function of the stream alone, so the daemon and ``k3d replay`` fold
+at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 
-Cost: a handful of numpy operations per fetch, whatever the number of experts
-(one gather of the context rows, one product, one log-odds sum, one lookup of the
-calibration; see ``bench/policy_replay.py --cost``).  Per client it keeps only its
-current and previous pass's last ``depth`` layers (``forget`` drops them).
-``state``/``restore`` carry the counts across a restart (JSON-able, validated).
+Per client it keeps only its current and previous pass's last ``depth`` layers
+(``forget`` drops them).  ``state``/``restore`` carry the counts across a restart
+(JSON-able, validated; ``state`` reports the counts as folded, without folding).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-BINS = 20                               # calibration bins over the raw probability
-CAL_PRIOR = 10.0                        # pseudo-candidates at the base rate in each bin
-# bin i holds raw probabilities in [i / BINS, (i + 1) / BINS): the same edges as odds
-EDGES = np.array([i / (BINS - i) for i in range(1, BINS)])
+from k3d.cache.predict.counts import BINS, HIT, Counts, Tables
+from k3d.cache.predict.score import SMALL, bins_of, dense, resolve, small
+
+MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
 
 
 class CoPredictor:
@@ -52,82 +63,92 @@ class CoPredictor:
                  window: int = 4096, min_prob: float = 0.3):
         self.layers, self.experts = max(1, layers), max(1, experts)
         self.depth, self.prior, self.window, self.min_prob = depth, prior, window, min_prob
-        self._alloc(self.layers, self.experts)
-        self._set_cal(np.zeros(BINS, np.int64), np.zeros(BINS, np.int64))
+        self.c = Counts(self.layers, self.experts, depth, window)
+        self.learned = 0                        # fetches folded into the counts, ever
+        self._fold_at = MIN_FOLD                # fold once this many fetches were learned since the last
+        self._fetched = [False] * self.layers   # layers ever fetched (live, not folded)
+        self._tables: dict[int, Tables] = {}    # fetch size -> tables of the current fold
         self._recent: dict[int, list] = {}      # client -> [(layer, picks)] of this pass, newest last
         self._prev: dict[int, list] = {}        # client -> the same for its previous pass
-        self._pending: dict[int, tuple] = {}    # client -> (target layer, bins; BINS: not a candidate)
+        self._pending: dict[int, tuple] = {}    # client -> (target layer, its candidates' bins, or None
+        #                                                    and what score.resolve needs: deferred)
+        self._deferred: list[tuple] = []        # resolved deferred proposals, for score.resolve at the fold
         self._k: dict[int, int] = {}            # client -> keys in its last fetch
         self._ctx: dict[int, tuple] = {}        # client -> (target layer, _context's answer)
-        self._avg: dict[tuple, np.ndarray] = {} # context group sizes -> the matrix averaging each group
         self._keys: dict[int, list] = {}        # layer -> its keys, expert order
 
-    def _alloc(self, L: int, E: int) -> None:
-        """Zero counts for ``L`` x ``E``.  One int64 block per layer holds its ``pop`` (E),
-        ``seen`` (R = depth * E rows, row (d - 1) * E + a) and ``co`` (R x E), so one
-        fetch's counts move with one indexed add; the named arrays are views of it."""
-        D = self.depth
-        R = D * E
-        self._B = B = E + R + R * E
-        self._blk = np.zeros((L, B), np.int64)
-        self._flat = self._blk.reshape(-1)
-        self.visits = [0] * L
-        self._ver = [0] * L                     # bumped whenever a layer's counts change
-        self._pm: dict[int, list] = {}          # k -> _base_all(k), kept fresh by _base
-        self.pop = self._blk[:, :E]
-        self.seen = self._blk[:, E:E + R]
-        self.co = self._blk[:, E + R:].reshape(L, R, E)
-        self._rows = [(self.pop[m], self.seen[m], self.co[m]) for m in range(L)]
-
-    def _set_cal(self, cal_n, cal_hit) -> None:
-        """The calibration counts: one array (misses' bins, a discard bin, hits' bins, a
-        discard bin) so one bincount moves both; ``cal_n`` / ``cal_hit`` are views."""
-        self._cal = np.zeros(2 * BINS + 2, np.int64)
-        self.cal_n, self.cal_hit = self._cal[:BINS], self._cal[BINS + 1:2 * BINS + 1]
-        self.cal_n[:], self.cal_hit[:] = cal_n, cal_hit
-        self._cal_div = self.cal_n + CAL_PRIOR
+    @property
+    def small(self) -> bool:
+        return self.experts <= SMALL
 
     # -- learning ---------------------------------------------------------------
     def observe(self, client: int, keys) -> None:
         """``client`` fetched ``keys`` (one layer's experts, or several layers')."""
         if not keys:
             return
-        first = keys[0][0]
-        if all(k[0] == first for k in keys):
-            groups = {first: [e for _, e in keys]}
+        layers = {k[0] for k in keys}
+        if len(layers) == 1:
+            groups = {keys[0][0]: [e for _, e in keys]}
         else:
             groups = {}
             for layer, e in keys:
                 groups.setdefault(layer, []).append(e)
         for layer, es in groups.items():
-            top = max(es)
-            if layer >= self.layers or top >= self.experts:
-                self._grow(layer + 1, top + 1)
-            self._observe_layer(client, layer, sorted(set(es)))
+            picks = tuple(sorted(set(es)))
+            if layer >= self.layers or picks[-1] >= self.experts:
+                self._grow(layer + 1, picks[-1] + 1)
+            self._observe_layer(client, layer, picks)
         self._k[client] = len(keys)
+        if self.c.n >= self._fold_at:
+            self.fold()
 
-    def _observe_layer(self, client: int, m: int, picks: list[int]) -> None:
-        arr = np.array(picks, np.int64)
+    def fold_every(self) -> int:
+        """Fetches between this fold and the next."""
+        return self._fold_at
+
+    def fold(self) -> None:
+        """Move what was learned since the last fold into the counts (the proposals see it)."""
+        if self._deferred:                         # binned under the tables they were made with
+            self.c.cal_arrs.append(resolve(self, self._deferred))
+            self._deferred = []
+        # Deferred proposals still waiting for their layer's fetch: bin them now, while
+        # the counts are those they were made under, and keep the bins as if scored.
+        waiting = [(c, pend) for c, pend in self._pending.items() if pend[1] is None]
+        if waiting:
+            bins = bins_of(self, [(pend[2], pend[0], pend[3], pend[4]) for _, pend in waiting])
+            for (c, pend), b in zip(waiting, bins):
+                res = pend[5]
+                if self.small:
+                    self._pending[c] = (pend[0], {e: x for e, x in enumerate(b.tolist()) if not res[e]})
+                else:
+                    self._pending[c] = (pend[0], np.where(res, BINS, b))
+        self.learned += self.c.pending()
+        self.c.fold()
+        self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
+
+    def _observe_layer(self, client: int, m: int, picks: tuple) -> None:
+        c = self.c
         pend = self._pending.pop(client, None)
         if pend is not None and pend[0] == m:      # resolve the calibration of the last proposal
-            pb = pend[1]                           # each expert's bin, BINS where not a candidate
-            self._cal += np.bincount(np.concatenate((pb, pb.take(arr) + (BINS + 1))), minlength=2 * BINS + 2)
-            self._cal_div = self.cal_n + CAL_PRIOR
+            if pend[1] is None:                    # deferred: binned at the fold
+                self._deferred.append((pend[2], m, pend[3], pend[4], pend[5], picks))
+            elif self.small:
+                cands = pend[1]                    # expert -> its bin, the candidates only
+                ci = c.cal_idx
+                ci += cands.values()
+                for e in picks:
+                    b = cands.get(e)
+                    if b is not None:
+                        ci.append(b + HIT)
+            else:
+                pb = pend[1]                       # each expert's bin, BINS (discarded) where not a candidate
+                c.cal_arrs += (pb, pb.take(picks) + HIT)
         hist = self._recent.get(client)
         if hist and hist[-1][0] >= m:              # a new pass without end_pass (a new token)
             self.end_pass(client)
             hist = self._recent[client]
-        ctx = self._context(client, m)
-        self.visits[m] += 1
-        self._ver[m] += 1
-        at = arr + m * self._B                     # pop's entries
-        if ctx is None:
-            self._flat[at] += 1
-        else:                                      # (distance, expert) rows, each once: picks are sets
-            self._flat[np.concatenate((at, ctx[3] + m * self._B, (ctx[4] + at).ravel()))] += 1
-        if self.visits[m] >= self.window:
-            self.visits[m] //= 2
-            self._blk[m] //= 2
+        c.learn(m, self._context(client, m)[1], picks)
+        self._fetched[m] = True
         if hist is None:
             hist = self._recent[client] = []
         hist.append((m, picks))
@@ -142,15 +163,10 @@ class CoPredictor:
             self._prev[client] = hist
             self._recent[client] = []
             self._ctx.pop(client, None)
-            k = self._k.get(client, 1)
-            k = min(max(1, k), self.experts - 1) if self.experts > 1 else 1
-            self._pm[k] = self._base_all(k)        # the next pass reads every layer's rates
 
-    def _context(self, client: int, m: int):
-        """The client's context for layer ``m``: (rows of ``seen``/``co``, the matrix
-        averaging over each context layer's picks, context layers, the rows' ``seen``
-        and ``co`` offsets in a layer's block), or None.  Cached until the client's
-        next fetch."""
+    def _context(self, client: int, m: int) -> tuple:
+        """The client's context for layer ``m``: (((distance, picks), ...), the rows of
+        ``seen``/``co`` they name).  Cached until the client's next fetch."""
         got = self._ctx.get(client)
         if got is not None and got[0] == m:
             return got[1]
@@ -160,25 +176,9 @@ class CoPredictor:
             parts = [(m - layer, picks) for layer, picks in hist]
         else:                                      # the pass's first layer: the previous pass's end
             parts = [(m + self.layers - layer, picks) for layer, picks in self._prev.get(client, ())]
-        rows, sizes = [], []
-        for d, picks in parts:
-            if 1 <= d <= D:
-                base = (d - 1) * E
-                rows += [base + a for a in picks]
-                sizes.append(len(picks))
-        ctx = None
-        if sizes:
-            sizes = tuple(sizes)
-            avg = self._avg.get(sizes)
-            if avg is None:
-                avg = np.zeros((len(sizes), sum(sizes)))
-                start = 0
-                for row, n in enumerate(sizes):
-                    avg[row, start:start + n] = 1.0 / n
-                    start += n
-                self._avg[sizes] = avg
-            idx = np.array(rows, np.int64)
-            ctx = (idx, avg, len(sizes), idx + E, (idx * E + (E + D * E))[:, None])
+        parts = tuple((d, picks) for d, picks in parts if 1 <= d <= D)
+        rows = [(d - 1) * E + a for d, picks in parts for a in picks]
+        ctx = (parts, rows)
         self._ctx[client] = (m, ctx)
         return ctx
 
@@ -188,50 +188,13 @@ class CoPredictor:
             d.pop(client, None)
 
     # -- predicting ---------------------------------------------------------------
-    def _base(self, m: int, k: int):
-        """Layer ``m``'s plain pick rates for clients fetching ``k`` keys: (pm, prior * pm,
-        CAL_PRIOR * pm, (1 - pm) / pm), rows of arrays cached per ``k`` and refreshed
-        when the layer's counts change (all layers at once by ``end_pass``)."""
-        c = self._pm.get(k)
-        if c is None:
-            c = self._pm[k] = self._base_all(k)
-        elif c[0][m] != self._ver[m]:
-            E = self.experts
-            pm = (self.pop[m] + k / E) * (1.0 / (self.visits[m] + 1.0))
-            c[1][m], c[2][m], c[3][m], c[4][m] = pm, self.prior * pm, CAL_PRIOR * pm, (1.0 - pm) / pm
-            c[0][m] = self._ver[m]
-        return c[1][m], c[2][m], c[3][m], c[4][m]
-
-    def _base_all(self, k: int) -> list:
-        # pop <= visits and k < E keep pm, and so every q in scores, strictly inside (0, 1)
-        pm = (self.pop + k / self.experts) * (1.0 / (np.array(self.visits, np.float64) + 1.0))[:, None]
-        return [list(self._ver), pm, self.prior * pm, CAL_PRIOR * pm, (1.0 - pm) / pm]
-
-    def scores(self, client: int, m: int):
-        """(odds that each expert of layer ``m`` is picked given the client's context,
-        its plain pick rate times CAL_PRIOR)."""
+    def _table(self, client: int) -> Tables:
         E = self.experts
         k = min(max(1, self._k.get(client, 1)), E - 1) if E > 1 else 1
-        pm, ppm, cpm, io = self._base(m, k)
-        ctx = self._context(client, m)
-        if ctx is None:
-            return 1.0 / io, cpm
-        _, seen, co = self._rows[m]
-        idx, avg, n = ctx[:3]
-        # per context layer: mean over its picks a of (co[a, e] + prior * pm) / (seen[a] + prior)
-        q = avg @ ((co.take(idx, 0) + ppm) / (seen.take(idx) + self.prior)[:, None])
-        odds = (q / (1.0 - q)).prod(axis=0)        # naive Bayes: the layers' odds multiply ...
-        if n > 1:                                  # ... over the prior odds, counted once
-            odds *= io ** (n - 1)
-        return odds, cpm
-
-    def calibrated(self, odds, cpm):
-        """(bins, confidence): each score's bin and that bin's measured hit rate,
-        shrunk towards the expert's plain pick rate (``cpm``: times CAL_PRIOR) while the
-        bin has few resolved candidates: a bin must show it beats the base rate before
-        it is trusted."""
-        bins = np.searchsorted(EDGES, odds, side="right")
-        return bins, (self.cal_hit.take(bins) + cpm) / self._cal_div.take(bins)
+        t = self._tables.get(k)
+        if t is None or t.version != self.c.version:
+            t = self._tables[k] = Tables(self.c, k, self.prior, self.small, self.min_prob)
+        return t
 
     def propose(self, client: int, layer: int, budget: int, resident=()) -> list[tuple[tuple[int, int], float]]:
         """Up to ``budget`` keys of ``layer`` not in ``resident`` (a container of keys),
@@ -240,23 +203,35 @@ class CoPredictor:
         ``layer`` measures the calibration."""
         if not 0 <= layer < self.layers or (client not in self._recent and client not in self._prev):
             return []
-        bins, conf = self.calibrated(*self.scores(client, layer))
-        # Calibrated on the candidates not resident only: those are the ones read ahead,
-        # and being evicted already says something (a key the policy let go is picked
-        # less often than its score's bin says on average).
         keys = self._keys.get(layer)
         if keys is None or len(keys) != self.experts:
             keys = self._keys[layer] = [(layer, e) for e in range(self.experts)]
-        cand = np.array([k not in resident for k in keys], bool)
-        self._pending[client] = (layer, np.where(cand, bins, BINS))
-        if budget <= 0:
+        # Calibrated on the candidates not resident only: those are the ones read ahead,
+        # and being evicted already says something (a key the policy let go is picked
+        # less often than its score's bin says on average).
+        t = self._table(client)
+        parts, rows = self._context(client, layer)
+        if self.small:
+            res = [k in resident for k in keys]
+            hopeless = not any(r > s for r, s in zip(t.reachable_l[layer], res))
+        else:
+            res = np.fromiter(map(resident.__contains__, keys), bool, self.experts)
+            hopeless = not (t.reachable[layer] > res).any()
+        if hopeless:
+            # No candidate can be proposed until the next fold, whatever the context: the
+            # candidates' bins only feed the calibration, which moves at the fold, so
+            # they are computed there, for all such proposals at once (score.resolve).
+            self._pending[client] = (layer, None, t, rows, tuple(len(ps) for _, ps in parts), res)
             return []
-        conf *= cand
-        if conf.max() < self.min_prob:
+        if self.small:
+            best, cands = small(self, t, layer, parts, res)
+        else:
+            best, cands = dense(self, t, layer, parts, rows, res)
+        self._pending[client] = (layer, cands)
+        if budget <= 0 or not best:
             return []
-        ok = np.flatnonzero(conf >= self.min_prob)
-        best = ok[np.argsort(-conf[ok], kind="stable")[:budget]]
-        return [(keys[e], float(conf[e])) for e in best.tolist()]
+        best.sort()
+        return [(keys[e], -c) for c, e in best[:budget]]
 
     def next_layer(self, client: int) -> int | None:
         """The first layer after ``client``'s last fetch in this pass that has been
@@ -266,9 +241,9 @@ class CoPredictor:
         hist = self._recent.get(client)
         if not hist:
             return None
-        v = self.visits
+        f = self._fetched
         for m in range(hist[-1][0] + 1, self.layers):
-            if v[m]:
+            if f[m]:
                 return m
         return None
 
@@ -277,8 +252,7 @@ class CoPredictor:
         its current pass is over (``end_pass``) and it has one before; else None."""
         if self._recent.get(client) or not self._prev.get(client):
             return None
-        v = self.visits
-        return next((m for m in range(self.layers) if v[m]), None)
+        return next((m for m in range(self.layers) if self._fetched[m]), None)
 
     def remaining(self, client: int) -> int:
         """Keys ``client``'s current pass still needs (layers after its last, times its
@@ -294,38 +268,36 @@ class CoPredictor:
         return self._k.get(client, 0)
 
     def clients(self):
-        return list({**self._recent, **self._prev})
+        return self._recent.keys() | self._prev.keys()
 
     # -- shape and warm restart ------------------------------------------------------
     def _grow(self, layers: int, experts: int) -> None:
         L, E = max(layers, self.layers), max(experts, self.experts)
         if (L, E) == (self.layers, self.experts):
             return
-        old = self._views()
+        self.fold()                                # the buffers' indices are of the old shape
+        old = self.c
         self.layers, self.experts = L, E
-        self._alloc(L, E)
-        new = self._views()
-        for name, arr in old.items():
-            new[name][tuple(slice(0, n) for n in arr.shape)] = arr
-        self.visits = new["visits"].tolist()
+        self.c = Counts(L, E, self.depth, self.window)
+        self.c.take(old)
+        self._fetched += [False] * (L - len(self._fetched))
+        self._reset_derived()
+
+    def _reset_derived(self) -> None:
         self._ctx.clear()                          # row numbers depend on the expert count
         self._pending.clear()
         self._keys.clear()
-
-    def _views(self) -> dict:
-        """The counts in their saved shapes: visits (L,), pop (L, E), seen (L, D, E), co (L, D, E, E)."""
-        L, D, E = self.layers, self.depth, self.experts
-        return {"visits": np.array(self.visits, np.int64), "pop": self.pop,
-                "seen": self.seen.reshape(L, D, E), "co": self.co.reshape(L, D, E, E)}
+        self._tables.clear()
 
     def state(self) -> dict:
-        """The learned counts, JSON-able (sparse: nonzero entries only)."""
+        """The learned counts as folded, JSON-able (sparse: nonzero entries only)."""
         def sparse(arr):
             idx = np.nonzero(arr)
             return [[*map(int, i), int(arr[i])] for i in zip(*idx)]
+        blk, visits, cal = self.c.snapshot(resolve(self, self._deferred) if self._deferred else None)
         return {"predictor": self.name, "layers": self.layers, "experts": self.experts, "depth": self.depth,
-                **{name: sparse(arr) for name, arr in self._views().items()},
-                "cal_n": [int(x) for x in self.cal_n], "cal_hit": [int(x) for x in self.cal_hit]}
+                **{name: sparse(arr) for name, arr in self.c.views(blk, visits).items()},
+                "cal_n": [int(x) for x in cal[:BINS]], "cal_hit": [int(x) for x in cal[HIT:HIT + BINS]]}
 
     def restore(self, state: dict) -> None:
         """Take saved counts; ValueError (nothing changed) if malformed or of another shape."""
@@ -335,9 +307,9 @@ class CoPredictor:
             L, E = int(state["layers"]), int(state["experts"])
             if not (0 < L <= 4096 and 0 < E <= 4096):
                 raise ValueError("shape out of range")
-            new = CoPredictor(max(L, self.layers), max(E, self.experts), self.depth, self.prior,
-                              self.window, self.min_prob)
-            views = new._views()
+            L, E = max(L, self.layers), max(E, self.experts)
+            new = Counts(L, E, self.depth, self.window)
+            views = new.views()
             for name, arr in views.items():
                 for row in state[name]:
                     *idx, val = (int(x) for x in row)
@@ -350,11 +322,10 @@ class CoPredictor:
                 raise ValueError("calibration out of range")
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed predictor state: {e}") from None
-        new.visits = views["visits"].tolist()
-        new._set_cal(cal_n, cal_hit)
-        for name in ("layers", "experts", "visits", "pop", "seen", "co", "_B", "_blk", "_flat", "_rows",
-                     "_ver", "_pm", "_cal", "cal_n", "cal_hit", "_cal_div"):
-            setattr(self, name, getattr(new, name))
-        self._ctx.clear()
-        self._pending.clear()
-        self._keys.clear()
+        new.cal_n[:], new.cal_hit[:] = cal_n, cal_hit
+        self.layers, self.experts, self.c = L, E, new
+        self._deferred = []
+        self.learned = int(new.visits.sum())
+        self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
+        self._fetched = [bool(v) for v in new.visits.tolist()]
+        self._reset_derived()

@@ -1,0 +1,173 @@
+"""The co-activation predictor's integer counts, learned in batches, and what scoring reads of them.
+
+``Counts`` holds, for a model of ``layers`` x ``experts`` and a context ``depth``:
+
+- ``visits[m]``: fetches of layer ``m``; ``pop[m, e]``: those that picked ``e``;
+- ``seen[m, r]`` / ``co[m, r, e]``: fetches of ``m`` whose context held row ``r``
+  (``r = (d - 1) * experts + a``: expert ``a`` of the layer ``d`` before), and those of
+  them that picked ``e``;
+- ``cal_n[b]`` / ``cal_hit[b]``: candidates whose raw score fell in bin ``b``, and those
+  of them picked when their layer came.
+
+Learning only appends to buffers (``learn``: a fetch's (layer, context rows, picks);
+``cal_idx`` / ``cal_arrs``: calibration indices, as a list or as arrays): the arrays
+move at ``fold``, all at once, so a fetch pays for a tuple and a few list appends
+instead of a few numpy calls, and everything read from the counts (``Tables``)
+stays fixed between folds and is computed once per fold.  The owner
+decides when to fold; any schedule that is a function of the stream keeps the
+predictor deterministic.
+
+Invariants (between folds and after one): every count is a non-negative int64;
+``pop[m] <= visits[m]``, ``co[m, r] <= seen[m, r] <= visits[m]``; ``cal_hit <= cal_n``;
+after a fold every ``visits[m] < window`` (a layer that reaches it has all its counts
+halved, floor, so old behaviour fades and counts stay integers).  ``snapshot`` gives
+the folded counts without folding (a warm-restart save must not change what the
+daemon predicts next: replay has no such save).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BINS = 20                               # calibration bins over the raw probability
+CAL_PRIOR = 10.0                        # pseudo-candidates at the base rate in each bin
+HIT = BINS + 1                          # a picked candidate's offset in the calibration buffer
+
+
+class Counts:
+    def __init__(self, layers: int, experts: int, depth: int, window: int):
+        self.layers, self.experts, self.depth, self.window = layers, experts, depth, window
+        E, R = experts, depth * experts
+        self.B = B = E + R + R * E              # one layer's block: pop (E), seen (R), co (R x E)
+        self.blk = np.zeros((layers, B), np.int64)
+        self.flat = self.blk.reshape(-1)
+        self.visits = np.zeros(layers, np.int64)
+        self.pop = self.blk[:, :E]
+        self.seen = self.blk[:, E:E + R]
+        self.co = self.blk[:, E + R:].reshape(layers, R, E)
+        # calibration: misses' bins, a discard bin, hits' bins, a discard bin (one bincount moves both)
+        self.cal = np.zeros(2 * BINS + 2, np.int64)
+        self.cal_n, self.cal_hit = self.cal[:BINS], self.cal[HIT:HIT + BINS]
+        self.version = 0                        # bumped by every fold that changed something
+        self._clear()
+
+    def _clear(self) -> None:
+        # (context rows, picks) sizes -> [(layer, *rows, *picks)] of the fetches learned
+        self.fetches: dict[tuple, list] = {}
+        self.n = 0                              # fetches learned since the last fold
+        self.cal_idx: list[int] = []            # calibration buffer indices (bin, or HIT + bin)
+        self.cal_arrs: list[np.ndarray] = []
+
+    def learn(self, m: int, rows, picks: tuple) -> None:
+        """A fetch of layer ``m`` picked ``picks`` (distinct) with context ``rows`` (distinct)."""
+        self.n += 1
+        got = self.fetches.get((len(rows), len(picks)))
+        if got is None:
+            got = self.fetches[(len(rows), len(picks))] = []
+        got.append((m, *rows, *picks))
+
+    def pending(self) -> int:
+        """Fetches learned since the last fold."""
+        return self.n
+
+    # -- folding ------------------------------------------------------------------
+    def fold(self) -> None:
+        """Move the buffers into the counts (and halve the layers that reached ``window``)."""
+        if not (self.n or self.cal_idx or self.cal_arrs):
+            return
+        self._apply(self.flat, self.visits, self.cal)
+        self._clear()
+        self.version += 1
+
+    def _apply(self, flat, visits, cal) -> None:
+        # every index of one shape of fetch at once: pop (m, e), seen (m, r), co (m, r, e)
+        E, R = self.experts, self.depth * self.experts
+        parts, layers = [], []
+        for (nr, _), got in self.fetches.items():
+            a = np.array(got, np.int64)
+            m, rows, picks = a[:, 0], a[:, 1:1 + nr], a[:, 1 + nr:]
+            base = (m * self.B)[:, None]
+            parts += [(base + picks).ravel(), (base + E + rows).ravel(),
+                      ((base + E + R)[:, :, None] + rows[:, :, None] * E + picks[:, None, :]).ravel()]
+            layers.append(m)
+        if parts:
+            idx = np.concatenate(parts)
+            if flat.size <= 16 * idx.size:         # a dense count is cheaper than sorting
+                flat += np.bincount(idx, minlength=flat.size)
+            else:
+                u, n = np.unique(idx, return_counts=True)
+                flat[u] += n
+            visits += np.bincount(np.concatenate(layers), minlength=len(visits))
+            blk = flat.reshape(len(visits), -1)
+            while (over := np.flatnonzero(visits >= self.window)).size:
+                visits[over] //= 2
+                blk[over] //= 2
+        cparts = self.cal_arrs + ([np.array(self.cal_idx, np.int64)] if self.cal_idx else [])
+        if cparts:
+            cal += np.bincount(np.concatenate(cparts), minlength=2 * BINS + 2)
+
+    def snapshot(self, cal_extra=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(blk, visits, cal) as a fold would leave them, without folding (``cal_extra``:
+        calibration indices the fold would add too)."""
+        blk, visits, cal = self.blk.copy(), self.visits.copy(), self.cal.copy()
+        self._apply(blk.reshape(-1), visits, cal)
+        if cal_extra is not None and cal_extra.size:
+            cal += np.bincount(cal_extra, minlength=2 * BINS + 2)
+        return blk, visits, cal
+
+    def views(self, blk=None, visits=None) -> dict:
+        """The counts in their saved shapes: visits (L,), pop (L, E), seen (L, D, E), co (L, D, E, E)."""
+        blk = self.blk if blk is None else blk
+        L, D, E = self.layers, self.depth, self.experts
+        R = D * E
+        return {"visits": self.visits if visits is None else visits, "pop": blk[:, :E],
+                "seen": blk[:, E:E + R].reshape(L, D, E), "co": blk[:, E + R:].reshape(L, D, E, E)}
+
+    def take(self, other: Counts) -> None:
+        """Copy ``other``'s folded counts (no larger than ours) into ours (zeros elsewhere)."""
+        mine, theirs = self.views(), other.views()
+        for name, arr in theirs.items():
+            mine[name][tuple(slice(0, n) for n in arr.shape)] = arr
+        self.cal[:] = other.cal
+        self.version += 1
+
+
+class Tables:
+    """What scoring reads, for clients whose fetches hold ``k`` keys, computed from one
+    fold of ``Counts`` (``version``) and valid until the next:
+
+    - ``pm[m, e] = (pop + k / E) / (visits + 1)``: the plain pick rate, strictly inside
+      (0, 1) (``pop <= visits`` and ``0 < k < E``), so every odds below is finite;
+    - ``ppm = prior * pm``; ``io = (1 - pm) / pm``;
+    - ``ct[m, b, e] = (cal_hit[b] + CAL_PRIOR * pm[m, e]) / (cal_n[b] + CAL_PRIOR)``: the
+      calibrated confidence of expert ``e`` of layer ``m`` whose raw score fell in bin
+      ``b``, shrunk towards the plain rate while the bin has few resolved candidates;
+    - ``reachable[m, e]``: some bin of expert ``e`` of layer ``m`` reaches ``min_prob``;
+      where no candidate is reachable, nothing can be proposed until the next fold,
+      whatever the context;
+    - ``q``: dense models' kept q rows per layer (``score.q_rows``); small models:
+      ``sets`` and ``memo``, the context layers' odds factors (``score.factors``),
+      ``ct``, ``reachable`` and ``1 / io`` as lists (``ct_l``, ``reachable_l``,
+      ``inv_io_l``).
+    """
+
+    def __init__(self, counts: Counts, k: int, prior: float, small: bool, min_prob: float):
+        c = counts
+        self.version = c.version
+        E = c.experts
+        pm = (c.pop + k / E) * (1.0 / (c.visits.astype(np.float64) + 1.0))[:, None]
+        self.pm, self.ppm = pm, prior * pm
+        self.io = (1.0 - pm) / pm
+        ct = (c.cal_hit[None, :, None] + CAL_PRIOR * pm[:, None, :]) / (c.cal_n + CAL_PRIOR)[None, :, None]
+        self.ct = ct.reshape(c.layers, BINS * E)
+        self.ar = np.arange(E)
+        # per layer and expert: whether any bin reaches min_prob (else it cannot be proposed)
+        self.reachable = (ct.max(axis=1) >= min_prob)                   # (L, E)
+        self.small = small
+        self.q: dict[int, np.ndarray] = {}      # layer -> score.q_rows (dense models)
+        if small:                               # plain lists: cheaper than numpy calls for a few experts
+            self.sets: dict[int, tuple] = {}    # picks size -> score.set_table
+            self.memo: dict[tuple, list] = {}   # (layer, distance, picks) -> score.factors
+            self.ct_l = self.ct.tolist()       # one call: cheaper than a layer at a time
+            self.reachable_l = self.reachable.tolist()
+            self.inv_io_l = (pm / (1.0 - pm)).tolist()

@@ -1,0 +1,216 @@
+"""Scoring a layer's experts for ``CoPredictor.propose``, from one fold's tables.
+
+Two ways to the same quantities (``model``'s docstring): ``small`` for models of up
+to ``SMALL`` experts, in plain Python lists (a handful of experts costs less as list
+arithmetic than as numpy calls, whose fixed cost is ~1 µs each), and ``dense`` with
+one numpy gather of the context rows for larger models.  Both return
+
+    (best, cands): best = [(-confidence, expert)] of the candidates (experts whose
+    key is not resident: ``res[e]`` false) at ``min_prob`` or more, unsorted; cands = each
+    candidate's calibration bin (``small``: {expert: bin}; ``dense``: an array of
+    the experts' bins, BINS where not a candidate), which the caller keeps until the
+    layer's fetch resolves them.
+
+``resolve`` bins, at a fold and all at once, the candidates of proposals that could
+propose nothing (``Tables.hopeless``): their bins only feed the calibration.
+
+Pure: reads the predictor's folded counts and ``Tables``; the caches here are
+keyed by shapes only (subsets of ``experts``, context sizes), never by counts.
+Bins: raw probability o / (1 + o) in [b / BINS, (b + 1) / BINS).  ``small`` takes
+the bin by arithmetic, ``dense`` by ``searchsorted`` on the same edges; they may
+differ at an exact edge by rounding, which is harmless: one predictor always uses
+one of them (by its expert count), so the daemon and replay agree.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+from math import comb, prod
+
+import numpy as np
+
+from k3d.cache.predict.counts import BINS, HIT, Tables
+
+EDGES = np.array([i / (BINS - i) for i in range(1, BINS)])  # bin i's lower edge, as odds
+SMALL = 16              # models of at most this many experts score with lists
+SUBSETS = 128           # a context layer's picks: every set of their size tabulated at once up to this many
+Q_ROWS_FROM = 128       # dense: keep a layer's q rows for the fold once folds are this many fetches apart
+
+_subsets_of: dict[tuple, tuple] = {}       # (experts, size) -> subsets' answer
+_averaging: dict[tuple, np.ndarray] = {}   # context group sizes -> the matrix averaging each group
+
+
+def small(p, t: Tables, m: int, parts, res) -> tuple[list, dict]:
+    """``p``'s scores of layer ``m``'s experts given the context ``parts``, in lists."""
+    fs = factors(p, t, m, parts)
+    # odds = prod_d q_d / (1 - q_d) * io^(n - 1): each factor carries one io, inv_io takes one back
+    fs.append(t.inv_io_l[m])
+    odds = list(map(prod, zip(*fs)))
+    ct, E, mp = t.ct_l[m], p.experts, p.min_prob
+    cands, best = {}, []
+    for e in range(E):
+        if res[e]:
+            continue
+        o = odds[e]
+        b = int(o * BINS / (1.0 + o))              # the bin of the raw probability o / (1 + o)
+        if b >= BINS:
+            b = BINS - 1
+        cands[e] = b
+        conf = ct[b * E + e]
+        if conf >= mp:
+            best.append((-conf, e))
+    return best, cands
+
+
+def factors(p, t: Tables, m: int, parts) -> list[list[float]]:
+    """The context layers' odds factors for layer ``m``, times ``io``: per part (distance
+    ``d``, ``picks``) and expert ``e``, q / (1 - q) * io[e], q the mean over ``picks`` of
+    (co + prior * pm) / (seen + prior).  When the picks' size has few sets, a fold's
+    first use computes every set of every layer in one numpy pass and a fetch turns
+    its rows into lists (a row at a time: cheaper than numpy's fancy indexing, or
+    ``tolist`` of the whole table at every fold); else each is computed once per fold
+    (memoised in ``t.memo``)."""
+    if not parts:
+        return []
+    n = len(parts[0][1])
+    index, vals = set_table(p, t, n)
+    if index is not None and all(len(ps) == n for _, ps in parts):
+        vm = vals[m]
+        return [vm[d - 1, index[ps]].tolist() for d, ps in parts]
+    out = []
+    for d, picks in parts:
+        f = t.memo.get((m, d, picks))
+        if f is None:
+            index, vals = set_table(p, t, len(picks))
+            if index is not None:
+                f = vals[m, d - 1, index[picks]].tolist()
+            else:
+                base = (d - 1) * p.experts
+                q = vals[m].take([base + a for a in picks], 0).sum(0) * (1.0 / len(picks))
+                f = (q / (1.0 - q) * t.io[m]).tolist()
+            t.memo[(m, d, picks)] = f
+        out.append(f)
+    return out
+
+
+def set_table(p, t: Tables, n: int) -> tuple:
+    """(subset index or None, the factors of every n-subset (L, D, sets, E), or the rows
+    (co + prior * pm) / (seen + prior) (L, D * E, E) when there are too many sets)."""
+    tab = t.sets.get(n)
+    if tab is None:
+        c, L, D, E = p.c, p.layers, p.depth, p.experts
+        index, cols = subsets(E, n)
+        rows = (c.co + t.ppm[:, None, :]) / (c.seen + p.prior)[:, :, None]         # (L, D * E, E)
+        if index is not None:
+            r4 = rows.reshape(L, D, E, E)
+            q = r4[:, :, cols[0], :]                                                # (L, D, sets, E)
+            for col in cols[1:]:
+                q = q + r4[:, :, col, :]
+            q *= 1.0 / n
+            rows = q / (1.0 - q) * t.io[:, None, None, :]
+        tab = t.sets[n] = (index, rows)
+    return tab
+
+
+def subsets(experts: int, n: int) -> tuple:
+    """({sorted n-subset of the experts: its number}, [the subsets' j-th members, per j]),
+    or (None, None) when there are over SUBSETS."""
+    got = _subsets_of.get((experts, n))
+    if got is None:
+        got = (None, None)
+        if comb(experts, n) <= SUBSETS:
+            sets = list(combinations(range(experts), n))
+            got = ({s: i for i, s in enumerate(sets)}, list(np.array(sets, np.int64).reshape(len(sets), n).T))
+        _subsets_of[(experts, n)] = got
+    return got
+
+
+def averaging(sizes: tuple) -> np.ndarray:
+    """The matrix that averages each group of rows of these sizes (one row per group)."""
+    avg = _averaging.get(sizes)
+    if avg is None:
+        avg = _averaging[sizes] = np.zeros((len(sizes), sum(sizes)))
+        start = 0
+        for i, n in enumerate(sizes):
+            avg[i, start:start + n] = 1.0 / n
+            start += n
+    return avg
+
+
+def bins_of(p, items) -> np.ndarray:
+    """The raw-score bins (N, E) of proposals (tables, layer, context rows, context
+    sizes), scored as ``dense`` would have under those tables: the counts must not
+    have moved since they were made (call before the fold).  Vectorised over the
+    items of one shape, a few hundred at a time."""
+    c, E = p.c, p.experts
+    out = np.zeros((len(items), E), np.int64)
+    groups: dict[tuple, list] = {}
+    for i, (t, m, rows, sizes) in enumerate(items):
+        groups.setdefault((t, sizes), []).append((i, m, rows))
+    for (t, sizes), entries in groups.items():
+        for at in range(0, len(entries), 256):
+            part = entries[at:at + 256]
+            M = np.array([e[1] for e in part], np.int64)
+            if sizes:
+                R = np.array([e[2] for e in part], np.int64)                          # (N, rows)
+                g = (c.co[M[:, None], R] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], R] + p.prior)[:, :, None]
+                q = averaging(sizes) @ g                                             # (N, groups, E)
+                odds = (q / (1.0 - q)).prod(axis=1)
+                if len(sizes) > 1:
+                    odds *= t.io[M] ** (len(sizes) - 1)
+            else:
+                odds = 1.0 / t.io[M]
+            out[[e[0] for e in part]] = np.searchsorted(EDGES, odds, side="right")
+    return out
+
+
+def resolve(p, deferred) -> np.ndarray:
+    """Calibration buffer indices (``counts``: a candidate's bin, and HIT + bin where it was
+    picked) of the proposals ``propose`` deferred, all at once: entries (tables, layer,
+    context rows, context sizes, resident mask, picks); see ``bins_of``."""
+    if not deferred:
+        return np.zeros(0, np.int64)
+    bins = bins_of(p, [e[:4] for e in deferred])
+    cand = ~np.array([e[4] for e in deferred], bool)
+    hit = np.zeros(cand.shape, bool)
+    hit[[i for i, e in enumerate(deferred) for _ in e[5]], [x for e in deferred for x in e[5]]] = True
+    return np.concatenate((bins[cand], bins[cand & hit] + HIT))
+
+
+def q_rows(p, t: Tables, m: int, rows) -> np.ndarray:
+    """``rows`` of layer ``m``'s (co + prior * pm) / (seen + prior) (D * E rows of E).  Once
+    the folds are far enough apart to pay for it (``Q_ROWS_FROM`` fetches or more), the
+    whole layer's is computed at the fold's first use and kept; before, only the rows
+    asked for, per fetch."""
+    got = t.q.get(m)
+    if got is not None:
+        return got.take(rows, 0)
+    c = p.c
+    if p.fold_every() >= Q_ROWS_FROM:
+        got = t.q[m] = (c.co[m] + t.ppm[m]) / (c.seen[m] + p.prior)[:, None]
+        return got.take(rows, 0)
+    idx = np.array(rows, np.int64)
+    return (c.co[m].take(idx, 0) + t.ppm[m]) / (c.seen[m].take(idx) + p.prior)[:, None]
+
+
+def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray) -> tuple[list, np.ndarray]:
+    """As ``small``, with one gather of the context rows (many experts)."""
+    E = p.experts
+    if parts:
+        sizes = tuple(len(ps) for _, ps in parts)
+        avg = averaging(sizes)
+        # per context layer: mean over its picks a of (co[a, e] + prior * pm) / (seen[a] + prior)
+        q = avg @ q_rows(p, t, m, rows)
+        odds = (q / (1.0 - q)).prod(axis=0)        # naive Bayes: the layers' odds multiply ...
+        if len(sizes) > 1:                         # ... over the prior odds, counted once
+            odds *= t.io[m] ** (len(sizes) - 1)
+    else:
+        odds = 1.0 / t.io[m]
+    bins = np.searchsorted(EDGES, odds, side="right")
+    cand = ~res
+    pb = np.where(cand, bins, BINS)
+    conf = t.ct[m].take(bins * E + t.ar)
+    ok = np.flatnonzero((conf >= p.min_prob) & cand)
+    if not ok.size:                                # the usual answer: skip the lists
+        return [], pb
+    return list(zip((-conf[ok]).tolist(), ok.tolist())), pb
