@@ -1,6 +1,7 @@
 """The loop's intake: requests off the socket, in turn, and each client's CPU charged.
 
-Three steps, in the order the server loop takes them:
+Three steps, in the order the server loop takes them (``wait`` first, until
+there is something to do):
 - ``receive``: the requests waiting on the ROUTER socket (up to ``RECV_BATCH``
   per loop pass) go into ``turns`` (one queue per client, by routing id), each
   stamped with its arrival time (fetch latency counts from it).  A lone request
@@ -50,10 +51,35 @@ class Intake:
         self.live = live
         self.pacer = Pacer(live)
         self._direct = None      # a lone request, not held: served next without queueing
+        self._poller = None      # made at the first poll (``wait``)
 
     @property
     def waiting(self) -> int:
         return self.turns.waiting + (self._direct is not None)
+
+    def wait(self, reads) -> None:
+        """Wait for what the loop must act on, then ``receive``.  While a read of
+        ``reads`` (``k3d.reads.loads.Loads``) is in flight or a request waits its turn,
+        poll the socket beside the readers' eventfd; else only a message can need the
+        loop, so wait in a blocking receive, several times cheaper than a poll
+        (``k3d.serve.loop``, "How it waits")."""
+        if self.waiting or reads.in_flight():
+            if self._poller is None:
+                self._poller = zmq.Poller()
+                self._poller.register(self.sock, zmq.POLLIN)
+                self._poller.register(reads.wake_fd, zmq.POLLIN)
+            try:
+                events = dict(self._poller.poll(self.poll_ms()))
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EINTR:
+                    return
+                raise
+            if reads.wake_fd in events:
+                reads.drain_wake()
+            if self.sock in events:
+                self.receive()
+        else:
+            self.receive(block=True)
 
     def receive(self, block: bool = False) -> None:
         """Take the requests waiting on the socket into ``turns``; ``block``: wait for

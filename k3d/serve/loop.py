@@ -163,29 +163,13 @@ class Server:
         self.cfg = reload.run(self.cfg, self.reloader, self.live, self.t0, self.notifier, self.status_line)
 
     def serve_forever(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.reads.wake_fd, zmq.POLLIN)
         next_reap = next_status = next_wd = time.monotonic()
         wd = self.notifier.watchdog_interval if self.notifier else None
-        poll, sock, wake_fd = poller.poll, self.sock, self.reads.wake_fd
         intake, cache, board, reads = self.intake, self.cache, self.board, self.reads
         monotonic = time.monotonic
         try:
             while not self._stop:
-                if intake.waiting or reads.in_flight():    # a turn or a read may end: poll both
-                    try:
-                        events = dict(poll(intake.poll_ms()))
-                    except zmq.ZMQError as e:
-                        if e.errno == zmq.EINTR:
-                            continue
-                        raise
-                    if wake_fd in events:
-                        reads.drain_wake()
-                    if sock in events:
-                        intake.receive()
-                else:                                       # only a message can need the loop
-                    intake.receive(block=True)
+                intake.wait(reads)
                 if self._reload:
                     self._do_reload()
                 if board.wanted:
