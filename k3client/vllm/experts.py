@@ -22,8 +22,12 @@ the same path.  With the key its quant method is ``K3dMoEMethod``:
   biases (``_gpt_oss_expert``).
 
 The pin rule is ``k3client.hf``'s: one vLLM step (one model forward, B sequences)
-is one epoch (``begin_token`` from a forward pre-hook the loader installs), and a
-group that does not fit beside the epoch's pins starts a new one.
+is one epoch, and a group that does not fit beside the epoch's pins starts a new one.
+The epoch of step t+1 begins (``begin_token(wait=False)``) right after step t's last
+MoE layer, once no view of step t is read again; its reply is read before step t+1's
+first fetch (``Client.settle``), so no view is answered before the daemon began the
+epoch.  The forward pre-hook the loader installs begins one only where the step
+before did not (the first step, or one that stopped before its last MoE layer).
 
 What is refused, in one line naming the model type (``FamilyError``), when the
 model is built: activations other than gated SiLU/GELU (gpt-oss: other than
@@ -206,11 +210,35 @@ class VllmRuntime(Runtime):
     contiguous run of rows (gate and up in one ``linear`` when they lie back to back
     in the slot), and adds every weighted row into the output with one ``index_add_``,
     in ascending expert order per token, as the per-expert loop did.  The next layer's
-    gate picks the gate-ahead predictions; ``stats`` adds the union against B x top-k."""
+    gate picks the gate-ahead predictions; ``stats`` adds the union against B x top-k.
+    Invariant: ``stats.epochs == stats.forwards`` while no mid-forward epoch was needed."""
+
+    epoch_wait = False          # begin_token is collected by the next fetch (Client.begin_token)
 
     def __init__(self, client, layers, predict=True, host_register=None):
         super().__init__(client, layers, predict=predict, host_register=host_register)
         self.stats = VllmStats()
+        self._early = False     # the next forward's epoch was begun by the last MoE layer before it
+
+    def begin_forward(self) -> None:
+        """One epoch per forward: begun here, unless the last forward's last MoE layer began it."""
+        self.stats.forwards += 1
+        if self._early:
+            self._early = False
+            self.stats.epochs += 1
+        else:
+            self._new_epoch()
+
+    def _begin_next(self) -> None:
+        """After the last MoE layer of a forward no view of this epoch is read again (CPU: the
+        compute ran; GPU: ``_sync_device``), so the next forward's epoch begins now.  Its reply
+        comes back while vLLM samples and schedules, so the next forward's first fetch finds it
+        read instead of waiting a round trip; and no pin is held between steps."""
+        self._sync_device()
+        self.client.begin_token(wait=False)
+        self.held = 0
+        self._restarts = self.client.restarts
+        self._early = True
 
     def run_layer(self, ml, hidden_states, top_k_index, top_k_weights):
         k = top_k_index.shape[-1]
@@ -240,6 +268,8 @@ class VllmRuntime(Runtime):
                 self._device_work = True
         out = torch.zeros_like(hidden_states)
         out.index_add_(0, rows, torch.cat(parts) if len(parts) > 1 else parts[0])
+        if ml.next is None:
+            self._begin_next()
         return out
 
     def _views(self, ml, ex) -> dict:
