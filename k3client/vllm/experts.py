@@ -62,6 +62,13 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 SUPPORTED = ("it computes gated SiLU/GELU experts without bias built by vLLM's RoutedExperts, and gpt-oss's "
              "unquantized experts, on one rank (tested: Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss bf16)")
+# bf16/fp16 weights on a CPU: an expert with at most NATIVE_ROWS rows is computed with oneDNN
+# off.  oneDNN's matmul repacks a plain (unprepacked) weight on every call, about twice
+# the bytes of ATen's own reduced-precision gemv (fp32 accumulation), which streams the
+# row-major arena view once; from 3 rows on oneDNN's blocked gemm is the faster
+# (bench/README.md, "vLLM overhead").
+REDUCED = (torch.bfloat16, torch.float16)
+NATIVE_ROWS = 2
 # vLLM's SwigluOAIAndMul defaults: gpt-oss's MoE config leaves swiglu_alpha/limit unset and its
 # CPU kernel uses these
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
@@ -208,10 +215,13 @@ class VllmRuntime(Runtime):
     ``run_layer`` sorts the step's (token, expert) pairs by expert once (a stable
     argsort), gathers the tokens' rows once, computes each fetched expert on its
     contiguous run of rows (gate and up in one ``linear`` when they lie back to back
-    in the slot), and adds every weighted row into the output with one ``index_add_``,
-    in ascending expert order per token, as the per-expert loop did.  The next layer's
+    in the slot; bf16/fp16 on a CPU with oneDNN off for runs of at most ``NATIVE_ROWS``
+    rows), and adds every weighted row into the output with one ``index_add_``, in
+    ascending expert order per token, as the per-expert loop did.  The next layer's
     gate picks the gate-ahead predictions; ``stats`` adds the union against B x top-k.
-    Invariant: ``stats.epochs == stats.forwards`` while no mid-forward epoch was needed."""
+    Invariants: ``torch.backends.mkldnn.enabled`` is as the caller left it when
+    ``run_layer`` returns or raises; ``stats.epochs == stats.forwards`` while no
+    mid-forward epoch was needed."""
 
     epoch_wait = False          # begin_token is collected by the next fetch (Client.begin_token)
 
@@ -258,14 +268,21 @@ class VllmRuntime(Runtime):
         device, dtype = hidden_states.device, ml.dtype
         expert = _gpt_oss_expert if isinstance(ml.family, GptOss) else _gated_expert
         parts, at = [], 0
-        for group in self._groups(ml, experts, predicted):
-            for e, views in group:
-                n = counts[e]
-                h = expert(ml.module, views, xs[at:at + n], device, dtype)
-                parts.append((h * ws[at:at + n]).to(hidden_states.dtype))
-                at += n
-            if device.type == "cuda":
-                self._device_work = True
+        native = device.type == "cpu" and dtype in REDUCED
+        mkldnn = torch.backends.mkldnn.enabled
+        try:
+            for group in self._groups(ml, experts, predicted):
+                for e, views in group:
+                    n = counts[e]
+                    if native:
+                        torch.backends.mkldnn.enabled = mkldnn and n > NATIVE_ROWS
+                    h = expert(ml.module, views, xs[at:at + n], device, dtype)
+                    parts.append((h * ws[at:at + n]).to(hidden_states.dtype))
+                    at += n
+                if device.type == "cuda":
+                    self._device_work = True
+        finally:
+            torch.backends.mkldnn.enabled = mkldnn
         out = torch.zeros_like(hidden_states)
         out.index_add_(0, rows, torch.cat(parts) if len(parts) > 1 else parts[0])
         if ml.next is None:
