@@ -71,10 +71,19 @@ class Channel:
     def request(self, op: str, timeout: float | None, **fields) -> dict:
         """Send ``op`` and wait up to ``timeout`` seconds (None: forever) for its reply.
         Raises ``Gone``, ``errors.Timeout``, or the error the daemon answered."""
+        return self.wait(self.post(op, **fields), op, timeout)
+
+    def post(self, op: str, **fields) -> int:
+        """Send ``op`` as a request whose reply ``wait(id)`` collects later; returns its id."""
         rid = next(self._ids)
         msg = {"v": PROTOCOL_VERSION, "op": op, "id": rid}
         msg.update(fields)
         self._sock.send(pack(msg))
+        return rid
+
+    def wait(self, rid: int, op: str, timeout: float | None) -> dict:
+        """The reply to request ``rid`` (``op`` names it in errors), as ``request`` returns it;
+        replies to earlier requests are skipped."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             now = time.monotonic()

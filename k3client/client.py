@@ -81,6 +81,7 @@ class Client:
         self._mm = None
         self._ctx = zmq.Context()
         self._chan: Channel | None = None    # the connection to the daemon attached now
+        self._pending: int | None = None     # id of a begin_token(wait=False) whose reply is not read
         self._hb_stop = threading.Event()
         self._hb_wake = threading.Event()    # set: beat now (a new lease, or stop)
         self._closed = False
@@ -158,6 +159,7 @@ class Client:
         self._attach_arena(h["arena_socket"], h["arena_bytes"], h["index_bytes"], t_hello)
 
     def _disconnect(self) -> None:
+        self._pending = None             # its reply would come on the channel closed here
         if self._chan is not None:
             self._chan.close()
             self._chan = None
@@ -239,6 +241,7 @@ class Client:
         hit reports meant for the daemon that went away); ``SlotsBusy`` is retried."""
         if self._closed:
             raise errors.K3Error(f"{op}: this client is closed; call k3client.connect() again")
+        self.settle()
         deadline = time.monotonic() + self.timeout
         pause = 0.0005
         while True:
@@ -277,9 +280,33 @@ class Client:
     def _specs_of(self, layer: int) -> dict[str, TensorSpec]:
         return self._layer_specs.get(layer, self._specs)
 
-    def begin_token(self) -> int:
-        """Start the next epoch; the previous epoch's pins (and views) are released."""
-        return self._call("begin_token", **self._reports())["epoch"]
+    def begin_token(self, wait: bool = True) -> int | None:
+        """Start the next epoch; the previous epoch's pins (and views) are released.
+
+        ``wait=False`` sends the request and returns None at once; its reply is collected by
+        ``settle()``, which every other call of this client makes first (``fetch`` before it
+        answers a hit from the shared index, too).  So no view is handed out before the
+        daemon has started the epoch, and the pin and reuse rules are a waited
+        ``begin_token``'s; what it saves is the wait, overlapped with the caller's work
+        until its next call.  A restart found then re-attaches and begins the epoch there."""
+        self.settle()
+        if wait or self._chan is None or self._closed:
+            return self._call("begin_token", **self._reports())["epoch"]
+        if self._hits is not None:       # the hit path's window counts from this request
+            self._hits.t_req = time.monotonic()
+        self._pending = self._chan.post("begin_token", **self._reports())
+        return None
+
+    def settle(self) -> None:
+        """Read the reply of an outstanding ``begin_token(wait=False)``, if any."""
+        rid, self._pending = self._pending, None
+        if rid is None or self._chan is None:
+            return
+        try:
+            self._chan.wait(rid, "begin_token", self.timeout)
+        except Gone as e:
+            self._reattach(str(e))
+            self._call("begin_token")       # the epoch begins on the daemon attached now
 
     def fetch(self, layer: int, experts, predicted=None) -> list[Expert]:
         """Experts of ``layer`` in request order, once all are in the arena.
@@ -292,6 +319,7 @@ class Client:
         else:
             experts = [key_int("expert", e) for e in items("experts", experts)]
         preds = key_pairs("predicted", predicted) if predicted else []
+        self.settle()                    # the epoch has begun before a view is answered here
         hits = self._hits
         if hits is not None:
             # Predictions of keys not resident go with a fetch through the daemon: a slot
@@ -331,6 +359,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._pending = None             # bye's wait skips that reply
         if self._chan is not None:
             try:
                 self._chan.request("bye", 1.0, **self._reports())

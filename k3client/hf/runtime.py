@@ -76,6 +76,10 @@ class MoeLayer:
 class Runtime:
     """Fetches experts for the forward in progress; see the module docstring."""
 
+    # False: a forward's begin_token is sent without waiting and its reply read before the
+    # first fetch (Client.begin_token), so the daemon's work overlaps the layers before it
+    epoch_wait = True
+
     def __init__(self, client, layers: dict[int, MoeLayer], predict: bool = True, host_register=None):
         self.client = client
         self.layers = layers
@@ -98,7 +102,10 @@ class Runtime:
 
     def _new_epoch(self) -> None:
         self._sync_device()
-        self.client.begin_token()
+        if self.epoch_wait:
+            self.client.begin_token()
+        else:                                  # collected by the next fetch (_check_restart)
+            self.client.begin_token(wait=False)
         self.stats.epochs += 1
         self.held = 0
         self._restarts = self.client.restarts
@@ -110,6 +117,8 @@ class Runtime:
             self._device_work = False
 
     def _check_restart(self) -> None:
+        if not self.epoch_wait:
+            self.client.settle()                     # a restart it finds is seen just below
         if self.client.restarts != self._restarts:   # a new daemon: no pins held there
             self._restarts = self.client.restarts
             self.held = 0

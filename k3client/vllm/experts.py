@@ -22,8 +22,12 @@ the same path.  With the key its quant method is ``K3dMoEMethod``:
   biases (``_gpt_oss_expert``).
 
 The pin rule is ``k3client.hf``'s: one vLLM step (one model forward, B sequences)
-is one epoch (``begin_token`` from a forward pre-hook the loader installs), and a
-group that does not fit beside the epoch's pins starts a new one.
+is one epoch, and a group that does not fit beside the epoch's pins starts a new one.
+The epoch of step t+1 begins (``begin_token(wait=False)``) right after step t's last
+MoE layer, once no view of step t is read again; its reply is read before step t+1's
+first fetch (``Client.settle``), so no view is answered before the daemon began the
+epoch.  The forward pre-hook the loader installs begins one only where the step
+before did not (the first step, or one that stopped before its last MoE layer).
 
 What is refused, in one line naming the model type (``FamilyError``), when the
 model is built: activations other than gated SiLU/GELU (gpt-oss: other than
@@ -58,6 +62,13 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 SUPPORTED = ("it computes gated SiLU/GELU experts without bias built by vLLM's RoutedExperts, and gpt-oss's "
              "unquantized experts, on one rank (tested: Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss bf16)")
+# bf16/fp16 weights on a CPU: an expert with at most NATIVE_ROWS rows is computed with oneDNN
+# off.  oneDNN's matmul repacks a plain (unprepacked) weight on every call, about twice
+# the bytes of ATen's own reduced-precision gemv (fp32 accumulation), which streams the
+# row-major arena view once; from 3 rows on oneDNN's blocked gemm is the faster
+# (bench/README.md, "vLLM overhead").
+REDUCED = (torch.bfloat16, torch.float16)
+NATIVE_ROWS = 2
 # vLLM's SwigluOAIAndMul defaults: gpt-oss's MoE config leaves swiglu_alpha/limit unset and its
 # CPU kernel uses these
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
@@ -204,13 +215,40 @@ class VllmRuntime(Runtime):
     ``run_layer`` sorts the step's (token, expert) pairs by expert once (a stable
     argsort), gathers the tokens' rows once, computes each fetched expert on its
     contiguous run of rows (gate and up in one ``linear`` when they lie back to back
-    in the slot), and adds every weighted row into the output with one ``index_add_``,
-    in ascending expert order per token, as the per-expert loop did.  The next layer's
-    gate picks the gate-ahead predictions; ``stats`` adds the union against B x top-k."""
+    in the slot; bf16/fp16 on a CPU with oneDNN off for runs of at most ``NATIVE_ROWS``
+    rows), and adds every weighted row into the output with one ``index_add_``, in
+    ascending expert order per token, as the per-expert loop did.  The next layer's
+    gate picks the gate-ahead predictions; ``stats`` adds the union against B x top-k.
+    Invariants: ``torch.backends.mkldnn.enabled`` is as the caller left it when
+    ``run_layer`` returns or raises; ``stats.epochs == stats.forwards`` while no
+    mid-forward epoch was needed."""
+
+    epoch_wait = False          # begin_token is collected by the next fetch (Client.begin_token)
 
     def __init__(self, client, layers, predict=True, host_register=None):
         super().__init__(client, layers, predict=predict, host_register=host_register)
         self.stats = VllmStats()
+        self._early = False     # the next forward's epoch was begun by the last MoE layer before it
+
+    def begin_forward(self) -> None:
+        """One epoch per forward: begun here, unless the last forward's last MoE layer began it."""
+        self.stats.forwards += 1
+        if self._early:
+            self._early = False
+            self.stats.epochs += 1
+        else:
+            self._new_epoch()
+
+    def _begin_next(self) -> None:
+        """After the last MoE layer of a forward no view of this epoch is read again (CPU: the
+        compute ran; GPU: ``_sync_device``), so the next forward's epoch begins now.  Its reply
+        comes back while vLLM samples and schedules, so the next forward's first fetch finds it
+        read instead of waiting a round trip; and no pin is held between steps."""
+        self._sync_device()
+        self.client.begin_token(wait=False)
+        self.held = 0
+        self._restarts = self.client.restarts
+        self._early = True
 
     def run_layer(self, ml, hidden_states, top_k_index, top_k_weights):
         k = top_k_index.shape[-1]
@@ -230,16 +268,25 @@ class VllmRuntime(Runtime):
         device, dtype = hidden_states.device, ml.dtype
         expert = _gpt_oss_expert if isinstance(ml.family, GptOss) else _gated_expert
         parts, at = [], 0
-        for group in self._groups(ml, experts, predicted):
-            for e, views in group:
-                n = counts[e]
-                h = expert(ml.module, views, xs[at:at + n], device, dtype)
-                parts.append((h * ws[at:at + n]).to(hidden_states.dtype))
-                at += n
-            if device.type == "cuda":
-                self._device_work = True
+        native = device.type == "cpu" and dtype in REDUCED
+        mkldnn = torch.backends.mkldnn.enabled
+        try:
+            for group in self._groups(ml, experts, predicted):
+                for e, views in group:
+                    n = counts[e]
+                    if native:
+                        torch.backends.mkldnn.enabled = mkldnn and n > NATIVE_ROWS
+                    h = expert(ml.module, views, xs[at:at + n], device, dtype)
+                    parts.append((h * ws[at:at + n]).to(hidden_states.dtype))
+                    at += n
+                if device.type == "cuda":
+                    self._device_work = True
+        finally:
+            torch.backends.mkldnn.enabled = mkldnn
         out = torch.zeros_like(hidden_states)
         out.index_add_(0, rows, torch.cat(parts) if len(parts) > 1 else parts[0])
+        if ml.next is None:
+            self._begin_next()
         return out
 
     def _views(self, ml, ex) -> dict:

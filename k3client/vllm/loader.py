@@ -18,7 +18,8 @@ load formats, the ones vLLM's ``DefaultModelLoader`` serves.  Without
    an expert tensor is read by this process;
 4. binds every k3d MoE layer to one ``VllmRuntime`` (the daemon's layout names,
    the family's math, the next layer's gate for gate-ahead) and installs a forward
-   pre-hook on the model: each vLLM step begins one epoch.
+   pre-hook on the model: each vLLM step is one epoch (``VllmRuntime.begin_forward``:
+   begun there unless the last step's last MoE layer began it already).
 
 ``model.k3d`` is the runtime (``client``, ``stats``).  Caller's obligations: the
 process that loads the model runs its forwards on the same thread (one client

@@ -218,3 +218,28 @@ def test_lease_thread_outlives_a_full_send_queue():
         wake.set()
         t.join(2)
         ctx.term()
+
+
+def test_posted_begin_token_is_settled_before_a_view(checkpoint, start_daemon):
+    """``begin_token(wait=False)`` returns at once; the next fetch reads its reply first (the
+    epoch has begun before any view, hit or not), and a daemon restarted while it is
+    outstanding is re-attached, the epoch begun on the new daemon."""
+    endpoint = fresh_endpoint()
+    d = start_daemon(checkpoint, "--slots", "24", endpoint=endpoint)
+    ref = reference(checkpoint)
+
+    def same(ex, c):
+        return all(np.array_equal(ex.array(s.name), ref.expert(ex.layer, ex.expert, s.name)) for s in c.layout)
+
+    with k3client.connect(endpoint) as c:
+        for _ in range(3):                       # a miss, then hits answered in the client
+            assert c.begin_token(wait=False) is None and c._pending is not None
+            (ex,) = c.fetch(1, [3])
+            assert c._pending is None and same(ex, c)
+            del ex
+        assert c.begin_token(wait=False) is None
+        os.kill(d.pid, signal.SIGKILL)
+        d.proc.wait(10)
+        start_daemon(checkpoint, "--slots", "24", endpoint=endpoint)
+        (ex,) = c.fetch(1, [4])
+        assert c.restarts == 1 and c._pending is None and same(ex, c)
