@@ -67,8 +67,6 @@ class Cache:
         (None: nobody is charged, pacing is off)."""
         self.store, self.stats = store, store.stats
         self.charge = charge
-        self.latency = latency
-        self.replies = replies
         self.live = store.live             # the route trace: live.trace (SIGHUP reopens it)
         self.recent = Throughput()
         self.reads = Loads(readers, source, arena)
@@ -101,13 +99,7 @@ class Cache:
         if plan.waiting:
             self.parked.park(s, rid, keys, plan.slots, plan.waiting, t0, result)
             return
-        self.replies.ok(s.routing, rid, {"slots": checked_slots(store, keys, plan.slots)})
-        now = time.monotonic()
-        self.latency.record(result, now - t0)
-        # The reply is the client's quiescent point, as for a parked fetch: the loop's
-        # own call is skipped for a deferred op, and without this one the client would
-        # count as still blocked while it reads the index again (slots reused under it).
-        store.reuse.replied(s.client_id, now)
+        self.parked.answer(s, rid, checked_slots(store, keys, plan.slots), t0, result)
 
     def report(self, s: Session, hits, now: float, ends_epoch: bool = False) -> int:
         """Apply ``s``'s hit reports: ``[(keys, slots seen), ...]`` in the order it fetched.

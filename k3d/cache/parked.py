@@ -92,12 +92,19 @@ class Parked:
                 # client): its old pins are gone, so pin for the token it reads in,
                 # within that token's quota like any fetch in it.
                 self.store.repin(p.session.holder, slots)
-            self.replies.ok(p.session.routing, p.rid, {"slots": slots})
-            now = time.monotonic()
-            self.latency.record(p.result, now - p.t0)
-            self.store.reuse.replied(p.session.client_id, now)
+            self.answer(p.session, p.rid, slots, p.t0, p.result)
         except K3Error as e:
             self._error(p, e)
+
+    def answer(self, session, rid: int, slots: list[int], t0: float, result: str) -> None:
+        """Send a fetch's ``slots`` (checked) to ``session``, parked or answered at once:
+        its latency counts to now, and the reply is the client's quiescent point for
+        deferred reuse (``reuse.replied``).  The loop marks that for the ops it answers;
+        a fetch replies here, so here is the one place it is marked for a fetch."""
+        self.replies.ok(session.routing, rid, {"slots": slots})
+        now = time.monotonic()
+        self.latency.record(result, now - t0)
+        self.store.reuse.replied(session.client_id, now)
 
     def drop(self, session, reason: str) -> None:
         """The daemon dropped ``session``: a fetch it still waits on is answered now (a live
