@@ -184,7 +184,8 @@ def main():
     log = open(os.path.join(run, "daemon.log"), "w")
     daemon = subprocess.Popen([sys.executable, "-m", "k3d", "start", "--source", ckpt, "--endpoint", endpoint,
                                "--slots", str(args.slots), "--pin-quota", str(args.pin_quota),
-                               *(["--readers", str(args.readers)] if args.readers else []), "--lease", "5"],
+                               *(["--readers", str(args.readers)] if args.readers else []), "--lease", "5",
+                               "--state-dir", "none"],        # starts cold; writes nothing into ~
                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     while "k3d: ready" not in open(os.path.join(run, "daemon.log")).read():
         if daemon.poll() is not None:

@@ -54,7 +54,8 @@ def time_to_ready(ckpt: str, arena: str, extra: list[str]) -> tuple[float, dict]
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         p = subprocess.Popen([sys.executable, "-m", "k3d", "start", "--source", ckpt, "--arena", arena,
-                              "--endpoint", f"ipc://{d}/k.sock", *extra], stdout=log, stderr=subprocess.STDOUT)
+                              "--endpoint", f"ipc://{d}/k.sock", "--state-dir", "none", *extra],
+                              stdout=log, stderr=subprocess.STDOUT)
     try:
         while True:
             with open(log_path) as f:
