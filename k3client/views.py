@@ -116,12 +116,15 @@ class Expert:
         key = ("torch-stacked", *self._key("\0".join(names)))
         views = self._client._views
         v = views.get(key)
+        if v is False:                             # not back to back: known from this layout
+            return None
         if v is None:
             first = self.tensor(names[0])          # the torch filter, the mapping check
             specs = [self._spec(n) for n in names]
             s0 = specs[0]
             for a, b in zip(specs, specs[1:]):
                 if b.dtype != s0.dtype or tuple(b.shape[1:]) != tuple(s0.shape[1:]) or b.offset != a.offset + a.nbytes:
+                    views[key] = False
                     return None
             import torch
 

@@ -10,9 +10,11 @@ so the logits equal ``experts_implementation="eager"`` bit for bit on CPU:
 - ``standard`` (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GraniteMoE):
   ``gate, up = linear(x, gate_up).chunk(2)``; ``act(gate) * up``; ``linear(., down)``;
   times the routing weight.  On disk the gate and up halves are two tensors
-  (``w1``/``w3``, ``gate_proj``/``up_proj``) or one (``input_linear.weight``); two
-  ``linear`` calls on the halves give the same bits as one on the concatenation
-  (checked by the tests), so nothing is concatenated.
+  (``w1``/``w3``, ``gate_proj``/``up_proj``) or one (``input_linear.weight``).  Where
+  the layout puts the two halves back to back, the runtime passes one view of both
+  (``Expert.stacked``, under ``STACKED``): eager's own single ``linear``, one call
+  fewer per expert.  Elsewhere two ``linear`` calls on the halves give the same bits
+  as one on the concatenation (checked by the tests), so nothing is concatenated.
 - ``gpt_oss``: transposed weights with biases, interleaved gate/up and the
   clamped SwiGLU of the module's own ``_apply_gate``; MXFP4 ``_blocks``/``_scales``
   are dequantized per expert exactly as transformers' dequantizing loader does
@@ -37,6 +39,7 @@ from .. import mxfp4
 SPLIT_NAMES = (("gate_proj.weight", "up_proj.weight", "down_proj.weight"),
                ("w1.weight", "w3.weight", "w2.weight"))
 FUSED_NAMES = (("input_linear.weight", "output_linear.weight"), ("gate_up_proj", "down_proj"))
+STACKED = "gate|up"         # a view key: the gate and up halves as one view (no checkpoint has it)
 
 
 class FamilyError(Exception):
@@ -62,7 +65,9 @@ class Standard:
                           f"(gate/up/down as {[n[:3] for n in SPLIT_NAMES]} or fused {list(FUSED_NAMES)})")
 
     def weights(self, module, views: dict, device, dtype) -> tuple:
-        if self.gate_up is None:
+        if STACKED in views:
+            names = (STACKED, self.down)
+        elif self.gate_up is None:
             names = (self.gate, self.up, self.down)
         else:
             names = (self.gate_up, self.down)

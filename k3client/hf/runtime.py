@@ -6,7 +6,14 @@ single-threaded).  One ``Runtime`` per ``load_model``.
 The pin rule this keeps (the daemon's: everything a client touches in an epoch
 stays pinned until its next ``begin_token``):
 
-- every forward is one epoch: a pre-hook on the decoder calls ``begin_token``;
+- every forward is one epoch.  It begins right after the last MoE layer of the
+  forward before (``_begin_next``): no view of that epoch is read again (CPU: the
+  compute ran; GPU: the stream is synchronised first), so ``begin_token`` is sent
+  then without waiting, and its reply comes back while the model runs its head,
+  samples, and starts the next forward; the next forward's first fetch reads it
+  (``Client.settle``), so no view is answered before the daemon began the epoch.
+  A pre-hook on the decoder begins the epoch instead where the forward before did
+  not (the first one, or one that stopped before its last MoE layer);
 - a layer fetches the experts its tokens were routed to, in ascending order (the
   eager loop's order), as few groups as the arena allows; the views of a group
   are read only between its fetch and the next ``begin_token``;
@@ -36,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import errors
+from . import families
 
 WAIT_STEP_S = 0.002
 
@@ -76,10 +84,6 @@ class MoeLayer:
 class Runtime:
     """Fetches experts for the forward in progress; see the module docstring."""
 
-    # False: a forward's begin_token is sent without waiting and its reply read before the
-    # first fetch (Client.begin_token), so the daemon's work overlaps the layers before it
-    epoch_wait = True
-
     def __init__(self, client, layers: dict[int, MoeLayer], predict: bool = True, host_register=None):
         self.client = client
         self.layers = layers
@@ -91,21 +95,35 @@ class Runtime:
         self._gen = None
         self._pending_prediction: tuple[int, set[int]] | None = None
         self._device_work = False              # GPU copies/compute queued since the last sync
+        self._early = False                    # the next forward's epoch was begun by the last MoE layer
         order = sorted(layers)
         for a, b in itertools.pairwise(order):
             layers[a].next = b
 
     # -- epochs ----------------------------------------------------------------
     def begin_forward(self) -> None:
+        """One epoch per forward: begun here, unless the last forward's last MoE layer began it."""
         self.stats.forwards += 1
-        self._new_epoch()
+        if self._early:
+            self._early = False
+            self.stats.epochs += 1
+        else:
+            self._new_epoch()
+
+    def _begin_next(self) -> None:
+        """The next forward's epoch, begun after this forward's last MoE layer (module docstring);
+        no pin is held between forwards."""
+        self._sync_device()
+        self.client.begin_token(wait=False)
+        self.held = 0
+        self._restarts = self.client.restarts
+        self._early = True
 
     def _new_epoch(self) -> None:
         self._sync_device()
-        if self.epoch_wait:
-            self.client.begin_token()
-        else:                                  # collected by the next fetch (_check_restart)
-            self.client.begin_token(wait=False)
+        # not waited for: its reply is read before the next fetch (_check_restart), so the
+        # daemon's work overlaps the client's own
+        self.client.begin_token(wait=False)
         self.stats.epochs += 1
         self.held = 0
         self._restarts = self.client.restarts
@@ -117,8 +135,7 @@ class Runtime:
             self._device_work = False
 
     def _check_restart(self) -> None:
-        if not self.epoch_wait:
-            self.client.settle()                     # a restart it finds is seen just below
+        self.client.settle()                         # a restart it finds is seen just below
         if self.client.restarts != self._restarts:   # a new daemon: no pins held there
             self._restarts = self.client.restarts
             self.held = 0
@@ -147,6 +164,8 @@ class Runtime:
                 ml.family.compute(module, w, hidden_states[token_idx], token_idx, top_k_pos, top_k_weights, out)
             if device.type == "cuda":
                 self._device_work = True
+        if ml.next is None:
+            self._begin_next()
         return out
 
     def _groups(self, ml: MoeLayer, experts: list[int], predicted):
@@ -200,7 +219,13 @@ class Runtime:
         return got
 
     def _views(self, ml: MoeLayer, ex) -> dict:
-        """``{name: zero-copy view}`` of one fetched expert, what ``family.weights`` reads."""
+        """``{name: zero-copy view}`` of one fetched expert, what ``family.weights`` reads; a
+        split gate/up lying back to back in the slot comes as one view (``families.STACKED``)."""
+        f = ml.family
+        if getattr(f, "gate", None) is not None:
+            both = ex.stacked((f.gate, f.up))      # cached per slot, like every view
+            if both is not None:
+                return {families.STACKED: both, f.down: ex.tensor(f.down)}
         return {n: ex.tensor(n) for n in ml.names}
 
     # -- gate-ahead ---------------------------------------------------------------

@@ -223,32 +223,9 @@ class VllmRuntime(Runtime):
     ``run_layer`` returns or raises; ``stats.epochs == stats.forwards`` while no
     mid-forward epoch was needed."""
 
-    epoch_wait = False          # begin_token is collected by the next fetch (Client.begin_token)
-
     def __init__(self, client, layers, predict=True, host_register=None):
         super().__init__(client, layers, predict=predict, host_register=host_register)
         self.stats = VllmStats()
-        self._early = False     # the next forward's epoch was begun by the last MoE layer before it
-
-    def begin_forward(self) -> None:
-        """One epoch per forward: begun here, unless the last forward's last MoE layer began it."""
-        self.stats.forwards += 1
-        if self._early:
-            self._early = False
-            self.stats.epochs += 1
-        else:
-            self._new_epoch()
-
-    def _begin_next(self) -> None:
-        """After the last MoE layer of a forward no view of this epoch is read again (CPU: the
-        compute ran; GPU: ``_sync_device``), so the next forward's epoch begins now.  Its reply
-        comes back while vLLM samples and schedules, so the next forward's first fetch finds it
-        read instead of waiting a round trip; and no pin is held between steps."""
-        self._sync_device()
-        self.client.begin_token(wait=False)
-        self.held = 0
-        self._restarts = self.client.restarts
-        self._early = True
 
     def run_layer(self, ml, hidden_states, top_k_index, top_k_weights):
         k = top_k_index.shape[-1]
