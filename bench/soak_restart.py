@@ -36,7 +36,8 @@ def start(ckpt, endpoint, log_path):
     # leaves nothing in the user's home.
     state = os.path.join(os.path.dirname(endpoint[len("ipc://"):]), "state")
     proc = subprocess.Popen([sys.executable, "-m", "k3d", "start", "--source", ckpt, "--endpoint", endpoint,
-                             "--slots", "48", "--state-dir", state], stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+                             "--slots", "48", "--state-dir", state],
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
     t0 = time.monotonic()
     while "k3d: ready" not in open(log_path).read():
         if proc.poll() is not None:
