@@ -70,7 +70,9 @@ class CyclePolicy(PinTable):
         self._free: dict[int, dict[int, float]] = {}  # layer -> {unpinned resident slot: its _forward}
         self._best: dict[int, tuple | None] = {}      # layer -> least (_forward, slot) of _free (absent: stale)
         self._cand: dict[int, tuple | None] = {}      # layer -> (slot, rate) of _best's slot (absent: stale)
-        self._scores: dict[int, tuple] = {}           # layer -> its candidate's victim order (``victim``)
+        self._pscores: dict[int, tuple] = {}          # passed layer -> its candidate's victim order
+        self._nscores: dict[int, tuple] = {}          # the same for layers ahead, when _ahead
+        self._ahead = False
         self._dirty: set[int] = set()                 # layers whose _cand went since ``victim`` scored them
         self._stamp = None                            # (current, first, layers) the scores are for
         self._fresh: set[int] = set()                 # unpinned residents inserted, not yet in _free
@@ -102,7 +104,7 @@ class CyclePolicy(PinTable):
 
     def _used_all(self, keys, slots) -> None:
         """Each of ``keys`` (resident in ``slots``) was used, in order: its decayed count,
-        its ``_forward`` and the layer's picks.  The one copy of this arithmetic.  Per
+        its ``_forward`` and the layer's picks (``_use`` is the same for one key).  Per
         key it is a few dictionary operations, because every reported hit of every
         client costs the daemon this: the layer's entries are looked up once per run
         of keys of one layer (a fetch's keys come so), and the highest expert id is
@@ -152,10 +154,38 @@ class CyclePolicy(PinTable):
         if slot not in self._holders:    # filed at the next victim, unless pinned first (a fetch's miss is)
             self._fresh.add(slot)
         if not predicted:                             # a guess is not a use
-            self._used_all((key,), (slot,))
+            self._use(key, slot)
 
     def touch(self, slot: int, key=None) -> None:
-        self._used_all((self._key[slot] if key is None else key,), (slot,))
+        self._use(self._key[slot] if key is None else key, slot)
+
+    def _use(self, key, slot: int) -> None:
+        """``_used_all`` of one key (a fetch's miss or hit; the same arithmetic, without
+        the loop's setup, as a fetch that misses uses it key by key)."""
+        layer = key[0]
+        v = self._visits.get(layer, 0)
+        st = self._stat.get(key)
+        if st is None:
+            st = self._stat[key] = [1.0, v, math.log(1.0) - v * self._log_decay]
+            if key[1] >= self._experts.get(layer, 0):
+                self._experts[layer] = key[1] + 1
+        else:
+            c = st[0] = st[0] * self._decay ** (v - st[1]) + 1.0
+            st[1] = v
+            st[2] = math.log(c) - v * self._log_decay
+        picks = self._picks
+        picks[layer] = picks.get(layer, 0) + 1
+        self._cand.pop(layer, None)
+        self._dirty.add(layer)
+        free = self._free.get(layer)
+        if free is not None and slot in free:
+            f = free[slot] = st[2]
+            b = self._best.get(layer, _STALE)
+            if b is not _STALE and b is not None:
+                if b[1] == slot:
+                    del self._best[layer]
+                elif (f, slot) < b:
+                    self._best[layer] = (f, slot)
 
     def demote(self, slot: int) -> None:
         """An unused prediction: nothing to undo (a guess never counted as a use)."""
@@ -173,7 +203,10 @@ class CyclePolicy(PinTable):
         return slot in self._key
 
     def _pinned(self, slot: int) -> None:
-        self._pinned_all((slot,))
+        if slot in self._fresh:                       # a fetch's miss, pinned once inserted
+            self._fresh.discard(slot)
+        else:
+            self._pinned_all((slot,))
 
     def _unpinned(self, slot: int) -> None:
         self._unpinned_all((slot,))
@@ -273,34 +306,50 @@ class CyclePolicy(PinTable):
         return cand
 
     def victim(self, exclude=()) -> int | None:
-        """The largest score's slot: each layer's candidate scored as (passed, steps per
-        expected hit, -slot), kept while the cycle's position stays (a fetch's misses
-        choose several victims at one position) and rescored where its layer changed."""
+        """The largest score's slot: each layer's candidate scored as (steps per expected
+        hit, -slot), passed layers apart (any of them goes first).  The scores are kept
+        while the cycle's position stays (a fetch's misses choose several victims at
+        one position) and rescored where a layer changed; the layers still ahead are
+        scored only when no passed layer has a candidate."""
         if exclude:
             return self._victim_scan(exclude)
         if self._fresh:
             self._file_fresh()
         c, f, L = self._current, self._first, max(self.layers, 1)
-        scores, dirty = self._scores, self._dirty
+        wrapped = f > c
+        ps, ns, dirty = self._pscores, self._nscores, self._dirty
         if (c, f, L) != self._stamp:                  # every layer's distance moved
             self._stamp = (c, f, L)
-            scores.clear()
-            layers = self._by_layer
+            ps.clear()
+            ns.clear()
+            self._ahead = False                       # ns not computed at this position
+            todo = [*range(f, L), *range(c + 1)] if wrapped else range(f, c + 1)
         else:
-            layers = dirty
-        if layers:
-            wrapped = f > c
-            cands, candidate = self._cand, self._candidate
-            for layer in layers:
-                cand = cands[layer] if layer in cands else candidate(layer)
-                if cand is None:
-                    scores.pop(layer, None)
-                    continue
-                s, p = cand
-                scores[layer] = ((layer >= f or layer <= c) if wrapped else (f <= layer <= c),
-                                 ((layer - c - 1) % L + 1) / p, -s)
+            todo = dirty
+        cands, candidate, ahead = self._cand, self._candidate, self._ahead
+        for layer in todo:
+            if (layer >= f or layer <= c) if wrapped else (f <= layer <= c):
+                sc = ps
+            elif ahead:
+                sc = ns
+            else:
+                continue
+            cand = cands[layer] if layer in cands else candidate(layer)
+            if cand is None:
+                sc.pop(layer, None)
+            else:
+                sc[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
         dirty.clear()
-        return -max(scores.values())[2] if scores else None
+        if ps:
+            return -max(ps.values())[1]
+        if not ahead:
+            self._ahead = True
+            for layer in self._by_layer:
+                if not ((layer >= f or layer <= c) if wrapped else (f <= layer <= c)):
+                    cand = cands[layer] if layer in cands else candidate(layer)
+                    if cand is not None:
+                        ns[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
+        return -max(ns.values())[1] if ns else None
 
     def _victim_scan(self, exclude) -> int | None:
         best, best_score = None, None
