@@ -12,7 +12,8 @@ one numpy gather of the context rows for larger models.  Both return
     layer's fetch resolves them.
 
 ``resolve`` bins, at a fold and all at once, the candidates of proposals that could
-propose nothing (``Tables.hopeless``): their bins only feed the calibration.
+propose, or have taken, nothing (``CoPredictor.propose``): their bins only feed the
+calibration.
 
 Pure: reads the predictor's folded counts and ``Tables``; the caches here are
 keyed by shapes only (subsets of ``experts``, context sizes), never by counts.
