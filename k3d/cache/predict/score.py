@@ -142,25 +142,26 @@ def bins_of(p, items) -> np.ndarray:
     """The raw-score bins (N, E) of proposals (tables, layer, context rows, context
     sizes), scored as ``dense`` would have under those tables: the counts must not
     have moved since they were made (call before the fold).  Vectorised over the
-    items of one shape, a few hundred at a time."""
+    items of one layer and shape."""
     c, E = p.c, p.experts
     out = np.zeros((len(items), E), np.int64)
     groups: dict[tuple, list] = {}
     for i, (t, m, rows, sizes) in enumerate(items):
-        groups.setdefault((t, sizes), []).append((i, m, rows))
-    for (t, sizes), entries in groups.items():
+        groups.setdefault((t, sizes, m), []).append((i, rows))
+    for (t, sizes, m), entries in groups.items():
+        if not sizes:
+            out[[e[0] for e in entries]] = np.searchsorted(EDGES, 1.0 / t.io[m], side="right")
+            continue
+        qm = t.q.get(m)             # the layer's q rows once (q_rows' arithmetic), then gathers
+        if qm is None:
+            qm = (c.co[m] + t.ppm[m]) / (c.seen[m] + p.prior)[:, None]
         for at in range(0, len(entries), 256):
             part = entries[at:at + 256]
-            M = np.array([e[1] for e in part], np.int64)
-            if sizes:
-                R = np.array([e[2] for e in part], np.int64)                          # (N, rows)
-                g = (c.co[M[:, None], R] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], R] + p.prior)[:, :, None]
-                q = averaging(sizes) @ g                                             # (N, groups, E)
-                odds = (q / (1.0 - q)).prod(axis=1)
-                if len(sizes) > 1:
-                    odds *= t.io[M] ** (len(sizes) - 1)
-            else:
-                odds = 1.0 / t.io[M]
+            g = qm[np.array([e[1] for e in part], np.int64)]                        # (N, rows, E)
+            q = averaging(sizes) @ g                                                 # (N, groups, E)
+            odds = (q / (1.0 - q)).prod(axis=1)
+            if len(sizes) > 1:
+                odds *= t.io[m] ** (len(sizes) - 1)
             out[[e[0] for e in part]] = np.searchsorted(EDGES, odds, side="right")
     return out
 
