@@ -214,17 +214,15 @@ class CoPredictor:
         # less often than its score's bin says on average).
         t = self._table(client)
         parts, rows = self._context(client, layer)
+        res = list(map(resident.__contains__, keys))
         top = -1.0                                 # the best confidence any candidate's bin has
         for c, e in t.order(layer):
-            if keys[e] not in resident:
+            if not res[e]:
                 top = c
                 break
-        if self.small:
-            res = [k in resident for k in keys]
-            idle = False                           # (score.small's bins are its own: see below)
-        else:
-            res = np.fromiter(map(resident.__contains__, keys), bool, self.experts)
-            idle = top < floor - 1e-9 or budget <= 0
+        small_ = self.experts <= SMALL
+        # (score.small's bins are its own: see below)
+        idle = not small_ and (top < floor - 1e-9 or budget <= 0)
         if top < self.min_prob or idle:
             # Nothing can be proposed, or (``idle``) taken, whatever the context (the 1e-9
             # is far above rounding, far below any confidence's step): the candidates'
@@ -234,10 +232,10 @@ class CoPredictor:
             # at an exact edge, so a small model defers only what it always deferred.
             self._pending[client] = (layer, None, t, rows, tuple(len(ps) for _, ps in parts), res)
             return []
-        if self.small:
+        if small_:
             best, cands = small(self, t, layer, parts, res)
         else:
-            best, cands = dense(self, t, layer, parts, rows, res)
+            best, cands = dense(self, t, layer, parts, rows, np.array(res, bool))
         self._pending[client] = (layer, cands)
         if not best:
             return []

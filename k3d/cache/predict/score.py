@@ -150,7 +150,7 @@ def bins_of(p, items) -> np.ndarray:
         groups.setdefault((t, sizes, m), []).append((i, rows))
     for (t, sizes, m), entries in groups.items():
         if not sizes:
-            out[[e[0] for e in entries]] = np.searchsorted(EDGES, 1.0 / t.io[m], side="right")
+            out[[e[0] for e in entries]] = EDGES.searchsorted(1.0 / t.io[m], side="right")
             continue
         qm = t.q.get(m)             # the layer's q rows once (q_rows' arithmetic), then gathers
         if qm is None:
@@ -159,10 +159,10 @@ def bins_of(p, items) -> np.ndarray:
             part = entries[at:at + 256]
             g = qm[np.array([e[1] for e in part], np.int64)]                        # (N, rows, E)
             q = averaging(sizes) @ g                                                 # (N, groups, E)
-            odds = (q / (1.0 - q)).prod(axis=1)
+            odds = np.multiply.reduce(q / (1.0 - q), axis=1)
             if len(sizes) > 1:
                 odds *= t.io[m] ** (len(sizes) - 1)
-            out[[e[0] for e in part]] = np.searchsorted(EDGES, odds, side="right")
+            out[[e[0] for e in part]] = EDGES.searchsorted(odds, side="right")
     return out
 
 
@@ -203,12 +203,12 @@ def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray) -> tuple[list, np.
         avg = averaging(sizes)
         # per context layer: mean over its picks a of (co[a, e] + prior * pm) / (seen[a] + prior)
         q = avg @ q_rows(p, t, m, rows)
-        odds = (q / (1.0 - q)).prod(axis=0)        # naive Bayes: the layers' odds multiply ...
+        odds = np.multiply.reduce(q / (1.0 - q), axis=0)   # naive Bayes: the layers' odds multiply ...
         if len(sizes) > 1:                         # ... over the prior odds, counted once
             odds *= t.io[m] ** (len(sizes) - 1)
     else:
         odds = 1.0 / t.io[m]
-    bins = np.searchsorted(EDGES, odds, side="right")
+    bins = EDGES.searchsorted(odds, side="right")
     cand = ~res
     pb = np.where(cand, bins, BINS)
     conf = t.ct[m].take(bins * E + t.ar)
