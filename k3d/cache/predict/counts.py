@@ -174,6 +174,7 @@ class Tables:
         """Layer ``m``'s (top, expert) pairs, best first (ties: lower expert); one sort per fold."""
         got = self._order.get(m)
         if got is None:
-            got = self._order[m] = sorted(zip(self.top[m].tolist(), range(len(self.ar))),
-                                          key=lambda ce: (-ce[0], ce[1]))
+            row = self.top[m]
+            idx = np.argsort(-row, kind="stable")      # (stable: equal tops keep expert order)
+            got = self._order[m] = list(zip(row[idx].tolist(), idx.tolist()))
         return got

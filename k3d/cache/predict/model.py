@@ -214,13 +214,17 @@ class CoPredictor:
         # less often than its score's bin says on average).
         t = self._table(client)
         parts, rows = self._context(client, layer)
-        res = list(map(resident.__contains__, keys))
+        small_ = self.experts <= SMALL
+        if small_:
+            res = res_l = list(map(resident.__contains__, keys))
+        else:                                      # (an array: the fold stacks deferred ones)
+            res = np.fromiter(map(resident.__contains__, keys), bool, self.experts)
+            res_l = res.tolist()
         top = -1.0                                 # the best confidence any candidate's bin has
         for c, e in t.order(layer):
-            if not res[e]:
+            if not res_l[e]:
                 top = c
                 break
-        small_ = self.experts <= SMALL
         # (score.small's bins are its own: see below)
         idle = not small_ and (top < floor - 1e-9 or budget <= 0)
         if top < self.min_prob or idle:
@@ -235,7 +239,7 @@ class CoPredictor:
         if small_:
             best, cands = small(self, t, layer, parts, res)
         else:
-            best, cands = dense(self, t, layer, parts, rows, np.array(res, bool))
+            best, cands = dense(self, t, layer, parts, rows, res)
         self._pending[client] = (layer, cands)
         if not best:
             return []

@@ -142,27 +142,42 @@ def bins_of(p, items) -> np.ndarray:
     """The raw-score bins (N, E) of proposals (tables, layer, context rows, context
     sizes), scored as ``dense`` would have under those tables: the counts must not
     have moved since they were made (call before the fold).  Vectorised over the
-    items of one layer and shape."""
+    items of one shape (and of one layer, where a layer has many)."""
     c, E = p.c, p.experts
     out = np.zeros((len(items), E), np.int64)
     groups: dict[tuple, list] = {}
     for i, (t, m, rows, sizes) in enumerate(items):
-        groups.setdefault((t, sizes, m), []).append((i, rows))
-    for (t, sizes, m), entries in groups.items():
+        groups.setdefault((t, sizes), []).append((i, m, rows))
+    for (t, sizes), entries in groups.items():
         if not sizes:
-            out[[e[0] for e in entries]] = EDGES.searchsorted(1.0 / t.io[m], side="right")
+            M = np.array([e[1] for e in entries], np.int64)
+            out[[e[0] for e in entries]] = EDGES.searchsorted(1.0 / t.io[M], side="right")
             continue
-        qm = t.q.get(m)             # the layer's q rows once (q_rows' arithmetic), then gathers
-        if qm is None:
-            qm = (c.co[m] + t.ppm[m]) / (c.seen[m] + p.prior)[:, None]
-        for at in range(0, len(entries), 256):
-            part = entries[at:at + 256]
-            g = qm[np.array([e[1] for e in part], np.int64)]                        # (N, rows, E)
-            q = averaging(sizes) @ g                                                 # (N, groups, E)
-            odds = np.multiply.reduce(q / (1.0 - q), axis=1)
-            if len(sizes) > 1:
-                odds *= t.io[m] ** (len(sizes) - 1)
-            out[[e[0] for e in part]] = EDGES.searchsorted(odds, side="right")
+        by_layer: dict[int, list] = {}
+        for e in entries:
+            by_layer.setdefault(e[1], []).append(e)
+        # Many per layer (long folds): each layer's rows apart (its kept q rows when
+        # dense kept them); few: all layers at once.  The same arithmetic either way.
+        per_layer = len(entries) >= 16 * len(by_layer)
+        for run in (by_layer.values() if per_layer else [entries]):
+            for at in range(0, len(run), 256):
+                part = run[at:at + 256]
+                R = np.array([e[2] for e in part], np.int64)                          # (N, rows)
+                m = part[0][1]
+                if per_layer:
+                    qm = t.q.get(m)
+                    g = qm[R] if qm is not None else \
+                        (c.co[m][R] + t.ppm[m]) / (c.seen[m][R] + p.prior)[:, :, None]
+                    io = t.io[m]
+                else:
+                    M = np.array([e[1] for e in part], np.int64)
+                    g = (c.co[M[:, None], R] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], R] + p.prior)[:, :, None]
+                    io = t.io[M]
+                q = averaging(sizes) @ g                                             # (N, groups, E)
+                odds = np.multiply.reduce(q / (1.0 - q), axis=1)
+                if len(sizes) > 1:
+                    odds *= io ** (len(sizes) - 1)
+                out[[e[0] for e in part]] = EDGES.searchsorted(odds, side="right")
     return out
 
 
