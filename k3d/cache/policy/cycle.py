@@ -112,7 +112,7 @@ class CyclePolicy(PinTable):
         key's).  A used key is usually pinned already (a fetch pins before it
         touches), so its layer's least unpinned value rarely moves."""
         visits, stat, picks, experts, cand = self._visits, self._stat, self._picks, self._experts, self._cand
-        frees, bests, dirty = self._free, self._best, self._dirty
+        frees, dirty = self._free, self._dirty
         decay, ld, log = self._decay, self._log_decay, math.log
         layer, run = None, 0
         for key, slot in zip(keys, slots):
@@ -135,13 +135,7 @@ class CyclePolicy(PinTable):
                 st[1] = v
                 st[2] = log(c) - v * ld
             if slot in free:
-                f = free[slot] = st[2]
-                b = bests.get(layer, _STALE)
-                if b is not _STALE and b is not None:
-                    if b[1] == slot:
-                        del bests[layer]              # the least itself moved: scan again
-                    elif (f, slot) < b:
-                        bests[layer] = (f, slot)
+                self._moved(layer, slot, st[2])
         if run:
             picks[layer] = picks.get(layer, 0) + run
 
@@ -177,15 +171,18 @@ class CyclePolicy(PinTable):
         picks[layer] = picks.get(layer, 0) + 1
         self._cand.pop(layer, None)
         self._dirty.add(layer)
-        free = self._free.get(layer)
-        if free is not None and slot in free:
-            f = free[slot] = st[2]
-            b = self._best.get(layer, _STALE)
-            if b is not _STALE and b is not None:
-                if b[1] == slot:
-                    del self._best[layer]
-                elif (f, slot) < b:
-                    self._best[layer] = (f, slot)
+        if slot in self._free.get(layer, ()):
+            self._moved(layer, slot, st[2])
+
+    def _moved(self, layer: int, slot: int, f: float) -> None:
+        """Unpinned resident ``slot``'s ``_forward`` is ``f`` now (a use while unpinned)."""
+        self._free[layer][slot] = f
+        b = self._best.get(layer, _STALE)
+        if b is not _STALE and b is not None:
+            if b[1] == slot:
+                del self._best[layer]                 # the least itself moved: scan again
+            elif (f, slot) < b:
+                self._best[layer] = (f, slot)
 
     def demote(self, slot: int) -> None:
         """An unused prediction: nothing to undo (a guess never counted as a use)."""
@@ -207,9 +204,6 @@ class CyclePolicy(PinTable):
             self._fresh.discard(slot)
         else:
             self._pinned_all((slot,))
-
-    def _unpinned(self, slot: int) -> None:
-        self._unpinned_all((slot,))
 
     def _pinned_all(self, slots) -> None:
         """``slots`` may not be victims any more (pinned, or gone: ``remove``).  Inline:
