@@ -36,8 +36,10 @@ odds factors at once, and a fetch's scoring is list arithmetic over its experts
 (``score.small``); larger ones take one numpy gather per fetch (``score.dense``).
 The calibration's resolved candidates are buffered the same way, and a proposal
 that cannot propose anything (no candidate reaches ``min_prob`` in any bin under
-this fold's tables) is not scored at all then: its candidates' bins are computed
-at the fold, all together (``score.resolve``), with the same counts.  The fold
+this fold's tables), or above ``SMALL`` experts nothing the caller would take (none
+reaches its ``floor``, or its budget is 0), is not scored at all then: its
+candidates' bins are computed at the fold, all together (``score.resolve``), with
+the same counts.  The fold
 schedule is a function of the stream alone, so the daemon and ``k3d replay`` fold
 at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 
