@@ -106,7 +106,7 @@ class Reuse:
     def retire(self, slot: int, now: float) -> bool:
         """``slot``'s key left the index.  True: reuse it now; False: it waits (``reclaim``)."""
         self.retired += 1
-        if self._free_now([(slot, self.retired)], now):
+        if not self.readers or self._free_now([(slot, self.retired)], now):     # (none: replay, one client)
             return True
         self.limbo[slot] = self.retired
         self.peak = max(self.peak, len(self.limbo))

@@ -141,7 +141,7 @@ class Store(PredictionBook, ReportedHits):
             self.stats.hits += len(keys)
             return FetchPlan(slots=have, new_loads=[], waiting=set(), promote=[])
         resident = {s for s in have if s is not None}
-        need = sum(1 for s in have if s is None)
+        need = have.count(None)
         if need:
             evictable = policy.evictable(exclude=resident.union(self.loads))
             now_ok = self.reuse.could_reuse_now(now)
@@ -173,6 +173,7 @@ class Store(PredictionBook, ReportedHits):
         for layer in dict.fromkeys(k[0] for k in keys):
             policy.visit(layer)
         policy.pin_all(resident, holder)       # pin hits first so no miss evicts them
+        state, predicted, touch, slots = self.state, self.predicted_by, policy.touch, plan.slots
         for key, s in zip(keys, have):
             if s is None:
                 s, evicted = self._assign(key, urgent=True, now=now)
@@ -180,20 +181,20 @@ class Store(PredictionBook, ReportedHits):
                 plan.misses += 1
                 plan.new_loads.append(s)
                 plan.waiting.add(s)
-                self.policy.pin(s, holder)
-            elif self.state[s] == LOADING:
+                policy.pin(s, holder)
+            elif state[s] == LOADING:
                 plan.waited += 1
                 plan.waiting.add(s)
-                policy.touch(s, key)
+                touch(s, key)
                 load = self.loads[s]
                 if not load.urgent:
                     load.urgent = True
                     plan.promote.append(s)
             else:
-                policy.touch(s, key)
-            if s in self.predicted_by:
+                touch(s, key)
+            if s in predicted:
                 plan.prefetched_hits += self._prediction_used(s)
-            plan.slots.append(s)
+            slots.append(s)
         st = self.stats
         st.fetches += 1
         st.misses += plan.misses

@@ -246,6 +246,8 @@ class _Timing:
     def fetching(self, keys) -> None:
         self.n += 1
         st = self.store
+        if not st.predicted_by:                   # (no prediction waits: nothing to count)
+            return
         for k in keys:
             s = st.key_slot.get(k)
             if s is not None and s in st.predicted_by:
@@ -270,6 +272,8 @@ class _Audit:
 
     def fetched(self, client, keys) -> None:
         self.token.setdefault(client, set()).update(keys)
+        if not (self.watch or self.waiting):      # (no victim of a prediction watched)
+            return
         for k in keys:
             if k in self.watch:                   # a victim came back first
                 self.sooner += 1

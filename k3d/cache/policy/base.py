@@ -135,6 +135,8 @@ class PinTable:
         ``exclude``.  O(pins + exclude): every pinned slot is resident (the store pins only
         slots it holds; the LRU and cycle policies' ``check`` asserts it)."""
         held = self._holders
+        if not exclude:                     # (AutoPrefetch asks so at every fetch)
+            return len(resident) - len(held)
         return len(resident) - len(held) - sum(1 for s in exclude if s in resident and s not in held)
 
     def check_pins(self) -> None:

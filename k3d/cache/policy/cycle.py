@@ -27,7 +27,16 @@ not (a returning expert keeps its history): one small record per expert.
 
 Index (so a victim costs O(L), not O(slots)): residents are grouped by layer; within
 a layer ``d`` is shared, so the layer's candidate is its unpinned resident with the
-lowest decayed count (``_forward``), cached until something in that layer changes.
+lowest decayed count.  A key's order within its layer (``_forward``: its log count
+scaled to visit 0) changes only when it is used, so it is kept in its record, and
+each layer keeps its unpinned residents with that value (``_free``) and their
+least (``_best``), updated as they change: a change to any other slot moves the
+least only if the new value is below it, so the layer is scanned again only when
+its least itself is pinned, evicted or used (a slot inserted waits in ``_fresh``
+until the next victim, so a fetch's miss, pinned right away, is never filed).  The
+candidate's rate changes with every visit and use of its layer, so it is cached
+apart (``_cand``), until then; ``victim`` keeps each layer's score while the
+cycle's position stays.  All of it yields the victims of a full scan (``check``).
 
 Background reads (``admits``): a prediction may evict a slot only if the slot's
 score is larger than the prediction's own (its layer's distance, the predicting
@@ -39,6 +48,8 @@ from __future__ import annotations
 import math
 
 from k3d.cache.policy.base import PinTable
+
+_STALE = object()                                 # a cache entry to compute again
 
 
 class CyclePolicy(PinTable):
@@ -53,10 +64,18 @@ class CyclePolicy(PinTable):
         self._visits: dict[int, int] = {}             # layer -> visits so far
         self._picks: dict[int, int] = {}              # layer -> keys used in those visits
         self._experts: dict[int, int] = {}            # layer -> highest expert id + 1 seen
-        self._stat: dict[tuple, list] = {}            # key -> [decayed count, visit of last update]
+        self._stat: dict[tuple, list] = {}            # key -> [decayed count, visit of last update, _forward]
         self._key: dict[int, tuple] = {}              # resident slot -> key
         self._by_layer: dict[int, set[int]] = {}      # layer -> resident slots
-        self._cand: dict[int, int | None] = {}        # layer -> cached candidate (absent: stale)
+        self._free: dict[int, dict[int, float]] = {}  # layer -> {unpinned resident slot: its _forward}
+        self._best: dict[int, tuple | None] = {}      # layer -> least (_forward, slot) of _free (absent: stale)
+        self._cand: dict[int, tuple | None] = {}      # layer -> (slot, rate) of _best's slot (absent: stale)
+        self._pscores: dict[int, tuple] = {}          # passed layer -> its candidate's victim order
+        self._nscores: dict[int, tuple] = {}          # the same for layers ahead, when _ahead
+        self._ahead = False
+        self._dirty: set[int] = set()                 # layers whose _cand went since ``victim`` scored them
+        self._stamp = None                            # (current, first, layers) the scores are for
+        self._fresh: set[int] = set()                 # unpinned residents inserted, not yet in _free
         self._current = -1                            # the layer being served (last visited)
         self._first = -1                              # the first layer of the current pass
 
@@ -70,49 +89,53 @@ class CyclePolicy(PinTable):
         if layer >= self.layers:
             self.layers = layer + 1
         self._cand.pop(layer, None)
-
-    def _used(self, key) -> None:
-        self._used_all((key,))
+        self._dirty.add(layer)
 
     def touch_all(self, slots, keys) -> None:
         """``touch`` of each key in order (a fetch's hits)."""
-        self._used_all(keys)
+        self._used_all(keys, slots)
 
     def hear_all(self, fetches) -> None:
         """``PinTable.hear_all`` without the touches' indirection (every reported hit runs it)."""
         visit, used = self.visit, self._used_all
-        for layer, keys, _ in fetches:
+        for layer, keys, slots in fetches:
             visit(layer)
-            used(keys)
+            used(keys, slots)
 
-    def _used_all(self, keys) -> None:
-        """Each of ``keys`` was used, in order: its decayed count and the layer's picks
-        (its order within the layer, ``_forward``, is computed from them when a victim
-        is chosen, which is rarer than a use).  The one copy of this arithmetic.  Per
+    def _used_all(self, keys, slots) -> None:
+        """Each of ``keys`` (resident in ``slots``) was used, in order: its decayed count,
+        its ``_forward`` and the layer's picks (``_use`` is the same for one key).  Per
         key it is a few dictionary operations, because every reported hit of every
-        client costs the daemon this: the layer's entries are
-        looked up once per run of keys of one layer (a fetch's keys come so), and the
-        highest expert id is checked only for a key seen the first time (``restore``
-        keeps it above every key's)."""
+        client costs the daemon this: the layer's entries are looked up once per run
+        of keys of one layer (a fetch's keys come so), and the highest expert id is
+        checked only for a key seen the first time (``restore`` keeps it above every
+        key's).  A used key is usually pinned already (a fetch pins before it
+        touches), so its layer's least unpinned value rarely moves."""
         visits, stat, picks, experts, cand = self._visits, self._stat, self._picks, self._experts, self._cand
-        decay = self._decay
+        frees, dirty = self._free, self._dirty
+        decay, ld, log = self._decay, self._log_decay, math.log
         layer, run = None, 0
-        for key in keys:
+        for key, slot in zip(keys, slots):
             if key[0] != layer:
                 if run:
                     picks[layer] = picks.get(layer, 0) + run
                 layer, run = key[0], 0
                 v = visits.get(layer, 0)
                 cand.pop(layer, None)
+                dirty.add(layer)
+                free = frees.get(layer, ())
             run += 1
             st = stat.get(key)
             if st is None:
-                st = stat[key] = [1.0, v]
+                st = stat[key] = [1.0, v, log(1.0) - v * ld]
                 if key[1] >= experts.get(layer, 0):
                     experts[layer] = key[1] + 1
             else:
-                st[0] = st[0] * decay ** (v - st[1]) + 1.0
+                c = st[0] = st[0] * decay ** (v - st[1]) + 1.0
                 st[1] = v
+                st[2] = log(c) - v * ld
+            if slot in free:
+                self._moved(layer, slot, st[2])
         if run:
             picks[layer] = picks.get(layer, 0) + run
 
@@ -120,41 +143,112 @@ class CyclePolicy(PinTable):
         layer = key[0]
         self._key[slot] = key
         self._by_layer.setdefault(layer, set()).add(slot)
-        self._cand.pop(layer, None)
         if layer >= self.layers:
             self.layers = layer + 1
+        if slot not in self._holders:    # filed at the next victim, unless pinned first (a fetch's miss is)
+            self._fresh.add(slot)
         if not predicted:                             # a guess is not a use
-            self._used(key)
+            self._use(key, slot)
 
     def touch(self, slot: int, key=None) -> None:
-        self._used(self._key[slot] if key is None else key)
+        self._use(self._key[slot] if key is None else key, slot)
+
+    def _use(self, key, slot: int) -> None:
+        """``_used_all`` of one key (a fetch's miss or hit; the same arithmetic, without
+        the loop's setup, as a fetch that misses uses it key by key)."""
+        layer = key[0]
+        v = self._visits.get(layer, 0)
+        st = self._stat.get(key)
+        if st is None:
+            st = self._stat[key] = [1.0, v, math.log(1.0) - v * self._log_decay]
+            if key[1] >= self._experts.get(layer, 0):
+                self._experts[layer] = key[1] + 1
+        else:
+            c = st[0] = st[0] * self._decay ** (v - st[1]) + 1.0
+            st[1] = v
+            st[2] = math.log(c) - v * self._log_decay
+        picks = self._picks
+        picks[layer] = picks.get(layer, 0) + 1
+        self._cand.pop(layer, None)
+        self._dirty.add(layer)
+        if slot in self._free.get(layer, ()):
+            self._moved(layer, slot, st[2])
+
+    def _moved(self, layer: int, slot: int, f: float) -> None:
+        """Unpinned resident ``slot``'s ``_forward`` is ``f`` now (a use while unpinned)."""
+        self._free[layer][slot] = f
+        b = self._best.get(layer, _STALE)
+        if b is not _STALE and b is not None:
+            if b[1] == slot:
+                del self._best[layer]                 # the least itself moved: scan again
+            elif (f, slot) < b:
+                self._best[layer] = (f, slot)
 
     def demote(self, slot: int) -> None:
         """An unused prediction: nothing to undo (a guess never counted as a use)."""
 
     def remove(self, slot: int) -> None:
-        key = self._key.pop(slot, None)
+        key = self._key.get(slot)
         if key is not None:
-            self._by_layer[key[0]].discard(slot)
-            self._cand.pop(key[0], None)
+            layer = key[0]
+            self._pinned_all((slot,))                 # (before the key goes: it names the layer)
+            self._by_layer[layer].discard(slot)
+            del self._key[slot]
         self._forget_pins(slot)
 
     def has(self, slot: int) -> bool:
         return slot in self._key
 
     def _pinned(self, slot: int) -> None:
-        self._pinned_all((slot,))
-
-    _unpinned = _pinned
+        if slot in self._fresh:                       # a fetch's miss, pinned once inserted
+            self._fresh.discard(slot)
+        else:
+            self._pinned_all((slot,))
 
     def _pinned_all(self, slots) -> None:
-        """A pin changes only which of a layer's residents may be its victim: each layer's
-        cached candidate goes once."""
-        key_of, cand = self._key, self._cand
-        for layer in {key_of[s][0] for s in slots if s in key_of}:
-            cand.pop(layer, None)
+        """``slots`` may not be victims any more (pinned, or gone: ``remove``).  Inline:
+        a fetch pins every key it names and a token's end releases them all."""
+        key_of, frees, bests, fresh = self._key, self._free, self._best, self._fresh
+        for s in slots:
+            key = key_of.get(s)
+            if key is None:
+                continue
+            if s in fresh:
+                fresh.discard(s)
+                continue
+            layer = key[0]
+            free = frees.get(layer)
+            if free is not None and free.pop(s, None) is not None:
+                b = bests.get(layer)
+                if b is not None and b[1] == s:       # the least went: scan again
+                    del bests[layer]
+                    self._cand.pop(layer, None)
+                    self._dirty.add(layer)
 
-    _unpinned_all = _pinned_all
+    def _file_fresh(self) -> None:
+        """File the slots inserted since the last victim that nothing pinned."""
+        fresh, self._fresh = self._fresh, set()
+        self._unpinned_all(fresh)
+
+    def _unpinned_all(self, slots) -> None:
+        """``slots`` may be victims now (their last pin went, or ``_file_fresh``)."""
+        key_of, stat, frees, bests = self._key, self._stat, self._free, self._best
+        for s in slots:
+            key = key_of.get(s)
+            if key is None:
+                continue
+            layer = key[0]
+            st = stat.get(key)
+            f = st[2] if st is not None else -math.inf
+            free = frees.get(layer)
+            if free is None:
+                free = frees[layer] = {}
+            free[s] = f
+            b = bests.get(layer, _STALE)
+            if b is None or (b is not _STALE and (f, s) < b):
+                bests[layer] = (f, s)
+                self._cand.pop(layer, None)
+                self._dirty.add(layer)
 
     # -- scoring --------------------------------------------------------------
     def rate(self, key) -> float:
@@ -185,47 +279,71 @@ class CyclePolicy(PinTable):
         return self.passed(key[0]), self.distance(key[0]) / max(p, 1e-9)
 
     def _forward(self, st: list) -> float:
-        """A key's log count scaled to visit 0: its order within the layer holds between updates."""
-        return math.log(st[0]) - st[1] * self._log_decay
+        """A key's log count scaled to visit 0: its order within the layer holds between
+        updates (-inf for a zero count, which only ``restore`` can give)."""
+        return math.log(st[0]) - st[1] * self._log_decay if st[0] > 0 else -math.inf
 
     def _candidate(self, layer: int):
         """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
+        if self._fresh:
+            self._file_fresh()
         try:
             return self._cand[layer]
         except KeyError:
             pass
-        holders, stat, key_of, forward = self._holders, self._stat, self._key, self._forward
-        best, best_v = None, math.inf
-        for s in self._by_layer.get(layer, ()):
-            if s in holders:
-                continue
-            st = stat.get(key_of[s])
-            v = forward(st) if st is not None and st[0] > 0 else -math.inf
-            if v < best_v or (v == best_v and s < best):
-                best, best_v = s, v
-        cand = None if best is None else (best, max(self.rate(key_of[best]), 1e-9))
+        b = self._best.get(layer, _STALE)
+        if b is _STALE:                  # least (_forward, slot): ties go to the lower slot
+            free = self._free.get(layer)
+            b = self._best[layer] = min(zip(free.values(), free)) if free else None
+        cand = None if b is None else (b[1], max(self.rate(self._key[b[1]]), 1e-9))
         self._cand[layer] = cand
         return cand
 
     def victim(self, exclude=()) -> int | None:
+        """The largest score's slot: each layer's candidate scored as (steps per expected
+        hit, -slot), passed layers apart (any of them goes first).  The scores are kept
+        while the cycle's position stays (a fetch's misses choose several victims at
+        one position) and rescored where a layer changed; the layers still ahead are
+        scored only when no passed layer has a candidate."""
         if exclude:
             return self._victim_scan(exclude)
+        if self._fresh:
+            self._file_fresh()
         c, f, L = self._current, self._first, max(self.layers, 1)
         wrapped = f > c
-        cands, candidate = self._cand, self._candidate
-        best, best_passed, best_v = None, False, -1.0
-        for layer in self._by_layer:
+        ps, ns, dirty = self._pscores, self._nscores, self._dirty
+        if (c, f, L) != self._stamp:                  # every layer's distance moved
+            self._stamp = (c, f, L)
+            ps.clear()
+            ns.clear()
+            self._ahead = False                       # ns not computed at this position
+            todo = [*range(f, L), *range(c + 1)] if wrapped else range(f, c + 1)
+        else:
+            todo = dirty
+        cands, candidate, ahead = self._cand, self._candidate, self._ahead
+        for layer in todo:
+            if (layer >= f or layer <= c) if wrapped else (f <= layer <= c):
+                sc = ps
+            elif ahead:
+                sc = ns
+            else:
+                continue
             cand = cands[layer] if layer in cands else candidate(layer)
             if cand is None:
-                continue
-            passed = (layer >= f or layer <= c) if wrapped else (f <= layer <= c)
-            if best_passed and not passed:
-                continue
-            s, p = cand
-            v = ((layer - c - 1) % L + 1) / p
-            if (passed and not best_passed) or v > best_v or (v == best_v and s < best):
-                best, best_passed, best_v = s, passed, v
-        return best
+                sc.pop(layer, None)
+            else:
+                sc[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
+        dirty.clear()
+        if ps:
+            return -max(ps.values())[1]
+        if not ahead:
+            self._ahead = True
+            for layer in self._by_layer:
+                if not ((layer >= f or layer <= c) if wrapped else (f <= layer <= c)):
+                    cand = cands[layer] if layer in cands else candidate(layer)
+                    if cand is not None:
+                        ns[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
+        return -max(ns.values())[1] if ns else None
 
     def _victim_scan(self, exclude) -> int | None:
         best, best_score = None, None
@@ -270,17 +388,41 @@ class CyclePolicy(PinTable):
             self.layers = max(self.layers, l + 1)
         for key, st in keys:                  # an update can't be later than its layer's visits
             st[1] = min(st[1], self._visits.get(key[0], 0))
+            st.append(self._forward(st))
             self._stat[key] = st
             if key[1] >= self._experts.get(key[0], 0):    # (``_used_all`` relies on it)
                 self._experts[key[0]] = key[1] + 1
+        self._fresh.clear()
+        self._free = self._refiled()
+        self._best.clear()
         self._cand.clear()
+        self._stamp = None
+
+    def _refiled(self) -> dict:
+        """``_free`` computed afresh from the residents, pins and statistics."""
+        free: dict[int, dict[int, float]] = {}
+        for s, key in self._key.items():
+            if s not in self._holders:
+                st = self._stat.get(key)
+                free.setdefault(key[0], {})[s] = self._forward(st) if st is not None else -math.inf
+        return free
 
     def check(self) -> None:
         self.check_pins()
+        assert not self._fresh & set(self._holders), "a pinned slot waits to be filed"
+        self._file_fresh()
         assert set(self._holders) <= set(self._key), "a pin on a slot the policy does not hold"
         for layer, slots in self._by_layer.items():
             assert all(self._key[s][0] == layer for s in slots)
         assert sum(len(v) for v in self._by_layer.values()) == len(self._key)
+        for key, st in self._stat.items():
+            assert st[2] == self._forward(st), f"stale order kept for {key}"
+        assert {l: f for l, f in self._free.items() if f} == self._refiled(), "unpinned residents misfiled"
+        for layer, b in self._best.items():
+            free = self._free.get(layer)
+            assert b == (min(zip(free.values(), free)) if free else None), f"stale least kept for layer {layer}"
         for layer, s in list(self._cand.items()):
             del self._cand[layer]
+            self._best.pop(layer, None)
+            self._stamp = None
             assert self._candidate(layer) == s, f"stale candidate cached for layer {layer}"

@@ -142,13 +142,12 @@ class Tables:
     - ``ct[m, b, e] = (cal_hit[b] + CAL_PRIOR * pm[m, e]) / (cal_n[b] + CAL_PRIOR)``: the
       calibrated confidence of expert ``e`` of layer ``m`` whose raw score fell in bin
       ``b``, shrunk towards the plain rate while the bin has few resolved candidates;
-    - ``reachable[m, e]``: some bin of expert ``e`` of layer ``m`` reaches ``min_prob``;
-      where no candidate is reachable, nothing can be proposed until the next fold,
-      whatever the context;
+    - ``top[m, e]``: the best confidence any bin gives expert ``e`` of layer ``m``, and
+      ``order(m)`` the (top, expert) pairs best first: no candidate of a proposal can
+      have a confidence above the first one not resident, whatever the context;
     - ``q``: dense models' kept q rows per layer (``score.q_rows``); small models:
       ``sets`` and ``memo``, the context layers' odds factors (``score.factors``),
-      ``ct``, ``reachable`` and ``1 / io`` as lists (``ct_l``, ``reachable_l``,
-      ``inv_io_l``).
+      ``ct`` and ``1 / io`` as lists (``ct_l``, ``inv_io_l``).
     """
 
     def __init__(self, counts: Counts, k: int, prior: float, small: bool, min_prob: float):
@@ -161,13 +160,21 @@ class Tables:
         ct = (c.cal_hit[None, :, None] + CAL_PRIOR * pm[:, None, :]) / (c.cal_n + CAL_PRIOR)[None, :, None]
         self.ct = ct.reshape(c.layers, BINS * E)
         self.ar = np.arange(E)
-        # per layer and expert: whether any bin reaches min_prob (else it cannot be proposed)
-        self.reachable = (ct.max(axis=1) >= min_prob)                   # (L, E)
+        self.top = ct.max(axis=1)                                      # (L, E)
+        self._order: dict[int, list] = {}
         self.small = small
         self.q: dict[int, np.ndarray] = {}      # layer -> score.q_rows (dense models)
         if small:                               # plain lists: cheaper than numpy calls for a few experts
             self.sets: dict[int, tuple] = {}    # picks size -> score.set_table
             self.memo: dict[tuple, list] = {}   # (layer, distance, picks) -> score.factors
             self.ct_l = self.ct.tolist()       # one call: cheaper than a layer at a time
-            self.reachable_l = self.reachable.tolist()
             self.inv_io_l = (pm / (1.0 - pm)).tolist()
+
+    def order(self, m: int) -> list:
+        """Layer ``m``'s (top, expert) pairs, best first (ties: lower expert); one sort per fold."""
+        got = self._order.get(m)
+        if got is None:
+            row = self.top[m]
+            idx = np.argsort(-row, kind="stable")      # (stable: equal tops keep expert order)
+            got = self._order[m] = list(zip(row[idx].tolist(), idx.tolist()))
+        return got

@@ -36,8 +36,10 @@ odds factors at once, and a fetch's scoring is list arithmetic over its experts
 (``score.small``); larger ones take one numpy gather per fetch (``score.dense``).
 The calibration's resolved candidates are buffered the same way, and a proposal
 that cannot propose anything (no candidate reaches ``min_prob`` in any bin under
-this fold's tables) is not scored at all then: its candidates' bins are computed
-at the fold, all together (``score.resolve``), with the same counts.  The fold
+this fold's tables), or above ``SMALL`` experts nothing the caller would take (none
+reaches its ``floor``, or its budget is 0), is not scored at all then: its
+candidates' bins are computed at the fold, all together (``score.resolve``), with
+the same counts.  The fold
 schedule is a function of the stream alone, so the daemon and ``k3d replay`` fold
 at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 
@@ -196,11 +198,14 @@ class CoPredictor:
             t = self._tables[k] = Tables(self.c, k, self.prior, self.small, self.min_prob)
         return t
 
-    def propose(self, client: int, layer: int, budget: int, resident=()) -> list[tuple[tuple[int, int], float]]:
+    def propose(self, client: int, layer: int, budget: int, resident=(),
+                floor: float = 0.0) -> list[tuple[tuple[int, int], float]]:
         """Up to ``budget`` keys of ``layer`` not in ``resident`` (a container of keys),
         with confidence at least ``min_prob``, best first (ties: lower expert), as
         (key, confidence).  Remembers the candidates so the client's fetch of
-        ``layer`` measures the calibration."""
+        ``layer`` measures the calibration.  ``floor``: the caller takes nothing
+        unless the best confidence is at least this: when none can reach it, nothing
+        is scored now (see below)."""
         if not 0 <= layer < self.layers or (client not in self._recent and client not in self._prev):
             return []
         keys = self._keys.get(layer)
@@ -211,24 +216,34 @@ class CoPredictor:
         # less often than its score's bin says on average).
         t = self._table(client)
         parts, rows = self._context(client, layer)
-        if self.small:
-            res = [k in resident for k in keys]
-            hopeless = not any(r > s for r, s in zip(t.reachable_l[layer], res))
-        else:
+        small_ = self.experts <= SMALL
+        if small_:
+            res = res_l = list(map(resident.__contains__, keys))
+        else:                                      # (an array: the fold stacks deferred ones)
             res = np.fromiter(map(resident.__contains__, keys), bool, self.experts)
-            hopeless = not (t.reachable[layer] > res).any()
-        if hopeless:
-            # No candidate can be proposed until the next fold, whatever the context: the
-            # candidates' bins only feed the calibration, which moves at the fold, so
-            # they are computed there, for all such proposals at once (score.resolve).
+            res_l = res.tolist()
+        top = -1.0                                 # the best confidence any candidate's bin has
+        for c, e in t.order(layer):
+            if not res_l[e]:
+                top = c
+                break
+        # (score.small's bins are its own: see below)
+        idle = not small_ and (top < floor - 1e-9 or budget <= 0)
+        if top < self.min_prob or idle:
+            # Nothing can be proposed, or (``idle``) taken, whatever the context (the 1e-9
+            # is far above rounding, far below any confidence's step): the candidates'
+            # bins only feed the calibration, which moves at the fold, so they are
+            # computed there, for all such proposals at once (score.resolve), as
+            # score.dense computes them.  score.small's arithmetic may give another bin
+            # at an exact edge, so a small model defers only what it always deferred.
             self._pending[client] = (layer, None, t, rows, tuple(len(ps) for _, ps in parts), res)
             return []
-        if self.small:
+        if small_:
             best, cands = small(self, t, layer, parts, res)
         else:
             best, cands = dense(self, t, layer, parts, rows, res)
         self._pending[client] = (layer, cands)
-        if budget <= 0 or not best:
+        if not best:
             return []
         best.sort()
         return [(keys[e], -c) for c, e in best[:budget]]

@@ -127,7 +127,9 @@ class AutoPrefetch:
     def _predict(self, client: int, layer: int, budget: int, now: float) -> tuple[list, list[int]]:
         store = self.store
         budget = min(budget, self._room())
-        props = self.predictor.propose(client, layer, max(0, budget), self._resident())
+        # (_afford takes nothing under precision - credit: the predictor need not score then)
+        props = self.predictor.propose(client, layer, max(0, budget), self._resident(),
+                                       self.precision - self.credit)
         proposed = self._afford(props)
         if not proposed:
             return [], []

@@ -33,8 +33,8 @@ class PerClient:
     def observe(self, client: int, keys) -> None:
         self._p(client).observe(client, keys)
 
-    def propose(self, client: int, layer: int, budget: int, resident=()):
-        return self._p(client).propose(client, layer, budget, resident)
+    def propose(self, client: int, layer: int, budget: int, resident=(), floor: float = 0.0):
+        return self._p(client).propose(client, layer, budget, resident, floor)
 
     def end_pass(self, client: int) -> None:
         self._p(client).end_pass(client)

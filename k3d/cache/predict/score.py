@@ -12,7 +12,8 @@ one numpy gather of the context rows for larger models.  Both return
     layer's fetch resolves them.
 
 ``resolve`` bins, at a fold and all at once, the candidates of proposals that could
-propose nothing (``Tables.hopeless``): their bins only feed the calibration.
+propose, or have taken, nothing (``CoPredictor.propose``): their bins only feed the
+calibration.
 
 Pure: reads the predictor's folded counts and ``Tables``; the caches here are
 keyed by shapes only (subsets of ``experts``, context sizes), never by counts.
@@ -141,26 +142,42 @@ def bins_of(p, items) -> np.ndarray:
     """The raw-score bins (N, E) of proposals (tables, layer, context rows, context
     sizes), scored as ``dense`` would have under those tables: the counts must not
     have moved since they were made (call before the fold).  Vectorised over the
-    items of one shape, a few hundred at a time."""
+    items of one shape (and of one layer, where a layer has many)."""
     c, E = p.c, p.experts
     out = np.zeros((len(items), E), np.int64)
     groups: dict[tuple, list] = {}
     for i, (t, m, rows, sizes) in enumerate(items):
         groups.setdefault((t, sizes), []).append((i, m, rows))
     for (t, sizes), entries in groups.items():
-        for at in range(0, len(entries), 256):
-            part = entries[at:at + 256]
-            M = np.array([e[1] for e in part], np.int64)
-            if sizes:
+        if not sizes:
+            M = np.array([e[1] for e in entries], np.int64)
+            out[[e[0] for e in entries]] = EDGES.searchsorted(1.0 / t.io[M], side="right")
+            continue
+        by_layer: dict[int, list] = {}
+        for e in entries:
+            by_layer.setdefault(e[1], []).append(e)
+        # Many per layer (long folds): each layer's rows apart (its kept q rows when
+        # dense kept them); few: all layers at once.  The same arithmetic either way.
+        per_layer = len(entries) >= 16 * len(by_layer)
+        for run in (by_layer.values() if per_layer else [entries]):
+            for at in range(0, len(run), 256):
+                part = run[at:at + 256]
                 R = np.array([e[2] for e in part], np.int64)                          # (N, rows)
-                g = (c.co[M[:, None], R] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], R] + p.prior)[:, :, None]
+                m = part[0][1]
+                if per_layer:
+                    qm = t.q.get(m)
+                    g = qm[R] if qm is not None else \
+                        (c.co[m][R] + t.ppm[m]) / (c.seen[m][R] + p.prior)[:, :, None]
+                    io = t.io[m]
+                else:
+                    M = np.array([e[1] for e in part], np.int64)
+                    g = (c.co[M[:, None], R] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], R] + p.prior)[:, :, None]
+                    io = t.io[M]
                 q = averaging(sizes) @ g                                             # (N, groups, E)
-                odds = (q / (1.0 - q)).prod(axis=1)
+                odds = np.multiply.reduce(q / (1.0 - q), axis=1)
                 if len(sizes) > 1:
-                    odds *= t.io[M] ** (len(sizes) - 1)
-            else:
-                odds = 1.0 / t.io[M]
-            out[[e[0] for e in part]] = np.searchsorted(EDGES, odds, side="right")
+                    odds *= io ** (len(sizes) - 1)
+                out[[e[0] for e in part]] = EDGES.searchsorted(odds, side="right")
     return out
 
 
@@ -201,12 +218,12 @@ def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray) -> tuple[list, np.
         avg = averaging(sizes)
         # per context layer: mean over its picks a of (co[a, e] + prior * pm) / (seen[a] + prior)
         q = avg @ q_rows(p, t, m, rows)
-        odds = (q / (1.0 - q)).prod(axis=0)        # naive Bayes: the layers' odds multiply ...
+        odds = np.multiply.reduce(q / (1.0 - q), axis=0)   # naive Bayes: the layers' odds multiply ...
         if len(sizes) > 1:                         # ... over the prior odds, counted once
             odds *= t.io[m] ** (len(sizes) - 1)
     else:
         odds = 1.0 / t.io[m]
-    bins = np.searchsorted(EDGES, odds, side="right")
+    bins = EDGES.searchsorted(odds, side="right")
     cand = ~res
     pb = np.where(cand, bins, BINS)
     conf = t.ct[m].take(bins * E + t.ar)
