@@ -48,11 +48,12 @@ from __future__ import annotations
 import math
 
 from k3d.cache.policy.base import PinTable
+from k3d.cache.policy.cycle_state import CycleState
 
 _STALE = object()                                 # a cache entry to compute again
 
 
-class CyclePolicy(PinTable):
+class CyclePolicy(CycleState, PinTable):
     name = "cycle"
 
     def __init__(self, layers: int = 0, half_life: float = 8.0, prior_weight: float = 1.0):
@@ -360,43 +361,6 @@ class CyclePolicy(PinTable):
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         return self.score(self._key[slot]) > self.score(key, p=confidence)
-
-    # -- warm restart -----------------------------------------------------------
-    def ranking(self, slot_key=None) -> list[tuple]:
-        """Every key seen, most likely to be picked first (ties: layer, expert)."""
-        return sorted(self._stat, key=lambda k: (-self.rate(k), k))
-
-    def export(self) -> dict:
-        """The statistics as JSON-able lists (warm restart)."""
-        return {"half_life": round(math.log(0.5) / self._log_decay, 6),
-                "layers": [[l, self._visits.get(l, 0), self._picks.get(l, 0), self._experts.get(l, 0)]
-                           for l in sorted(set(self._visits) | set(self._experts))],
-                "keys": [[k[0], k[1], st[0], st[1]] for k, st in sorted(self._stat.items())]}
-
-    def restore(self, state: dict) -> None:
-        """Take saved statistics; ValueError (nothing changed) if they are malformed."""
-        try:
-            layers = [(int(l), int(v), int(p), int(e)) for l, v, p, e in state.get("layers", [])]
-            keys = [((int(l), int(e)), [float(c), int(v)]) for l, e, c, v in state.get("keys", [])]
-        except (TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"malformed cycle-policy statistics: {e}") from None
-        if any(v < 0 or p < 0 or e < 0 for _, v, p, e in layers) or any(
-                not (0 <= st[0] < 1e9) or st[1] < 0 for _, st in keys):
-            raise ValueError("cycle-policy statistics out of range")
-        for l, v, p, e in layers:
-            self._visits[l], self._picks[l], self._experts[l] = v, p, e
-            self.layers = max(self.layers, l + 1)
-        for key, st in keys:                  # an update can't be later than its layer's visits
-            st[1] = min(st[1], self._visits.get(key[0], 0))
-            st.append(self._forward(st))
-            self._stat[key] = st
-            if key[1] >= self._experts.get(key[0], 0):    # (``_used_all`` relies on it)
-                self._experts[key[0]] = key[1] + 1
-        self._fresh.clear()
-        self._free = self._refiled()
-        self._best.clear()
-        self._cand.clear()
-        self._stamp = None
 
     def _refiled(self) -> dict:
         """``_free`` computed afresh from the residents, pins and statistics."""
