@@ -223,8 +223,10 @@ class VllmRuntime(Runtime):
     per-expert loop did: one ``index_add_``, or for one token plain ``add_``s.  A decode
     step (at most ``SMALL_STEP`` pairs) is sorted in Python on one ``tolist``: the torch
     calls a sort needs (argsort, bincount, gathers) cost more than the sort at that size.
-    The next layer's gate picks the gate-ahead predictions; ``stats`` adds the union
-    against B x top-k.  Invariants: ``torch.backends.mkldnn.enabled`` is as the caller
+    The next layer's gate picks the gate-ahead predictions, unless the shared index shows
+    all of that layer's experts resident (``Client.layer_resident``: they would send
+    nothing; ``stats.predicted`` then counts only the predictions made); ``stats`` adds
+    the union against B x top-k.  Invariants: ``torch.backends.mkldnn.enabled`` is as the caller
     left it when ``run_layer`` returns or raises; ``stats.epochs == stats.forwards``
     while no mid-forward epoch was needed."""
 
@@ -312,7 +314,9 @@ class VllmRuntime(Runtime):
     def _predict_next(self, ml, hidden_states):
         """The next MoE layer's own gate on this layer's input: its top-k experts travel with this fetch."""
         nxt = self.layers.get(ml.next) if ml.next is not None else None
-        if nxt is None or nxt.router is None:
+        # every expert of the next layer resident: whatever its gate picks, the prediction would
+        # send nothing (the client drops resident keys), so its matmul and top-k are skipped
+        if nxt is None or nxt.router is None or self.client.layer_resident(nxt.layer, nxt.module.num_experts):
             self._pending_prediction = None
             return None
         with torch.no_grad():
