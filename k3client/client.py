@@ -340,6 +340,12 @@ class Client:
     def _reports(self) -> dict:
         return self._hits.take() if self._hits is not None else {}
 
+    def layer_resident(self, layer: int, n: int) -> bool:
+        """Whether the shared index shows experts 0..n-1 of ``layer`` all resident (or being
+        read), so that predicting any of them would send nothing: a hint, no request.  False
+        without the client's hit path (the daemon then judges each prediction)."""
+        return self._hits is not None and self._hits.layer_resident(layer, n)
+
     def predict(self, keys) -> int:
         """Queue background reads for ``[(layer, expert), ...]``; returns how many were queued
         (keys already resident are not: with the shared index, nothing is sent for them)."""

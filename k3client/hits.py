@@ -54,6 +54,7 @@ class LocalHits:
         self.reports: list = []          # [layer, experts, slots], in the order they were answered
         self.reported = 0
         self.t_req = t_req
+        self._full: dict[int, int] = {}  # layer -> retired count when all its experts were seen resident
 
     def answer(self, layer: int, experts: list[int]) -> list[int] | None:
         """The slots of ``experts`` if each is READY in the index (the fetch is recorded
@@ -87,6 +88,20 @@ class LocalHits:
             words = self.index.lookup(layer, es)
             out.extend([layer, e] for e, w in zip(es, words) if w <= 0)
         return out
+
+    def layer_resident(self, layer: int, n: int) -> bool:
+        """Whether the index shows experts 0..n-1 of ``layer`` all resident or being read: a
+        hint for skipping work whose only use is predicting keys that are not (an entry may
+        be cleared right after).  Once seen true it stays true while the index's retired
+        count is unchanged (the daemon counts each entry after clearing it), so a steady
+        state costs one load, not n lookups."""
+        retired = self.index.retired()       # before the entries: a clear after this load changes it
+        if self._full.get(layer) == retired:
+            return True
+        if all(w > 0 for w in self.index.lookup(layer, range(n))):
+            self._full[layer] = retired
+            return True
+        return False
 
     def full(self) -> bool:
         return self.reported >= REPORT_FLUSH

@@ -4,8 +4,9 @@ Memory layout (one sealed memfd the daemon writes and every client maps
 PROT_READ; all words little-endian uint64, 8-byte aligned)::
 
     header  [0] MAGIC   [1] VERSION   [2] layers   [3] width (experts per layer row)
-            [4] retired (count of unpublished entries, ever; no client reads it, it
-                stays for the layout of version 1)   [5] closed (1: the daemon stopped)
+            [4] retired (count of unpublished entries, ever; clients read it only as
+                a hint: while it is unchanged no entry was cleared, ``LocalHits.layer_resident``)
+            [5] closed (1: the daemon stopped)
             [6..7] reserved
     entry of key (l, e), at word 8 + 2 * (l * width + e):
             [0] seq     even: stable; odd: the daemon is changing this entry
@@ -80,6 +81,10 @@ class IndexReader:
             raise ValueError(f"not a k3d index of version {VERSION}")
         self._words = words
         self.layers, self.width = words[2], words[3]
+
+    def retired(self) -> int:
+        """How many entries the daemon has unpublished so far (it counts each after clearing it)."""
+        return self._words[RETIRED]
 
     def closed(self) -> bool:
         """The daemon stopped (a killed one cannot say so: the client's pidfd tells)."""

@@ -45,6 +45,7 @@ before the first forward; forwards run on the thread that loaded the model.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,8 @@ SUPPORTED = ("it computes gated SiLU/GELU experts without bias built by vLLM's R
 # (bench/README.md, "vLLM overhead").
 REDUCED = (torch.bfloat16, torch.float16)
 NATIVE_ROWS = 2
+# (token, expert) pairs of a step up to which run_layer sorts them in Python (a decode step)
+SMALL_STEP = 64
 # vLLM's SwigluOAIAndMul defaults: gpt-oss's MoE config leaves swiglu_alpha/limit unset and its
 # CPU kernel uses these
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
@@ -212,76 +215,108 @@ class VllmStats(Stats):
 class VllmRuntime(Runtime):
     """``k3client.hf``'s epochs, groups and pins, with a layer compute of its own.
 
-    ``run_layer`` sorts the step's (token, expert) pairs by expert once (a stable
-    argsort), gathers the tokens' rows once, computes each fetched expert on its
-    contiguous run of rows (gate and up in one ``linear`` when they lie back to back
-    in the slot; bf16/fp16 on a CPU with oneDNN off for runs of at most ``NATIVE_ROWS``
-    rows), and adds every weighted row into the output with one ``index_add_``, in
-    ascending expert order per token, as the per-expert loop did.  The next layer's
-    gate picks the gate-ahead predictions; ``stats`` adds the union against B x top-k.
-    Invariants: ``torch.backends.mkldnn.enabled`` is as the caller left it when
-    ``run_layer`` returns or raises; ``stats.epochs == stats.forwards`` while no
-    mid-forward epoch was needed."""
+    ``run_layer`` sorts the step's (token, expert) pairs by expert once (stable), gathers
+    the tokens' rows once, computes each fetched expert on its contiguous run of rows
+    (gate and up in one ``linear`` when they lie back to back in the slot; bf16/fp16 on
+    a CPU with oneDNN off for runs of at most ``NATIVE_ROWS`` rows), scales them by their
+    routing weights in place and adds them per token in ascending expert order, as the
+    per-expert loop did: one ``index_add_``, or for one token plain ``add_``s.  A decode
+    step (at most ``SMALL_STEP`` pairs) is sorted in Python on one ``tolist``: the torch
+    calls a sort needs (argsort, bincount, gathers) cost more than the sort at that size.
+    The next layer's gate picks the gate-ahead predictions, unless the shared index shows
+    all of that layer's experts resident (``Client.layer_resident``: they would send
+    nothing; ``stats.predicted`` then counts only the predictions made); ``stats`` adds
+    the union against B x top-k.  Invariants: ``torch.backends.mkldnn.enabled`` is as the caller
+    left it when ``run_layer`` returns or raises; ``stats.epochs == stats.forwards``
+    while no mid-forward epoch was needed."""
 
     def __init__(self, client, layers, predict=True, host_register=None):
         super().__init__(client, layers, predict=predict, host_register=host_register)
         self.stats = VllmStats()
 
     def run_layer(self, ml, hidden_states, top_k_index, top_k_weights):
-        k = top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=ml.module.num_experts).tolist()
-        experts = [e for e, c in enumerate(counts) if c]
+        tokens, k = top_k_index.shape
+        device = hidden_states.device
+        scales = ws = None
+        if tokens * k <= SMALL_STEP:
+            ids = top_k_index.reshape(-1).tolist()
+            order = sorted(range(len(ids)), key=ids.__getitem__)        # stable: token order per expert
+            counts = Counter(ids)
+            experts = sorted(counts)
+            w = top_k_weights.reshape(-1).tolist()
+            scales = [w[i] for i in order]            # a one-row run is scaled by a Python float
+            if tokens > 1:
+                rows = torch.tensor([i // k for i in order], device=device)
+                ws = torch.tensor(scales, dtype=top_k_weights.dtype, device=device).unsqueeze(-1)
+        else:                                                            # a prefill: torch sorts
+            flat = top_k_index.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=ml.module.num_experts).tolist()
+            experts = [e for e, c in enumerate(counts) if c]
+            rows = order // k
+            ws = top_k_weights.reshape(-1)[order].unsqueeze(-1)
         st = self.stats
         st.layer_steps += 1
         st.union += len(experts)
-        st.routed += flat.numel()
-        rows = order // k                                     # the token of each sorted pair
-        xs = hidden_states[rows]
-        ws = top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        st.routed += tokens * k
+        xs = hidden_states[rows] if tokens > 1 else hidden_states
         self._score_prediction(ml.layer, experts)
         predicted = self._predict_next(ml, hidden_states) if self.predict else None
-        device, dtype = hidden_states.device, ml.dtype
+        dtype, out_dtype = ml.dtype, hidden_states.dtype
         expert = _gpt_oss_expert if isinstance(ml.family, GptOss) else _gated_expert
-        parts, at = [], 0
+        parts, at, out = [], 0, None
         native = device.type == "cpu" and dtype in REDUCED
-        mkldnn = torch.backends.mkldnn.enabled
+        mkldnn = on = torch.backends.mkldnn.enabled
         try:
             for group in self._groups(ml, experts, predicted):
                 for e, views in group:
                     n = counts[e]
-                    if native:
-                        torch.backends.mkldnn.enabled = mkldnn and n > NATIVE_ROWS
-                    h = expert(ml.module, views, xs[at:at + n], device, dtype)
-                    parts.append((h * ws[at:at + n]).to(hidden_states.dtype))
+                    if native and on != (mkldnn and n > NATIVE_ROWS):
+                        on = torch.backends.mkldnn.enabled = not on
+                    h = expert(ml.module, views, xs if tokens == 1 else xs[at:at + n], device, dtype)
+                    # in place, the product rounded to h's dtype: the bits of (h * w).to(dtype)
+                    h.mul_(scales[at] if n == 1 and scales is not None else ws[at:at + n])
+                    if h.dtype != out_dtype:
+                        h = h.to(out_dtype)
+                    if tokens > 1:
+                        parts.append(h)
+                    elif out is None:
+                        out = h
+                    else:
+                        out.add_(h)                      # one token: its experts in ascending order
                     at += n
                 if device.type == "cuda":
                     self._device_work = True
         finally:
             torch.backends.mkldnn.enabled = mkldnn
-        out = torch.zeros_like(hidden_states)
-        out.index_add_(0, rows, torch.cat(parts) if len(parts) > 1 else parts[0])
+        if parts:
+            out = torch.zeros_like(hidden_states)
+            out.index_add_(0, rows, torch.cat(parts) if len(parts) > 1 else parts[0])
+        elif out is None:                                # no token
+            out = torch.zeros_like(hidden_states)
         if ml.next is None:
             self._begin_next()
         return out
 
-    def _views(self, ml, ex) -> dict:
+    def _views(self, ml, ex):
+        """gpt-oss: ``{name: view}``; gated families: ``(gate_up, down)`` or ``(gate, up, down)``."""
         f = ml.family
         if isinstance(f, GptOss):
             return {n: ex.tensor(n) for n in f.NAMES}
         if f.gate_up is not None:
-            return {"gate_up": ex.tensor(f.gate_up), "down": ex.tensor(f.down)}
+            return ex.tensor(f.gate_up), ex.tensor(f.down)
         if ml.fused:
             v = ex.stacked((f.gate, f.up))
             if v is not None:
-                return {"gate_up": v, "down": ex.tensor(f.down)}
-        return {"gate": ex.tensor(f.gate), "up": ex.tensor(f.up), "down": ex.tensor(f.down)}
+                return v, ex.tensor(f.down)
+        return ex.tensor(f.gate), ex.tensor(f.up), ex.tensor(f.down)
 
     def _predict_next(self, ml, hidden_states):
         """The next MoE layer's own gate on this layer's input: its top-k experts travel with this fetch."""
         nxt = self.layers.get(ml.next) if ml.next is not None else None
-        if nxt is None or nxt.router is None:
+        # every expert of the next layer resident: whatever its gate picks, the prediction would
+        # send nothing (the client drops resident keys), so its matmul and top-k are skipped
+        if nxt is None or nxt.router is None or self.client.layer_resident(nxt.layer, nxt.module.num_experts):
             self._pending_prediction = None
             return None
         with torch.no_grad():
@@ -295,13 +330,14 @@ class VllmRuntime(Runtime):
 
 
 def _gated_expert(math, views, x, device, dtype):
-    """``act(x W_gate^T) * (x W_up^T) W_down^T``: gate and up in one ``linear`` when one view holds both."""
-    if "gate_up" in views:
-        gate, up = F.linear(x, _on(views["gate_up"], device, dtype)).chunk(2, dim=-1)
+    """``act(x W_gate^T) * (x W_up^T) W_down^T``: gate and up in one ``linear`` when one view holds both
+    (``views``: ``(gate_up, down)`` or ``(gate, up, down)``)."""
+    if len(views) == 2:
+        gate, up = F.linear(x, _on(views[0], device, dtype)).chunk(2, dim=-1)
     else:
-        gate = F.linear(x, _on(views["gate"], device, dtype))
-        up = F.linear(x, _on(views["up"], device, dtype))
-    return F.linear(math.act_fn(gate) * up, _on(views["down"], device, dtype))
+        gate = F.linear(x, _on(views[0], device, dtype))
+        up = F.linear(x, _on(views[1], device, dtype))
+    return F.linear(math.act_fn(gate) * up, _on(views[-1], device, dtype))
 
 
 def _gpt_oss_expert(math, views, x, device, dtype):
