@@ -28,7 +28,9 @@ not (a returning expert keeps its history): one small record per expert.
 Index (so a victim costs O(L), not O(slots)): residents are grouped by layer; within
 a layer ``d`` is shared, so the layer's candidate is its unpinned resident with the
 lowest decayed count.  A key's order within its layer (``_forward``: its log count
-scaled to visit 0) changes only when it is used, so it is kept in its record, and
+scaled to visit 0) changes only when it is used, so it is kept in its record (computed
+at the use if the key's slot is unpinned, else left None until the slot is unpinned:
+most uses are hits of pinned slots, and a log per hit is what the daemon pays), and
 each layer keeps its unpinned residents with that value (``_free``) and their
 least (``_best``), updated as they change: a change to any other slot moves the
 least only if the new value is below it, so the layer is scanned again only when
@@ -65,7 +67,7 @@ class CyclePolicy(CycleState, PinTable):
         self._visits: dict[int, int] = {}             # layer -> visits so far
         self._picks: dict[int, int] = {}              # layer -> keys used in those visits
         self._experts: dict[int, int] = {}            # layer -> highest expert id + 1 seen
-        self._stat: dict[tuple, list] = {}            # key -> [decayed count, visit of last update, _forward]
+        self._stat: dict[tuple, list] = {}            # key -> [decayed count, last update's visit, _forward or None]
         self._key: dict[int, tuple] = {}              # resident slot -> key
         self._by_layer: dict[int, set[int]] = {}      # layer -> resident slots
         self._free: dict[int, dict[int, float]] = {}  # layer -> {unpinned resident slot: its _forward}
@@ -77,6 +79,7 @@ class CyclePolicy(CycleState, PinTable):
         self._dirty: set[int] = set()                 # layers whose _cand went since ``victim`` scored them
         self._stamp = None                            # (current, first, layers) the scores are for
         self._fresh: set[int] = set()                 # unpinned residents inserted, not yet in _free
+        self._moves: set[int] = set()                 # unpinned residents used, not yet refiled
         self._current = -1                            # the layer being served (last visited)
         self._first = -1                              # the first layer of the current pass
 
@@ -113,8 +116,8 @@ class CyclePolicy(CycleState, PinTable):
         key's).  A used key is usually pinned already (a fetch pins before it
         touches), so its layer's least unpinned value rarely moves."""
         visits, stat, picks, experts, cand = self._visits, self._stat, self._picks, self._experts, self._cand
-        frees, dirty = self._free, self._dirty
-        decay, ld, log = self._decay, self._log_decay, math.log
+        frees, dirty, moves = self._free, self._dirty, self._moves
+        decay = self._decay
         layer, run = None, 0
         for key, slot in zip(keys, slots):
             if key[0] != layer:
@@ -128,15 +131,15 @@ class CyclePolicy(CycleState, PinTable):
             run += 1
             st = stat.get(key)
             if st is None:
-                st = stat[key] = [1.0, v, log(1.0) - v * ld]
+                st = stat[key] = [1.0, v, None]
                 if key[1] >= experts.get(layer, 0):
                     experts[layer] = key[1] + 1
             else:
                 c = st[0] = st[0] * decay ** (v - st[1]) + 1.0
                 st[1] = v
-                st[2] = log(c) - v * ld
+                st[2] = None
             if slot in free:
-                self._moved(layer, slot, st[2])
+                moves.add(slot)
         if run:
             picks[layer] = picks.get(layer, 0) + run
 
@@ -161,19 +164,36 @@ class CyclePolicy(CycleState, PinTable):
         v = self._visits.get(layer, 0)
         st = self._stat.get(key)
         if st is None:
-            st = self._stat[key] = [1.0, v, math.log(1.0) - v * self._log_decay]
+            st = self._stat[key] = [1.0, v, None]
             if key[1] >= self._experts.get(layer, 0):
                 self._experts[layer] = key[1] + 1
         else:
-            c = st[0] = st[0] * self._decay ** (v - st[1]) + 1.0
+            st[0] = st[0] * self._decay ** (v - st[1]) + 1.0
             st[1] = v
-            st[2] = math.log(c) - v * self._log_decay
+            st[2] = None
         picks = self._picks
         picks[layer] = picks.get(layer, 0) + 1
         self._cand.pop(layer, None)
         self._dirty.add(layer)
         if slot in self._free.get(layer, ()):
-            self._moved(layer, slot, st[2])
+            self._moves.add(slot)
+
+    def _flush_moves(self) -> None:
+        """File the new ``_forward`` of the unpinned residents used since the last victim.
+        Deferred because a use only raises a key's ``_forward``, so a batch of them has
+        one outcome in any order: each slot's last value, and the layer's least kept
+        unless the least itself was used (then scanned again); a hit then costs no log."""
+        moves, self._moves = self._moves, set()
+        key_of, stat, frees = self._key, self._stat, self._free
+        for s in moves:
+            key = key_of.get(s)
+            if key is None or s not in frees.get(key[0], ()):
+                continue                              # evicted or pinned since
+            st = stat[key]
+            f = st[2]
+            if f is None:
+                f = st[2] = self._forward(st)
+            self._moved(key[0], s, f)
 
     def _moved(self, layer: int, slot: int, f: float) -> None:
         """Unpinned resident ``slot``'s ``_forward`` is ``f`` now (a use while unpinned)."""
@@ -182,6 +202,8 @@ class CyclePolicy(CycleState, PinTable):
         if b is not _STALE and b is not None:
             if b[1] == slot:
                 del self._best[layer]                 # the least itself moved: scan again
+                self._cand.pop(layer, None)
+                self._dirty.add(layer)
             elif (f, slot) < b:
                 self._best[layer] = (f, slot)
 
@@ -240,7 +262,12 @@ class CyclePolicy(CycleState, PinTable):
                 continue
             layer = key[0]
             st = stat.get(key)
-            f = st[2] if st is not None else -math.inf
+            if st is None:
+                f = -math.inf
+            else:
+                f = st[2]
+                if f is None:                         # used while pinned: computed now
+                    f = st[2] = self._forward(st)
             free = frees.get(layer)
             if free is None:
                 free = frees[layer] = {}
@@ -288,6 +315,8 @@ class CyclePolicy(CycleState, PinTable):
         """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
         if self._fresh:
             self._file_fresh()
+        if self._moves:
+            self._flush_moves()
         try:
             return self._cand[layer]
         except KeyError:
@@ -310,6 +339,8 @@ class CyclePolicy(CycleState, PinTable):
             return self._victim_scan(exclude)
         if self._fresh:
             self._file_fresh()
+        if self._moves:
+            self._flush_moves()
         c, f, L = self._current, self._first, max(self.layers, 1)
         wrapped = f > c
         ps, ns, dirty = self._pscores, self._nscores, self._dirty
@@ -375,12 +406,13 @@ class CyclePolicy(CycleState, PinTable):
         self.check_pins()
         assert not self._fresh & set(self._holders), "a pinned slot waits to be filed"
         self._file_fresh()
+        self._flush_moves()
         assert set(self._holders) <= set(self._key), "a pin on a slot the policy does not hold"
         for layer, slots in self._by_layer.items():
             assert all(self._key[s][0] == layer for s in slots)
         assert sum(len(v) for v in self._by_layer.values()) == len(self._key)
         for key, st in self._stat.items():
-            assert st[2] == self._forward(st), f"stale order kept for {key}"
+            assert st[2] is None or st[2] == self._forward(st), f"stale order kept for {key}"
         assert {l: f for l, f in self._free.items() if f} == self._refiled(), "unpinned residents misfiled"
         for layer, b in self._best.items():
             free = self._free.get(layer)

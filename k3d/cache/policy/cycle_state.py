@@ -48,6 +48,7 @@ class CycleState:
             if key[1] >= self._experts.get(key[0], 0):    # (``_used_all`` relies on it)
                 self._experts[key[0]] = key[1] + 1
         self._fresh.clear()
+        self._moves.clear()
         self._free = self._refiled()
         self._best.clear()
         self._cand.clear()
