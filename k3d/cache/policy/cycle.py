@@ -135,7 +135,7 @@ class CyclePolicy(CycleState, PinTable):
                 if key[1] >= experts.get(layer, 0):
                     experts[layer] = key[1] + 1
             else:
-                c = st[0] = st[0] * decay ** (v - st[1]) + 1.0
+                st[0] = st[0] * decay ** (v - st[1]) + 1.0
                 st[1] = v
                 st[2] = None
             if slot in free:
@@ -392,33 +392,3 @@ class CyclePolicy(CycleState, PinTable):
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         return self.score(self._key[slot]) > self.score(key, p=confidence)
-
-    def _refiled(self) -> dict:
-        """``_free`` computed afresh from the residents, pins and statistics."""
-        free: dict[int, dict[int, float]] = {}
-        for s, key in self._key.items():
-            if s not in self._holders:
-                st = self._stat.get(key)
-                free.setdefault(key[0], {})[s] = self._forward(st) if st is not None else -math.inf
-        return free
-
-    def check(self) -> None:
-        self.check_pins()
-        assert not self._fresh & set(self._holders), "a pinned slot waits to be filed"
-        self._file_fresh()
-        self._flush_moves()
-        assert set(self._holders) <= set(self._key), "a pin on a slot the policy does not hold"
-        for layer, slots in self._by_layer.items():
-            assert all(self._key[s][0] == layer for s in slots)
-        assert sum(len(v) for v in self._by_layer.values()) == len(self._key)
-        for key, st in self._stat.items():
-            assert st[2] is None or st[2] == self._forward(st), f"stale order kept for {key}"
-        assert {l: f for l, f in self._free.items() if f} == self._refiled(), "unpinned residents misfiled"
-        for layer, b in self._best.items():
-            free = self._free.get(layer)
-            assert b == (min(zip(free.values(), free)) if free else None), f"stale least kept for layer {layer}"
-        for layer, s in list(self._cand.items()):
-            del self._cand[layer]
-            self._best.pop(layer, None)
-            self._stamp = None
-            assert self._candidate(layer) == s, f"stale candidate cached for layer {layer}"
