@@ -28,9 +28,9 @@ not (a returning expert keeps its history): one small record per expert.
 Index (so a victim costs O(L), not O(slots)): residents are grouped by layer; within
 a layer ``d`` is shared, so the layer's candidate is its unpinned resident with the
 lowest decayed count.  A key's order within its layer (``_forward``: its log count
-scaled to visit 0) changes only when it is used, so it is kept in its record (computed
-at the use if the key's slot is unpinned, else left None until the slot is unpinned:
-most uses are hits of pinned slots, and a log per hit is what the daemon pays), and
+scaled to visit 0) changes only when it is used, so it is kept in its record (None
+after a use, computed again when its unpinned slot is filed: a use costs no log,
+and every reported hit is a use), and
 each layer keeps its unpinned residents with that value (``_free``) and their
 least (``_best``), updated as they change: a change to any other slot moves the
 least only if the new value is below it, so the layer is scanned again only when
@@ -107,8 +107,9 @@ class CyclePolicy(CycleState, PinTable):
             used(keys, slots)
 
     def _used_all(self, keys, slots) -> None:
-        """Each of ``keys`` (resident in ``slots``) was used, in order: its decayed count,
-        its ``_forward`` and the layer's picks (``_use`` is the same for one key).  Per
+        """Each of ``keys`` (resident in ``slots``) was used, in order: its decayed count
+        (its ``_forward`` goes stale; an unpinned slot's is refiled by ``_flush_moves``)
+        and the layer's picks.  The one copy of this arithmetic.  Per
         key it is a few dictionary operations, because every reported hit of every
         client costs the daemon this: the layer's entries are looked up once per run
         of keys of one layer (a fetch's keys come so), and the highest expert id is
@@ -152,31 +153,10 @@ class CyclePolicy(CycleState, PinTable):
         if slot not in self._holders:    # filed at the next victim, unless pinned first (a fetch's miss is)
             self._fresh.add(slot)
         if not predicted:                             # a guess is not a use
-            self._use(key, slot)
+            self._used_all((key,), (slot,))
 
     def touch(self, slot: int, key=None) -> None:
-        self._use(self._key[slot] if key is None else key, slot)
-
-    def _use(self, key, slot: int) -> None:
-        """``_used_all`` of one key (a fetch's miss or hit; the same arithmetic, without
-        the loop's setup, as a fetch that misses uses it key by key)."""
-        layer = key[0]
-        v = self._visits.get(layer, 0)
-        st = self._stat.get(key)
-        if st is None:
-            st = self._stat[key] = [1.0, v, None]
-            if key[1] >= self._experts.get(layer, 0):
-                self._experts[layer] = key[1] + 1
-        else:
-            st[0] = st[0] * self._decay ** (v - st[1]) + 1.0
-            st[1] = v
-            st[2] = None
-        picks = self._picks
-        picks[layer] = picks.get(layer, 0) + 1
-        self._cand.pop(layer, None)
-        self._dirty.add(layer)
-        if slot in self._free.get(layer, ()):
-            self._moves.add(slot)
+        self._used_all((self._key[slot] if key is None else key,), (slot,))
 
     def _flush_moves(self) -> None:
         """File the new ``_forward`` of the unpinned residents used since the last victim.
@@ -223,10 +203,7 @@ class CyclePolicy(CycleState, PinTable):
         return slot in self._key
 
     def _pinned(self, slot: int) -> None:
-        if slot in self._fresh:                       # a fetch's miss, pinned once inserted
-            self._fresh.discard(slot)
-        else:
-            self._pinned_all((slot,))
+        self._pinned_all((slot,))
 
     def _pinned_all(self, slots) -> None:
         """``slots`` may not be victims any more (pinned, or gone: ``remove``).  Inline:
