@@ -216,7 +216,7 @@ class CoPredictor:
         # less often than its score's bin says on average).
         t = self._table(client)
         parts, rows = self._context(client, layer)
-        small_ = self.experts <= SMALL
+        small_ = self.small                        # (read once: a property)
         if small_:
             res = res_l = list(map(resident.__contains__, keys))
         else:                                      # (an array: the fold stacks deferred ones)
