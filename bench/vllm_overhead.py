@@ -85,6 +85,8 @@ def main() -> int:
                     help="the engines' dtype; the checkpoint is bf16, so float32 casts each fetched expert")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="k3d-vb-")
+    # vLLM's engines make their ZMQ ipc sockets there, removed with it (else they stay in /tmp)
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", tmp)
     ok, rows, agree = True, [], []
     try:
         path = vllm_models.write(a.family, os.path.join(tmp, a.family), hidden=a.hidden, inter=a.inter,
