@@ -50,11 +50,13 @@ import zmq
 from . import errors
 from .channel import Channel, Gone
 from .endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
-from .hits import LocalHits, hit_path_mode
+from .hits import REPORT_FLUSH, LocalHits, hit_path_mode
 from .layout import TensorSpec, layouts_from_wire
 from .lease import end_heartbeat, heartbeat
 from .protocol import items, key_int, key_pairs, unpack
 from .views import Expert
+
+_INTS = frozenset((int,))
 
 
 class _LayoutChanged(errors.DaemonRestarted):
@@ -313,13 +315,17 @@ class Client:
 
         Layers and experts are integers (``int``, numpy or torch integer scalars);
         anything else, ``bool`` included, is refused with ``BadRequest`` before sending."""
-        layer = key_int("layer", layer)
-        if type(experts) is list and all(type(e) is int for e in experts):
+        # The common case (an int layer, a list of ints) is checked with a few builtins:
+        # on the hit path this check is a good part of what a fetch costs.
+        if type(layer) is not int:
+            layer = key_int("layer", layer)
+        if type(experts) is list and _INTS.issuperset(map(type, experts)):
             experts = list(experts)          # a copy: the caller may reuse its list
         else:
             experts = [key_int("expert", e) for e in items("experts", experts)]
         preds = key_pairs("predicted", predicted) if predicted else []
-        self.settle()                    # the epoch has begun before a view is answered here
+        if self._pending is not None:
+            self.settle()                    # the epoch has begun before a view is answered here
         hits = self._hits
         if hits is not None:
             # Predictions of keys not resident go with a fetch through the daemon: a slot
@@ -328,7 +334,7 @@ class Client:
                 preds = hits.not_resident(preds)
             slots = None if preds else hits.answer(layer, experts)
             if slots is not None:
-                if hits.full():
+                if hits.reported >= REPORT_FLUSH:
                     self._chan.send("hits", **hits.take())
                 return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
         fields = {"keys": [[layer, e] for e in experts], **self._reports()}

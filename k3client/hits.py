@@ -21,7 +21,7 @@ import select
 import time
 
 from . import errors
-from .index import READY, IndexReader, supported
+from .index import CLOSED, HEADER_WORDS, READY, IndexReader, supported
 
 REPORT_FLUSH = 1024      # reported keys held before they go without waiting for a next request
 PIDFD_EVERY_S = 0.005    # how often a fetch answered here asks whether the daemon process exited
@@ -58,11 +58,14 @@ class LocalHits:
 
     def answer(self, layer: int, experts: list[int]) -> list[int] | None:
         """The slots of ``experts`` if each is READY in the index (the fetch is recorded
-        for the daemon), else None: the daemon answers."""
+        for the daemon), else None: the daemon answers.  The index's lookup is inlined
+        (``IndexReader.lookup`` is its reference): every hit of every fetch runs this."""
         now = time.monotonic()
         if not experts or now >= self.t_req + self.window or len(set(experts)) != len(experts):
             return None
-        if self.index.closed():
+        index = self.index
+        w = index.words
+        if w is None or w[CLOSED] or not 0 <= layer < index.layers:
             return None
         if self._exited is not None and now >= self._checked + PIDFD_EVERY_S:
             # A killed daemon's arena and index stay mapped and correct; asking the
@@ -70,11 +73,17 @@ class LocalHits:
             if self._exited.poll(0):
                 return None
             self._checked = now
+        base, width = HEADER_WORDS + 2 * layer * index.width, index.width
         slots = []
-        for w in self.index.lookup(layer, experts):
-            if w & 3 != READY:               # not resident, being read, or unknown (-1 & 3 == 3)
+        for e in experts:
+            if not 0 <= e < width:
                 return None
-            slots.append(w >> 2)
+            i = base + 2 * e
+            s1 = w[i]                    # seq, word, seq: three loads in this order
+            word = w[i + 1]
+            if s1 != w[i] or s1 & 1 or word & 3 != READY:
+                return None              # being changed, not resident, or being read
+            slots.append(word >> 2)
         self.reports.append([layer, experts, slots])
         self.reported += len(experts)
         return slots
@@ -102,9 +111,6 @@ class LocalHits:
             self._full[layer] = retired
             return True
         return False
-
-    def full(self) -> bool:
-        return self.reported >= REPORT_FLUSH
 
     def take(self) -> dict:
         """The reports as a message field (``{}`` when there are none), now handed over."""

@@ -71,7 +71,9 @@ class IndexReader:
 
     Reads go through a memoryview of 8-byte words: each item read is one aligned
     8-byte load, in program order (no numpy on the hit path: for the handful of
-    keys of one fetch its per-call overhead is most of the cost)."""
+    keys of one fetch its per-call overhead is most of the cost).  ``words`` is that
+    memoryview (None once closed): ``LocalHits.answer`` reads it directly, with the
+    three loads per entry in ``lookup``'s order."""
 
     def __init__(self, fd: int, size: int):
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -79,21 +81,21 @@ class IndexReader:
         if words[0] != MAGIC or words[1] != VERSION:
             words.release()
             raise ValueError(f"not a k3d index of version {VERSION}")
-        self._words = words
+        self.words = words
         self.layers, self.width = words[2], words[3]
 
     def retired(self) -> int:
         """How many entries the daemon has unpublished so far (it counts each after clearing it)."""
-        return self._words[RETIRED]
+        return self.words[RETIRED]
 
     def closed(self) -> bool:
         """The daemon stopped (a killed one cannot say so: the client's pidfd tells)."""
-        return bool(self._words[CLOSED])
+        return bool(self.words[CLOSED])
 
     def lookup(self, layer: int, experts) -> list[int]:
         """Per expert of ``layer``: its slot << 2 | state, 0 when not resident, -1 when
         unknown (being changed, or outside the index): ask the daemon."""
-        w, width = self._words, self.width
+        w, width = self.words, self.width
         if not 0 <= layer < self.layers:
             return [-1] * len(experts)
         base = HEADER_WORDS + 2 * layer * width
@@ -109,9 +111,9 @@ class IndexReader:
         return out
 
     def close(self) -> None:
-        if self._words is not None:
-            self._words.release()
-            self._words = None
+        if self.words is not None:
+            self.words.release()
+            self.words = None
         try:
             self._mm.close()
         except BufferError:

@@ -35,6 +35,7 @@ import errno
 import logging
 import os
 import threading
+from itertools import chain, repeat
 
 import zmq
 
@@ -203,27 +204,34 @@ def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], lis
     ``[layer, [experts], [slots seen]]``; ``[]`` when absent.  Every key must be one
     ``source`` serves (unique within its report) and every slot one of the arena's.
     This runs for every hit every client reports, so the common case is checked with
-    a few builtins per report (``_dense``); ``keys`` names the first bad key otherwise."""
+    a few builtins over the whole message (types and ranges at once, then per report
+    the layer's range and uniqueness); ``keys`` names the first bad key otherwise."""
     raw = msg.get("hits")
     if raw is None:
         return []
     if type(raw) is not list:
         raise BadRequest("hits must be a list of [layer, [experts], [slots]] reports")
-    out, total, dense = [], 0, _dense(source.keys)
+    total = 0
     for item in raw:
         if not (type(item) is list and len(item) == 3 and type(item[1]) is list
                 and type(item[2]) is list and len(item[1]) == len(item[2]) and item[1]):
             raise BadRequest(f"hits: {str(item)[:80]} is not a [layer, [experts], [slots]] report")
-        layer, experts, seen = item
-        total += len(experts)
-        if total > MAX_KEYS:
-            raise BadRequest(f"hits report more than {MAX_KEYS} keys in one request")
-        if not (set(map(type, seen)) <= _INT and 0 <= min(seen) and max(seen) < slots):
-            raise BadRequest(f"hits: slots {str(seen)[:80]} are not slots of this arena (0..{slots - 1})")
-        n = dense.get(layer) if type(layer) is int else None
-        if n is not None and set(map(type, experts)) <= _INT and 0 <= min(experts) and max(experts) < n \
-                and len(set(experts)) == len(experts):
-            out.append(([(layer, e) for e in experts], seen))
+        total += len(item[1])
+    if total > MAX_KEYS:
+        raise BadRequest(f"hits report more than {MAX_KEYS} keys in one request")
+    every_seen = list(chain.from_iterable([item[2] for item in raw]))
+    if not (set(map(type, every_seen)) <= _INT and 0 <= min(every_seen) and max(every_seen) < slots):
+        bad = next(item[2] for item in raw if not (set(map(type, item[2])) <= _INT and 0 <= min(item[2])
+                                                      and max(item[2]) < slots))
+        raise BadRequest(f"hits: slots {str(bad)[:80]} are not slots of this arena (0..{slots - 1})")
+    # Set inclusion stands for the range check only once every expert is known an int
+    # (True and 1.0 hash as 1 does).
+    ints = set(map(type, chain.from_iterable([item[1] for item in raw]))) <= _INT
+    out, dense = [], _dense(source.keys)
+    for layer, experts, seen in raw:
+        known = dense.get(layer) if ints and type(layer) is int else None
+        if known is not None and len(es := set(experts)) == len(experts) and es <= known:
+            out.append((list(zip(repeat(layer), experts)), seen))
         else:
             out.append((keys({"hits": [[layer, e] for e in experts]}, "hits", True, source), seen))
     return out
@@ -232,15 +240,17 @@ def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], lis
 _dense_of: list = [None, 0, {}]       # (the source's key dict, its size, its _dense table)
 
 
-def _dense(known: dict) -> dict[int, int]:
-    """Layer -> n for the layers whose experts are exactly 0..n-1 in ``known`` (every
-    checkpoint's so far): a key of such a layer is known when its expert is in range.
-    Rebuilt when the dict or its size changes (keys are only ever added to it)."""
+def _dense(known: dict) -> dict[int, frozenset]:
+    """Layer -> its experts {0..n-1}, for the layers whose experts are exactly 0..n-1 in
+    ``known`` (every checkpoint's so far): an int key of such a layer is known when its
+    expert is in the set.  Rebuilt when the dict or its size changes (keys are only ever
+    added to it)."""
     if _dense_of[0] is not known or _dense_of[1] != len(known):
         per: dict[int, set] = {}
         for layer, expert in known:
             per.setdefault(layer, set()).add(expert)
-        table = {layer: len(es) for layer, es in per.items() if max(es) == len(es) - 1 and min(es) == 0}
+        table = {layer: frozenset(es) for layer, es in per.items()
+                 if max(es) == len(es) - 1 and min(es) == 0}
         _dense_of[:] = [known, len(known), table]
     return _dense_of[2]
 

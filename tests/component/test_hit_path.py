@@ -82,6 +82,12 @@ def test_index_cannot_be_mapped_writable(server):  # noqa: F811
     ([[0, [1, 2], [0]]], "is not a [layer, [experts], [slots]] report"),
     ([[0, [99], [0]]], "(layer 0, expert 99)"),
     ([[0, [1, 1], [0, 1]]], "duplicate key"),
+    # checked over the whole message at once: a bad entry anywhere is named
+    ([[0, [1], [0]], [1, [True], [1]]], "is not a [layer, expert] pair of integers"),
+    ([[0, [1], [0]], [1, [1.0], [1]]], "is not a [layer, expert] pair of integers"),
+    ([[0, [1], [0]], [1, [2], [-1]]], "not slots of this arena"),
+    ([[0, [1], [0]], [1, [2], [True]]], "not slots of this arena"),
+    ([[0, [1], [0]], [True, [2], [1]]], "is not a [layer, expert] pair of integers"),
 ])
 def test_garbage_hit_reports_are_one_line_errors_and_others_go_on(server, hits, words):  # noqa: F811
     srv = server()
