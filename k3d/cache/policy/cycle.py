@@ -100,49 +100,51 @@ class CyclePolicy(CycleState, PinTable):
         self._used_all(keys, slots)
 
     def hear_all(self, fetches) -> None:
-        """``PinTable.hear_all`` without the touches' indirection (every reported hit runs it)."""
-        visit, used = self.visit, self._used_all
+        """``PinTable.hear_all`` without the touches' indirection (every reported hit runs
+        it); a report's keys are all of its layer, which ``visit`` has just marked."""
+        visit, used = self.visit, self._used_layer
         for layer, keys, slots in fetches:
             visit(layer)
-            used(keys, slots)
+            used(layer, keys, slots)
 
     def _used_all(self, keys, slots) -> None:
-        """Each of ``keys`` (resident in ``slots``) was used, in order: its decayed count
-        (its ``_forward`` goes stale; an unpinned slot's is refiled by ``_flush_moves``)
-        and the layer's picks.  The one copy of this arithmetic.  Per
-        key it is a few dictionary operations, because every reported hit of every
-        client costs the daemon this: the layer's entries are looked up once per run
-        of keys of one layer (a fetch's keys come so), and the highest expert id is
-        checked only for a key seen the first time (``restore`` keeps it above every
-        key's).  A used key is usually pinned already (a fetch pins before it
-        touches), so its layer's least unpinned value rarely moves."""
-        visits, stat, picks, experts, cand = self._visits, self._stat, self._picks, self._experts, self._cand
-        frees, dirty, moves = self._free, self._dirty, self._moves
-        decay = self._decay
-        layer, run = None, 0
+        """``_used_layer`` per run of keys of one layer, in order (a fetch's keys come so)."""
+        cand, dirty = self._cand, self._dirty
+        i, n = 0, len(keys)
+        while i < n:
+            layer, j = keys[i][0], i + 1
+            while j < n and keys[j][0] == layer:
+                j += 1
+            cand.pop(layer, None)
+            dirty.add(layer)
+            self._used_layer(layer, keys[i:j], slots[i:j])
+            i = j
+
+    def _used_layer(self, layer: int, keys, slots) -> None:
+        """Each of ``keys``, all of ``layer`` (resident in ``slots``), was used, in order: its
+        decayed count (its ``_forward`` goes stale; an unpinned slot's is refiled by
+        ``_flush_moves``) and the layer's picks.  The one copy of this arithmetic.  The
+        caller has marked the layer's candidate stale (``visit`` does).  Per key it is a
+        few dictionary operations, because every reported hit of every client costs the
+        daemon this; the highest expert id is checked only for a key seen the first time
+        (``restore`` keeps it above every key's).  A used key is usually pinned already (a
+        fetch pins before it touches), so its layer's least unpinned value rarely moves."""
+        stat, moves, decay = self._stat, self._moves, self._decay
+        v = self._visits.get(layer, 0)
+        free = self._free.get(layer, ())
+        self._picks[layer] = self._picks.get(layer, 0) + len(keys)
         for key, slot in zip(keys, slots):
-            if key[0] != layer:
-                if run:
-                    picks[layer] = picks.get(layer, 0) + run
-                layer, run = key[0], 0
-                v = visits.get(layer, 0)
-                cand.pop(layer, None)
-                dirty.add(layer)
-                free = frees.get(layer, ())
-            run += 1
             st = stat.get(key)
             if st is None:
                 st = stat[key] = [1.0, v, None]
-                if key[1] >= experts.get(layer, 0):
-                    experts[layer] = key[1] + 1
+                if key[1] >= self._experts.get(layer, 0):
+                    self._experts[layer] = key[1] + 1
             else:
                 st[0] = st[0] * decay ** (v - st[1]) + 1.0
                 st[1] = v
                 st[2] = None
             if slot in free:
                 moves.add(slot)
-        if run:
-            picks[layer] = picks.get(layer, 0) + run
 
     def insert(self, slot: int, key=None, predicted: bool = False) -> None:
         layer = key[0]
