@@ -3,8 +3,9 @@
     python bench/throughput.py [--clients 1,2,4,8] [--seconds 8] [--hit-path client|daemon]
 
 Each client process decodes tokens of 16 layers x top-4 of 8 experts (every expert
-resident: the arena holds them all, loaded before the clock starts): per token
-one ``begin_token()`` and 16 ``fetch`` calls, for ``--seconds``.  Reported per N:
+resident: the arena holds them all, loaded before the clock starts; the routing,
+random, drawn before it too): per token one ``begin_token()`` and 16 ``fetch``
+calls, for ``--seconds``.  Reported per N:
 the aggregate fetches/s of all clients, the median of their p50 fetch latencies,
 and the daemon's CPU per fetch (its process CPU time over the run, from psutil),
 beside the echo server's CPU per round trip.
@@ -59,12 +60,15 @@ else:
         for l in range(%(layers)d):
             c.fetch(l, list(range(%(experts)d)))
         c.begin_token()
+        # The routing is drawn before the clock starts: the echo client computes nothing
+        # per request, and a model's router is not the cache's cost.
+        routes = [rng.sample(range(%(experts)d), %(top_k)d) for _ in range(4096)]
         print("ready", flush=True); sys.stdin.readline()
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             c.begin_token()
             for l in range(%(layers)d):
-                experts = rng.sample(range(%(experts)d), %(top_k)d)
+                experts = routes[n & 4095]
                 t0 = pc(); c.fetch(l, experts); lat.append(pc() - t0); n += 1
 lat.sort()
 print(json.dumps({"n": n, "p50": lat[len(lat) // 2] if lat else 0.0}), flush=True)
