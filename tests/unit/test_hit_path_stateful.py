@@ -219,3 +219,25 @@ def test_a_second_reader_delays_reuse_until_its_next_request():
         assert store.reclaim(1.6) >= 1 and not r.limbo
     finally:
         index.close()
+
+
+def test_reports_of_a_slot_since_given_away_or_loading_are_late():
+    """A report whose key left the slot it was seen in, or whose slot is loading (no client
+    saw it READY there), is a late hit: counted, not heard or pinned (no reader is attached
+    here, so the slot is reused at once and its claim is moot)."""
+    store = Store(2, policy=make("lru"))
+    for e in (0, 1):
+        store.complete(store.fetch((1, 0), [(0, e)], 0.0).new_loads[0], None)
+    store.end_epoch(1, (1, 0))
+    s0 = store.key_slot[(0, 0)]
+    store.report((1, 1), [(0, 0)], [s0])                  # in time: a hit, pinned
+    assert (store.stats.hits, store.stats.late_hits) == (1, 0) and s0 in store.policy.held((1, 1))
+    store.end_epoch(1, (1, 1))
+    plan = store.fetch((2, 0), [(0, 2)], 0.0)             # evicts one of them; its new key loads
+    (s,) = plan.new_loads
+    gone = (0, 0) if s == s0 else (0, 1)
+    store.report((1, 2), [gone], [s])                     # seen before the eviction
+    store.report((1, 2), [(0, 2)], [s])                   # names the loading key: never seen READY
+    assert (store.stats.hits, store.stats.late_hits) == (3, 2)
+    assert not store.policy.held((1, 2)) and store.policy.held((2, 0)) == {s}
+    store.check()
