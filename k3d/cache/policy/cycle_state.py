@@ -47,7 +47,7 @@ class CycleState:
             st[1] = min(st[1], self._visits.get(key[0], 0))
             st.append(self._forward(st))
             self._stat[key] = st
-            if key[1] >= self._experts.get(key[0], 0):    # (``_used_all`` relies on it)
+            if key[1] >= self._experts.get(key[0], 0):    # (``_used_layer`` relies on it)
                 self._experts[key[0]] = key[1] + 1
         self._fresh.clear()
         self._moves.clear()
