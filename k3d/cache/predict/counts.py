@@ -80,25 +80,31 @@ class Counts:
         self.version += 1
 
     def _apply(self, flat, visits, cal) -> None:
-        # every index of one shape of fetch at once: pop (m, e), seen (m, r), co (m, r, e)
-        E, R = self.experts, self.depth * self.experts
-        parts, layers = [], []
+        # A fetch's indices in its layer's block: pop (e), seen (E + r), co (E + R + r * E + e),
+        # counted a layer at a time (the fetches sorted by layer): the temporaries are the
+        # size of one block at most, never of all the counts (a fresh array of megabytes
+        # costs a page fault per 4 KiB at every fold, more than the counting itself).
+        E, R, B = self.experts, self.depth * self.experts, self.B
+        blk = flat.reshape(len(visits), B)
+        layers = []
         for (nr, _), got in self.fetches.items():
             a = np.array(got, np.int64)
+            a = a[np.argsort(a[:, 0], kind="stable")]
             m, rows, picks = a[:, 0], a[:, 1:1 + nr], a[:, 1 + nr:]
-            base = (m * self.B)[:, None]
-            parts += [(base + picks).ravel(), (base + E + rows).ravel(),
-                      ((base + E + R)[:, :, None] + rows[:, :, None] * E + picks[:, None, :]).ravel()]
+            cuts = (np.flatnonzero(np.diff(m)) + 1).tolist()
+            ml = m.tolist()
+            for lo, hi in zip([0, *cuts], [*cuts, len(ml)]):
+                r, pk = rows[lo:hi], picks[lo:hi]
+                seg = np.concatenate((pk.ravel(), (r + E).ravel(),
+                                      ((E + R) + r[:, :, None] * E + pk[:, None, :]).ravel()))
+                if B <= 16 * seg.size:             # a dense count is cheaper than sorting
+                    blk[ml[lo]] += np.bincount(seg, minlength=B)
+                else:
+                    u, n = np.unique(seg, return_counts=True)
+                    blk[ml[lo], u] += n
             layers.append(m)
-        if parts:
-            idx = np.concatenate(parts)
-            if flat.size <= 16 * idx.size:         # a dense count is cheaper than sorting
-                flat += np.bincount(idx, minlength=flat.size)
-            else:
-                u, n = np.unique(idx, return_counts=True)
-                flat[u] += n
+        if layers:
             visits += np.bincount(np.concatenate(layers), minlength=len(visits))
-            blk = flat.reshape(len(visits), -1)
             while (over := np.flatnonzero(visits >= self.window)).size:
                 visits[over] //= 2
                 blk[over] //= 2
@@ -145,7 +151,9 @@ class Tables:
     - ``top[m, e]``: the best confidence any bin gives expert ``e`` of layer ``m``, and
       ``order(m)`` the (top, expert) pairs best first: no candidate of a proposal can
       have a confidence above the first one not resident, whatever the context;
-    - ``q``: dense models' kept q rows per layer (``score.q_rows``); small models:
+    - ``q``: kept q rows per layer (``score.layer_q``: dense models' scoring, and any
+      model's fold); dense models: ``ct_dense``, ``ct`` with a bin ``BINS`` of -1 (a
+      resident expert's, never a candidate), and ``io_pow``; small models:
       ``sets`` and ``memo``, the context layers' odds factors (``score.factors``),
       ``ct`` and ``1 / io`` as lists (``ct_l``, ``inv_io_l``).
     """
@@ -163,12 +171,23 @@ class Tables:
         self.top = ct.max(axis=1)                                      # (L, E)
         self._order: dict[int, list] = {}
         self.small = small
-        self.q: dict[int, np.ndarray] = {}      # layer -> score.q_rows (dense models)
+        self.q: dict[int, np.ndarray] = {}      # layer -> score.layer_q (its rows of qall)
+        self.qall: np.ndarray | None = None     # (L, D * E, E): score.layer_q's buffer
+        self._io_pow: dict[tuple, np.ndarray] = {}
+        if not small:                           # score.dense's: ct with a bin BINS of -1 (not a candidate)
+            self.ct_dense = np.concatenate((self.ct, np.full((c.layers, E), -1.0)), axis=1)
         if small:                               # plain lists: cheaper than numpy calls for a few experts
             self.sets: dict[int, tuple] = {}    # picks size -> score.set_table
             self.memo: dict[tuple, list] = {}   # (layer, distance, picks) -> score.factors
             self.ct_l = self.ct.tolist()       # one call: cheaper than a layer at a time
             self.inv_io_l = (pm / (1.0 - pm)).tolist()
+
+    def io_pow(self, m: int, n: int) -> np.ndarray:
+        """``io[m] ** n`` (the prior odds counted once over n + 1 context layers), once per fold."""
+        got = self._io_pow.get((m, n))
+        if got is None:
+            got = self._io_pow[(m, n)] = self.io[m] ** n
+        return got
 
     def order(self, m: int) -> list:
         """Layer ``m``'s (top, expert) pairs, best first (ties: lower expert); one sort per fold."""
