@@ -89,9 +89,10 @@ class CoPredictor:
         """``client`` fetched ``keys`` (one layer's experts, or several layers')."""
         if not keys:
             return
-        layers = {k[0] for k in keys}
-        if len(layers) == 1:
-            groups = {keys[0][0]: [e for _, e in keys]}
+        first = keys[0][0]
+        es = [e for layer, e in keys if layer == first]
+        if len(es) == len(keys):                   # (one layer's fetch: the usual)
+            groups = {first: es}
         else:
             groups = {}
             for layer, e in keys:
@@ -176,10 +177,10 @@ class CoPredictor:
         D, E = self.depth, self.experts
         hist = self._recent.get(client)
         if hist:
-            parts = [(m - layer, picks) for layer, picks in hist]
+            parts = tuple([(d, picks) for layer, picks in hist if 1 <= (d := m - layer) <= D])
         else:                                      # the pass's first layer: the previous pass's end
-            parts = [(m + self.layers - layer, picks) for layer, picks in self._prev.get(client, ())]
-        parts = tuple((d, picks) for d, picks in parts if 1 <= d <= D)
+            top = m + self.layers
+            parts = tuple([(d, picks) for layer, picks in self._prev.get(client, ()) if 1 <= (d := top - layer) <= D])
         rows = [(d - 1) * E + a for d, picks in parts for a in picks]
         ctx = (parts, rows, tuple(len(picks) for _, picks in parts))
         self._ctx[client] = (m, ctx)

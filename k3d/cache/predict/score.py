@@ -47,8 +47,13 @@ def small(p, t: Tables, m: int, parts, res) -> tuple[list, dict]:
     """``p``'s scores of layer ``m``'s experts given the context ``parts``, in lists."""
     fs = factors(p, t, m, parts)
     # odds = prod_d q_d / (1 - q_d) * io^(n - 1): each factor carries one io, inv_io takes one back
-    fs.append(t.inv_io_l[m])
-    odds = list(map(prod, zip(*fs)))
+    # (multiplied left to right, as prod does: the same floats)
+    if len(fs) == 4:                               # (the usual context: depth 4)
+        f1, f2, f3, f4 = fs
+        odds = [a * b * c * d * i for a, b, c, d, i in zip(f1, f2, f3, f4, t.inv_io_l[m])]
+    else:
+        fs.append(t.inv_io_l[m])
+        odds = list(map(prod, zip(*fs)))
     ct, E, mp = t.ct_l[m], p.experts, p.min_prob
     cands, best = {}, []
     for e in range(E):
@@ -79,7 +84,7 @@ def factors(p, t: Tables, m: int, parts) -> list[list[float]]:
     index, vals = set_table(p, t, n)
     if index is not None and all(len(ps) == n for _, ps in parts):
         vm = vals[m]
-        return [vm[d - 1, index[ps]].tolist() for d, ps in parts]
+        return [vm[d - 1][index[ps]].tolist() for d, ps in parts]
     out = []
     for d, picks in parts:
         f = t.memo.get((m, d, picks))
@@ -148,8 +153,8 @@ def bins_of(p, items) -> np.ndarray:
     table, or its table already made) gathers from its q rows (``layer_q``); the
     others (short folds) gather from the counts, all layers at once.  The same
     arithmetic either way (element-wise + and /: exact).  Temporaries stay small
-    (``CHUNK``; the gathers go to ``scratch``): a fresh array of megabytes costs a
-    page fault per 4 KiB, at every fold."""
+    (``CHUNK``; a layer's gather goes to ``scratch``): a fresh array of megabytes
+    costs a page fault per 4 KiB, at every fold."""
     c, E = p.c, p.experts
     R = c.seen.shape[1]
     out = np.zeros((len(items), E), np.int64)
@@ -176,14 +181,11 @@ def bins_of(p, items) -> np.ndarray:
                 part = run[at:at + step]
                 g = qm.take(np.array([e[2] for e in part], np.int64), 0, out=scratch(p, "g", (len(part), n, E)))
                 _bins(out, part, avg @ g, t.io[m], len(sizes))
-        co, seen = c.co.reshape(-1, E), c.seen.reshape(-1)
         for at in range(0, len(rest), step):
             part = rest[at:at + step]
             M = np.array([e[1] for e in part], np.int64)
-            idx = np.array([e[2] for e in part], np.int64) + (M * R)[:, None]             # (N, rows)
-            g = scratch(p, "g", (len(part), n, E))
-            np.add(co.take(idx, 0, out=scratch(p, "co", g.shape, np.int64)), t.ppm[M][:, None, :], out=g)
-            np.divide(g, (seen.take(idx) + p.prior)[:, :, None], out=g)
+            Rr = np.array([e[2] for e in part], np.int64)                                  # (N, rows)
+            g = (c.co[M[:, None], Rr] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], Rr] + p.prior)[:, :, None]
             _bins(out, part, avg @ g, t.io[M], len(sizes))
     return out
 
@@ -264,7 +266,7 @@ def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray, sizes: tuple = ())
     else:
         odds = 1.0 / t.io[m]
     pb = np.where(res, BINS, EDGES.searchsorted(odds, side="right"))
-    conf = t.ct_dense[m].take(pb * E + t.ar)       # (a resident expert's bin BINS: -1)
+    conf = t.ct_dense(m).take(pb * E + t.ar)       # (a resident expert's bin BINS: -1)
     ok = np.flatnonzero(conf >= p.min_prob)
     if not ok.size:                                # the usual answer: skip the lists
         return [], pb
