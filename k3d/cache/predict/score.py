@@ -267,7 +267,7 @@ def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray, sizes: tuple = ())
         odds = 1.0 / t.io[m]
     pb = np.where(res, BINS, EDGES.searchsorted(odds, side="right"))
     conf = t.ct_dense(m).take(pb * E + t.ar)       # (a resident expert's bin BINS: -1)
-    ok = np.flatnonzero(conf >= p.min_prob)
+    ok = (conf >= p.min_prob).nonzero()[0]
     if not ok.size:                                # the usual answer: skip the lists
         return [], pb
     return list(zip((-conf[ok]).tolist(), ok.tolist())), pb
