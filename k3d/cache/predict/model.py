@@ -46,6 +46,10 @@ at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 Per client it keeps only its current and previous pass's last ``depth`` layers
 (``forget`` drops them).  ``state``/``restore`` carry the counts across a restart
 (JSON-able, validated; ``state`` reports the counts as folded, without folding).
+
+Thread: one caller at a time (the daemon's server thread, or replay); scoring
+reuses buffers it owns (``scratch``), so one predictor is never shared between
+threads.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ calibration.
 
 Pure: reads the predictor's folded counts and ``Tables``; the caches here are
 keyed by shapes only (subsets of ``experts``, context sizes), never by counts.
+What it writes is memory reused between calls (``scratch``: the predictor's
+buffers; a ``Tables``' q rows, ``layer_q``), never anything a result depends on
+but the counts.
 Bins: raw probability o / (1 + o) in [b / BINS, (b + 1) / BINS).  ``small`` takes
 the bin by arithmetic, ``dense`` by ``searchsorted`` on the same edges; they may
 differ at an exact edge by rounding, which is harmless: one predictor always uses
