@@ -23,7 +23,9 @@ exactly).  Only ``waited`` depends on timing.
 
 Invariants:
 - ``key_slot`` and ``slot_key`` are inverse maps over non-FREE slots: a key maps
-  to at most one slot.
+  to at most one slot.  ``resident`` (``k3d.cache.resident``) is ``key_slot`` as
+  one byte per key, changed at the same three places (``_assign``, ``_evict``, a
+  failed ``complete``).
 - A LOADING slot is never evicted, never named in a reply, never read by a
   client; it leaves LOADING only when every part of its read has reported.
 - A pinned slot (any ``(client, epoch)`` holder) is never evicted.
@@ -63,6 +65,7 @@ from k3client.errors import CacheFull, QuotaExceeded, SlotsBusy
 from k3d.cache.policy import LruPolicy
 from k3d.cache.predictions import PredictionBook
 from k3d.cache.reported import ReportedHits
+from k3d.cache.resident import ResidentRows
 from k3d.cache.reuse import Reuse
 from k3d.config import Live
 from k3d.memory.index import NoIndex
@@ -109,6 +112,7 @@ class Store(PredictionBook, ReportedHits):
         self.state = [FREE] * self.slots
         self.slot_key: list[tuple[int, int] | None] = [None] * self.slots
         self.key_slot: dict[tuple[int, int], int] = {}
+        self.resident = ResidentRows(self.key_slot)       # key_slot as one byte per key (the predictor's)
         self.free = list(range(self.slots - 1, -1, -1))   # pop() gives slot 0 first
         self.loads: dict[int, Loading] = {}
         self.predicted_by: dict[int, int] = {}            # slot -> predicting client
@@ -238,6 +242,7 @@ class Store(PredictionBook, ReportedHits):
         self.state[s] = LOADING
         self.slot_key[s] = key
         self.key_slot[key] = s
+        self.resident.add(key)
         self.loads[s] = Loading(key, urgent)
         self.policy.insert(s, key, predicted=not urgent)
         self.index.loading(key, s)
@@ -252,6 +257,7 @@ class Store(PredictionBook, ReportedHits):
             self._unused(by, [s])
         key = self.slot_key[s]
         del self.key_slot[key]
+        self.resident.discard(key)
         self.slot_key[s] = None
         self.state[s] = FREE
         self.policy.remove(s)
@@ -335,6 +341,7 @@ class Store(PredictionBook, ReportedHits):
             self.index.clear(load.key)     # never READY: no client read it, so the slot is free now
             self.stats.errors += counted
             del self.key_slot[load.key]
+            self.resident.discard(load.key)
             self.slot_key[s] = None
             self.state[s] = FREE
             self.policy.remove(s)
@@ -346,6 +353,7 @@ class Store(PredictionBook, ReportedHits):
     def check(self) -> None:
         """Assert the invariants listed above."""
         self.policy.check()
+        self.resident.check()
         for key, s in self.key_slot.items():
             assert self.slot_key[s] == key and self.state[s] != FREE
         for s in range(self.slots):

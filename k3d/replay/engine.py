@@ -20,6 +20,7 @@ from k3d.cache.policy.opt import OptPolicy
 from k3d.cache.predict import AutoPrefetch, auto_id, make as make_predictor
 from k3d.cache.predict.private import PerClient
 from k3d.cache.store import Store
+from k3d.memory.index import NoIndex
 from k3d.observe.stats import PredictionStats
 from k3d.observe.trace import AUTO, BEGIN, BYE, FETCH, PREDICT
 
@@ -109,7 +110,8 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
         predictions, predictor = False, "none"
     else:
         pol = make(policy, layers)
-    store = Store(slots, policy=pol)
+    evicted = _Evicted()
+    store = Store(slots, policy=pol, index=evicted)
     auto = None
     if predictor not in (None, "none"):
         E = experts_of(events) if experts is None else experts
@@ -130,11 +132,13 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
     begun = None                    # the client whose begin line came last (marked traces)
 
     def predict(client, keys):
-        return issued(*_before(store), store.predict(client, keys))
+        evicted.keys.clear()
+        return issued(store.predict(client, keys))
 
-    def issued(slots, evictions, started):
-        if store.stats.evictions != evictions:
-            audit.predicted(_evicted(store, slots), [store.slot_key[s] for s in started])
+    def issued(started):
+        if evicted.keys:            # the keys background reads evicted, and still gone
+            key_slot = store.key_slot
+            audit.predicted({k for k in evicted.keys if k not in key_slot}, [store.slot_key[s] for s in started])
         for s in started:
             complete(s, None)
         timing.issued(started)
@@ -144,10 +148,12 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
         nonlocal pending
         c, keys, got, n, _ = pending
         pending = None
-        issued(*_before(store), auto.after_fetch(c, keys, got, n, predict=predict)[1])
+        evicted.keys.clear()
+        issued(auto.after_fetch(c, keys, got, n, predict=predict)[1])
 
     def begin_token(c):
-        issued(*_before(store), auto.begin_token(c)[1])
+        evicted.keys.clear()
+        issued(auto.begin_token(c)[1])
 
     for ev in events:
         kind, c = ev.kind, ev.client
@@ -169,6 +175,7 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
         if kind == FETCH:
             try:
                 timing.fetching(ev.keys)
+                evicted.keys.clear()        # (a demand miss's evictions: not the audit's)
                 plan = store.fetch((c, epoch.get(c, 0)), ev.keys)
             except CacheFull:
                 cache_full += 1
@@ -217,17 +224,16 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
                   timing.ready, timing.waited, daemon.prefetched, daemon.prefetch_hits, daemon.prefetch_unused)
 
 
-def _before(store) -> tuple[list, int]:
-    """What a background read's audit needs of the store before it: its slots' keys (a
-    list copy, cheap; the keys' set is built only if something was evicted) and the
-    eviction count."""
-    return store.slot_key[:], store.stats.evictions
+class _Evicted(NoIndex):
+    """The store's index here: notes the keys that leave the cache (``clear``), so the
+    audit of a background read knows which it evicted without a copy of every slot's
+    key per fetch.  The caller empties ``keys`` before the read."""
 
+    def __init__(self):
+        self.keys: list = []
 
-def _evicted(store, before: list) -> set:
-    """The keys resident in ``before`` (``_before``'s slots) and not any more."""
-    key_slot = store.key_slot
-    return {k for k, now in zip(before, store.slot_key) if k is not now and k is not None and k not in key_slot}
+    def clear(self, key) -> None:
+        self.keys.append(key)
 
 
 class _Timing:

@@ -359,3 +359,37 @@ def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, ex
     eager, n_eager = drive(CoPredictor(L, experts))
     assert n_lazy > 0 and n_eager == 0
     assert lazy == eager
+
+
+@pytest.mark.parametrize("experts", [8, 32])
+def test_propose_reads_residency_rows_as_a_container(experts):
+    """``propose`` gives the same proposals, and learns the same, whether the resident
+    keys come as a container or as the store's rows (``ResidentRows.row``), for small
+    (list arithmetic) and dense models."""
+    from k3d.cache.resident import ResidentRows
+    rng = random.Random(5)
+    a, b = CoPredictor(layers=4, experts=experts), CoPredictor(layers=4, experts=experts)
+    keys: dict = {}
+    rows = ResidentRows(keys)
+    proposed = 0
+    for token in range(300):
+        for layer in range(4):
+            # a pattern to learn (expert e of layer L follows e of layer L - 1), with noise
+            base = [(token + i) % experts for i in range(2)] if rng.random() < 0.8 else rng.sample(range(experts), 2)
+            picks = [(layer, e) for e in sorted(set(base) | set(rng.sample(range(experts), 2)))]
+            for key in picks:
+                keys[key] = 0
+                rows.add(key)
+            for p in (a, b):
+                p.observe(1, picks)
+            for key in rng.sample(sorted(keys), len(keys) // 3):
+                del keys[key]
+                rows.discard(key)
+            if layer < 3:
+                got = a.propose(1, layer + 1, 4, set(keys))
+                assert got == b.propose(1, layer + 1, 4, rows)
+                proposed += len(got)
+        for p in (a, b):
+            p.end_pass(1)
+    a.fold(), b.fold()
+    assert a.state() == b.state() and proposed

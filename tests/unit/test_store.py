@@ -125,3 +125,26 @@ def test_unused_prediction_fetched_while_loading_is_not_demoted():
     st.complete(s, None)
     assert lru_order(st.policy, st.slot_key)[-1] == s    # most recently used, not the next victim
     st.check()
+
+
+def test_resident_rows_follow_the_key_map():
+    """``Store.resident`` (one byte per key, the predictor's residency query) equals
+    ``key_slot`` through misses, evictions, predictions and failed reads."""
+    st = Store(3)
+    ready(st, st.fetch((1, 0), [(0, 1), (2, 5)]))
+    assert st.resident.row(0, 4) == b"\x00\x01\x00\x00" and st.resident.row(2, 8) == bytes(5) + b"\x01\x00\x00"
+    assert st.resident.row(1, 3) == bytes(3) and st.resident.row(2, 2) == bytes(2)
+    st.end_epoch(1, (1, 0))
+    ready(st, st.fetch((1, 1), [(0, 3), (1, 0)]))            # evicts one of the first two
+    st.check()
+    assert st.resident.row(0, 4)[1] + st.resident.row(2, 6)[5] == 1 and st.resident.row(0, 4)[3] == 1
+    st.end_epoch(1, (1, 1))
+    (s,) = st.predict(7, [(3, 2)])                           # a prediction's read fails
+    assert st.resident.row(3, 3) == b"\x00\x00\x01"
+    st.complete(s, "boom")
+    assert st.resident.row(3, 3) == bytes(3) and (3, 2) not in st.resident
+    st.check()
+    row = st.resident.row(1, 2)
+    ready(st, st.fetch((1, 2), [(1, 1)]))
+    assert row == b"\x01\x00" and st.resident.row(1, 2) == b"\x01\x01"   # a row is a snapshot
+    st.check()

@@ -12,7 +12,8 @@ Invariants, checked after every step (plus ``store.check()``):
 - a pinned slot is never evicted or rewritten: every pin the model expects is
   held in the policy, on a non-free slot still holding the pinned key;
 - a new read never starts in a slot that was pinned;
-- every key maps to at most one slot (and back);
+- every key maps to at most one slot (and back), and the residency rows
+  (``Store.resident``, the predictor's) name exactly the mapped keys;
 - a reply never names a loading slot, and a still-pinned fetch is always
   answered with its own keys;
 - counters add up: hits + misses = fetched keys, misses = urgent loads,

@@ -32,6 +32,7 @@ import numpy as np
 BINS = 20                               # calibration bins over the raw probability
 CAL_PRIOR = 10.0                        # pseudo-candidates at the base rate in each bin
 HIT = BINS + 1                          # a picked candidate's offset in the calibration buffer
+BIG = 1 << 16                           # counts (int64s) above which a long fold counts by layer
 
 
 class Counts:
@@ -80,17 +81,24 @@ class Counts:
         self.version += 1
 
     def _apply(self, flat, visits, cal) -> None:
-        # every index of one shape of fetch at once: pop (m, e), seen (m, r), co (m, r, e)
+        # Every index of one shape of fetch at once: pop (m, e), seen (m, r), co (m, r, e);
+        # counted with one bincount over all the counts when the fold is long, else by
+        # sorting.  A long fold of a large model counts a layer at a time instead
+        # (_apply_layers): a temporary the size of all the counts would cost a page
+        # fault per 4 KiB at every fold, more than the counting itself.
         E, R = self.experts, self.depth * self.experts
-        parts, layers = [], []
-        for (nr, _), got in self.fetches.items():
-            a = np.array(got, np.int64)
-            m, rows, picks = a[:, 0], a[:, 1:1 + nr], a[:, 1 + nr:]
-            base = (m * self.B)[:, None]
-            parts += [(base + picks).ravel(), (base + E + rows).ravel(),
-                      ((base + E + R)[:, :, None] + rows[:, :, None] * E + picks[:, None, :]).ravel()]
-            layers.append(m)
-        if parts:
+        total = sum(len(got) * (k + nr + nr * k) for (nr, k), got in self.fetches.items())
+        if flat.size <= 16 * total and flat.size > BIG:
+            self._apply_layers(flat, visits)
+        elif total:
+            parts, layers = [], []
+            for (nr, _), got in self.fetches.items():
+                a = np.array(got, np.int64)
+                m, rows, picks = a[:, 0], a[:, 1:1 + nr], a[:, 1 + nr:]
+                base = (m * self.B)[:, None]
+                parts += [(base + picks).ravel(), (base + E + rows).ravel(),
+                          ((base + E + R)[:, :, None] + rows[:, :, None] * E + picks[:, None, :]).ravel()]
+                layers.append(m)
             idx = np.concatenate(parts)
             if flat.size <= 16 * idx.size:         # a dense count is cheaper than sorting
                 flat += np.bincount(idx, minlength=flat.size)
@@ -98,6 +106,7 @@ class Counts:
                 u, n = np.unique(idx, return_counts=True)
                 flat[u] += n
             visits += np.bincount(np.concatenate(layers), minlength=len(visits))
+        if total:
             blk = flat.reshape(len(visits), -1)
             while (over := np.flatnonzero(visits >= self.window)).size:
                 visits[over] //= 2
@@ -105,6 +114,30 @@ class Counts:
         cparts = self.cal_arrs + ([np.array(self.cal_idx, np.int64)] if self.cal_idx else [])
         if cparts:
             cal += np.bincount(np.concatenate(cparts), minlength=2 * BINS + 2)
+
+    def _apply_layers(self, flat, visits) -> None:
+        """``_apply``'s counts, a layer at a time (the fetches sorted by layer): in a
+        layer's block, pop (e), seen (E + r), co (E + R + r * E + e)."""
+        E, R, B = self.experts, self.depth * self.experts, self.B
+        blk = flat.reshape(len(visits), B)
+        layers = []
+        for (nr, _), got in self.fetches.items():
+            a = np.array(got, np.int64)
+            a = a[np.argsort(a[:, 0], kind="stable")]
+            m, rows, picks = a[:, 0], a[:, 1:1 + nr], a[:, 1 + nr:]
+            cuts = (np.flatnonzero(np.diff(m)) + 1).tolist()
+            ml = m.tolist()
+            for lo, hi in zip([0, *cuts], [*cuts, len(ml)]):
+                r, pk = rows[lo:hi], picks[lo:hi]
+                seg = np.concatenate((pk.ravel(), (r + E).ravel(),
+                                      ((E + R) + r[:, :, None] * E + pk[:, None, :]).ravel()))
+                if B <= 16 * seg.size:             # a dense count is cheaper than sorting
+                    blk[ml[lo]] += np.bincount(seg, minlength=B)
+                else:
+                    u, n = np.unique(seg, return_counts=True)
+                    blk[ml[lo], u] += n
+            layers.append(m)
+        visits += np.bincount(np.concatenate(layers), minlength=len(visits))
 
     def snapshot(self, cal_extra=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(blk, visits, cal) as a fold would leave them, without folding (``cal_extra``:
@@ -145,7 +178,8 @@ class Tables:
     - ``top[m, e]``: the best confidence any bin gives expert ``e`` of layer ``m``, and
       ``order(m)`` the (top, expert) pairs best first: no candidate of a proposal can
       have a confidence above the first one not resident, whatever the context;
-    - ``q``: dense models' kept q rows per layer (``score.q_rows``); small models:
+    - ``q``: kept q rows per layer (``score.layer_q``: dense models' scoring, and any
+      model's fold); dense models: ``ct_dense`` and ``io_pow``, per layer; small models:
       ``sets`` and ``memo``, the context layers' odds factors (``score.factors``),
       ``ct`` and ``1 / io`` as lists (``ct_l``, ``inv_io_l``).
     """
@@ -163,12 +197,31 @@ class Tables:
         self.top = ct.max(axis=1)                                      # (L, E)
         self._order: dict[int, list] = {}
         self.small = small
-        self.q: dict[int, np.ndarray] = {}      # layer -> score.q_rows (dense models)
+        self.q: dict[int, np.ndarray] = {}      # layer -> score.layer_q (its rows of qall)
+        self.qall: np.ndarray | None = None     # (L, D * E, E): score.layer_q's buffer
+        self._io_pow: dict[tuple, np.ndarray] = {}
+        self._ct_dense: dict[int, np.ndarray] = {}
         if small:                               # plain lists: cheaper than numpy calls for a few experts
             self.sets: dict[int, tuple] = {}    # picks size -> score.set_table
             self.memo: dict[tuple, list] = {}   # (layer, distance, picks) -> score.factors
             self.ct_l = self.ct.tolist()       # one call: cheaper than a layer at a time
             self.inv_io_l = (pm / (1.0 - pm)).tolist()
+
+    def ct_dense(self, m: int) -> np.ndarray:
+        """``ct[m]`` with a bin ``BINS`` of -1 (a resident expert's: never a candidate), made
+        at the layer's first use in the fold (all layers at once: a copy of megabytes per
+        fold for the largest models, whose folds are the most frequent)."""
+        got = self._ct_dense.get(m)
+        if got is None:
+            got = self._ct_dense[m] = np.concatenate((self.ct[m], np.full(len(self.ar), -1.0)))
+        return got
+
+    def io_pow(self, m: int, n: int) -> np.ndarray:
+        """``io[m] ** n`` (the prior odds counted once over n + 1 context layers), once per fold."""
+        got = self._io_pow.get((m, n))
+        if got is None:
+            got = self._io_pow[(m, n)] = self.io[m] ** n
+        return got
 
     def order(self, m: int) -> list:
         """Layer ``m``'s (top, expert) pairs, best first (ties: lower expert); one sort per fold."""

@@ -46,6 +46,10 @@ at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 Per client it keeps only its current and previous pass's last ``depth`` layers
 (``forget`` drops them).  ``state``/``restore`` carry the counts across a restart
 (JSON-able, validated; ``state`` reports the counts as folded, without folding).
+
+Thread: one caller at a time (the daemon's server thread, or replay); scoring
+reuses buffers it owns (``scratch``), so one predictor is never shared between
+threads.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class CoPredictor:
         self._k: dict[int, int] = {}            # client -> keys in its last fetch
         self._ctx: dict[int, tuple] = {}        # client -> (target layer, _context's answer)
         self._keys: dict[int, list] = {}        # layer -> its keys, expert order
+        self.scratch: dict[str, np.ndarray] = {}  # score.scratch's buffers (no state: reused memory)
 
     @property
     def small(self) -> bool:
@@ -88,9 +93,10 @@ class CoPredictor:
         """``client`` fetched ``keys`` (one layer's experts, or several layers')."""
         if not keys:
             return
-        layers = {k[0] for k in keys}
-        if len(layers) == 1:
-            groups = {keys[0][0]: [e for _, e in keys]}
+        first = keys[0][0]
+        es = [e for layer, e in keys if layer == first]
+        if len(es) == len(keys):                   # (one layer's fetch: the usual)
+            groups = {first: es}
         else:
             groups = {}
             for layer, e in keys:
@@ -123,7 +129,7 @@ class CoPredictor:
                 if self.small:
                     self._pending[c] = (pend[0], {e: x for e, x in enumerate(b.tolist()) if not res[e]})
                 else:
-                    self._pending[c] = (pend[0], np.where(res, BINS, b))
+                    self._pending[c] = (pend[0], np.where(np.frombuffer(res, np.bool_), BINS, b))
         self.learned += self.c.pending()
         self.c.fold()
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
@@ -168,19 +174,19 @@ class CoPredictor:
 
     def _context(self, client: int, m: int) -> tuple:
         """The client's context for layer ``m``: (((distance, picks), ...), the rows of
-        ``seen``/``co`` they name).  Cached until the client's next fetch."""
+        ``seen``/``co`` they name, the picks' sizes).  Cached until the client's next fetch."""
         got = self._ctx.get(client)
         if got is not None and got[0] == m:
             return got[1]
         D, E = self.depth, self.experts
         hist = self._recent.get(client)
         if hist:
-            parts = [(m - layer, picks) for layer, picks in hist]
+            parts = tuple([(d, picks) for layer, picks in hist if 1 <= (d := m - layer) <= D])
         else:                                      # the pass's first layer: the previous pass's end
-            parts = [(m + self.layers - layer, picks) for layer, picks in self._prev.get(client, ())]
-        parts = tuple((d, picks) for d, picks in parts if 1 <= d <= D)
+            top = m + self.layers
+            parts = tuple([(d, picks) for layer, picks in self._prev.get(client, ()) if 1 <= (d := top - layer) <= D])
         rows = [(d - 1) * E + a for d, picks in parts for a in picks]
-        ctx = (parts, rows)
+        ctx = (parts, rows, tuple(len(picks) for _, picks in parts))
         self._ctx[client] = (m, ctx)
         return ctx
 
@@ -193,15 +199,19 @@ class CoPredictor:
     def _table(self, client: int) -> Tables:
         E = self.experts
         k = min(max(1, self._k.get(client, 1)), E - 1) if E > 1 else 1
-        t = self._tables.get(k)
-        if t is None or t.version != self.c.version:
-            t = self._tables[k] = Tables(self.c, k, self.prior, self.small, self.min_prob)
+        old = self._tables.get(k)
+        if old is not None and old.version == self.c.version:
+            return old
+        t = self._tables[k] = Tables(self.c, k, self.prior, self.small, self.min_prob)
+        if old is not None and old.qall is not None and old.qall.shape == self.c.co.shape:
+            t.qall = old.qall                      # (no one reads the old tables after a fold)
         return t
 
     def propose(self, client: int, layer: int, budget: int, resident=(),
                 floor: float = 0.0) -> list[tuple[tuple[int, int], float]]:
-        """Up to ``budget`` keys of ``layer`` not in ``resident`` (a container of keys),
-        with confidence at least ``min_prob``, best first (ties: lower expert), as
+        """Up to ``budget`` keys of ``layer`` not in ``resident`` (a container of keys;
+        one with ``row(layer, n)``, as ``k3d.cache.resident.ResidentRows``, answers for
+        the whole layer in one call), with confidence at least ``min_prob``, best first (ties: lower expert), as
         (key, confidence).  Remembers the candidates so the client's fetch of
         ``layer`` measures the calibration.  ``floor``: the caller takes nothing
         unless the best confidence is at least this: when none can reach it, nothing
@@ -215,16 +225,15 @@ class CoPredictor:
         # and being evicted already says something (a key the policy let go is picked
         # less often than its score's bin says on average).
         t = self._table(client)
-        parts, rows = self._context(client, layer)
+        parts, rows, sizes = self._context(client, layer)
         small_ = self.small                        # (read once: a property)
-        if small_:
-            res = res_l = list(map(resident.__contains__, keys))
-        else:                                      # (an array: the fold stacks deferred ones)
-            res = np.fromiter(map(resident.__contains__, keys), bool, self.experts)
-            res_l = res.tolist()
+        # One byte per expert, 1: resident (kept in _pending: a snapshot, and the fold
+        # joins the deferred ones' into one array)
+        row = getattr(resident, "row", None)
+        res = row(layer, self.experts) if row is not None else bytes(map(resident.__contains__, keys))
         top = -1.0                                 # the best confidence any candidate's bin has
         for c, e in t.order(layer):
-            if not res_l[e]:
+            if not res[e]:
                 top = c
                 break
         # (score.small's bins are its own: see below)
@@ -236,12 +245,12 @@ class CoPredictor:
             # computed there, for all such proposals at once (score.resolve), as
             # score.dense computes them.  score.small's arithmetic may give another bin
             # at an exact edge, so a small model defers only what it always deferred.
-            self._pending[client] = (layer, None, t, rows, tuple(len(ps) for _, ps in parts), res)
+            self._pending[client] = (layer, None, t, rows, sizes, res)
             return []
         if small_:
             best, cands = small(self, t, layer, parts, res)
         else:
-            best, cands = dense(self, t, layer, parts, rows, res)
+            best, cands = dense(self, t, layer, parts, rows, np.frombuffer(res, np.bool_), sizes)
         self._pending[client] = (layer, cands)
         if not best:
             return []

@@ -153,15 +153,15 @@ class AutoPrefetch:
 
     def _resident(self):
         """The keys never to propose: resident ones, and (``known`` given) those that do not exist."""
-        key_slot, known = self.store.key_slot, self.known
+        resident, known = self.store.resident, self.known
         if known is None:
-            return key_slot
+            return resident
         p = self.predictor
         if self._all_known != (p.layers, p.experts):
             every = len(known) == p.layers * p.experts and all(
                 (layer, e) in known for layer in range(p.layers) for e in range(p.experts))
             self._all_known = (p.layers, p.experts) if every else None
-        return key_slot if self._all_known else _Resident(key_slot, known)
+        return resident if self._all_known else _Resident(self.store.key_slot, known)
 
     def _afford(self, props) -> list:
         """The proposals (best first) whose confidences keep the expected share used at

@@ -6,7 +6,8 @@ arithmetic than as numpy calls, whose fixed cost is ~1 µs each), and ``dense`` 
 one numpy gather of the context rows for larger models.  Both return
 
     (best, cands): best = [(-confidence, expert)] of the candidates (experts whose
-    key is not resident: ``res[e]`` false) at ``min_prob`` or more, unsorted; cands = each
+    key is not resident: ``res[e]`` false; ``small`` takes the mask as bytes,
+    ``dense`` as a bool array) at ``min_prob`` or more, unsorted; cands = each
     candidate's calibration bin (``small``: {expert: bin}; ``dense``: an array of
     the experts' bins, BINS where not a candidate), which the caller keeps until the
     layer's fetch resolves them.
@@ -17,6 +18,9 @@ calibration.
 
 Pure: reads the predictor's folded counts and ``Tables``; the caches here are
 keyed by shapes only (subsets of ``experts``, context sizes), never by counts.
+What it writes is memory reused between calls (``scratch``: the predictor's
+buffers; a ``Tables``' q rows, ``layer_q``), never anything a result depends on
+but the counts.
 Bins: raw probability o / (1 + o) in [b / BINS, (b + 1) / BINS).  ``small`` takes
 the bin by arithmetic, ``dense`` by ``searchsorted`` on the same edges; they may
 differ at an exact edge by rounding, which is harmless: one predictor always uses
@@ -36,6 +40,7 @@ EDGES = np.array([i / (BINS - i) for i in range(1, BINS)])  # bin i's lower edge
 SMALL = 16              # models of at most this many experts score with lists
 SUBSETS = 128           # a context layer's picks: every set of their size tabulated at once up to this many
 Q_ROWS_FROM = 128       # dense: keep a layer's q rows for the fold once folds are this many fetches apart
+CHUNK = 8192            # bins_of: q values (proposals x context layers x experts) per step: 64 KiB
 
 _subsets_of: dict[tuple, tuple] = {}       # (experts, size) -> subsets' answer
 _averaging: dict[tuple, np.ndarray] = {}   # context group sizes -> the matrix averaging each group
@@ -45,8 +50,13 @@ def small(p, t: Tables, m: int, parts, res) -> tuple[list, dict]:
     """``p``'s scores of layer ``m``'s experts given the context ``parts``, in lists."""
     fs = factors(p, t, m, parts)
     # odds = prod_d q_d / (1 - q_d) * io^(n - 1): each factor carries one io, inv_io takes one back
-    fs.append(t.inv_io_l[m])
-    odds = list(map(prod, zip(*fs)))
+    # (multiplied left to right, as prod does: the same floats)
+    if len(fs) == 4:                               # (the usual context: depth 4)
+        f1, f2, f3, f4 = fs
+        odds = [a * b * c * d * i for a, b, c, d, i in zip(f1, f2, f3, f4, t.inv_io_l[m])]
+    else:
+        fs.append(t.inv_io_l[m])
+        odds = list(map(prod, zip(*fs)))
     ct, E, mp = t.ct_l[m], p.experts, p.min_prob
     cands, best = {}, []
     for e in range(E):
@@ -77,7 +87,7 @@ def factors(p, t: Tables, m: int, parts) -> list[list[float]]:
     index, vals = set_table(p, t, n)
     if index is not None and all(len(ps) == n for _, ps in parts):
         vm = vals[m]
-        return [vm[d - 1, index[ps]].tolist() for d, ps in parts]
+        return [vm[d - 1][index[ps]].tolist() for d, ps in parts]
     out = []
     for d, picks in parts:
         f = t.memo.get((m, d, picks))
@@ -142,8 +152,14 @@ def bins_of(p, items) -> np.ndarray:
     """The raw-score bins (N, E) of proposals (tables, layer, context rows, context
     sizes), scored as ``dense`` would have under those tables: the counts must not
     have moved since they were made (call before the fold).  Vectorised over the
-    items of one shape (and of one layer, where a layer has many)."""
+    items of one shape: a layer with enough of them (their rows at least half its
+    table, or its table already made) gathers from its q rows (``layer_q``); the
+    others (short folds) gather from the counts, all layers at once.  The same
+    arithmetic either way (element-wise + and /: exact).  Temporaries stay small
+    (``CHUNK``; a layer's gather goes to ``scratch``): a fresh array of megabytes
+    costs a page fault per 4 KiB, at every fold."""
     c, E = p.c, p.experts
+    R = c.seen.shape[1]
     out = np.zeros((len(items), E), np.int64)
     groups: dict[tuple, list] = {}
     for i, (t, m, rows, sizes) in enumerate(items):
@@ -156,78 +172,105 @@ def bins_of(p, items) -> np.ndarray:
         by_layer: dict[int, list] = {}
         for e in entries:
             by_layer.setdefault(e[1], []).append(e)
-        # Many per layer (long folds): each layer's rows apart (its kept q rows when
-        # dense kept them); few: all layers at once.  The same arithmetic either way.
-        per_layer = len(entries) >= 16 * len(by_layer)
-        for run in (by_layer.values() if per_layer else [entries]):
-            for at in range(0, len(run), 256):
-                part = run[at:at + 256]
-                R = np.array([e[2] for e in part], np.int64)                          # (N, rows)
-                m = part[0][1]
-                if per_layer:
-                    qm = t.q.get(m)
-                    g = qm[R] if qm is not None else \
-                        (c.co[m][R] + t.ppm[m]) / (c.seen[m][R] + p.prior)[:, :, None]
-                    io = t.io[m]
-                else:
-                    M = np.array([e[1] for e in part], np.int64)
-                    g = (c.co[M[:, None], R] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], R] + p.prior)[:, :, None]
-                    io = t.io[M]
-                q = averaging(sizes) @ g                                             # (N, groups, E)
-                odds = np.multiply.reduce(q / (1.0 - q), axis=1)
-                if len(sizes) > 1:
-                    odds *= io ** (len(sizes) - 1)
-                out[[e[0] for e in part]] = EDGES.searchsorted(odds, side="right")
+        n, avg = sum(sizes), averaging(sizes)
+        step = max(1, CHUNK // (len(sizes) * E))
+        rest = []
+        for m, run in by_layer.items():
+            if m not in t.q and 2 * len(run) * n < R:
+                rest += run
+                continue
+            qm = layer_q(p, t, m)
+            for at in range(0, len(run), step):
+                part = run[at:at + step]
+                g = qm.take(np.array([e[2] for e in part], np.int64), 0, out=scratch(p, "g", (len(part), n, E)))
+                _bins(out, part, avg @ g, t.io[m], len(sizes))
+        for at in range(0, len(rest), step):
+            part = rest[at:at + step]
+            M = np.array([e[1] for e in part], np.int64)
+            Rr = np.array([e[2] for e in part], np.int64)                                  # (N, rows)
+            g = (c.co[M[:, None], Rr] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], Rr] + p.prior)[:, :, None]
+            _bins(out, part, avg @ g, t.io[M], len(sizes))
     return out
+
+
+def _bins(out, part, q, io, groups: int) -> None:
+    """``out``'s rows of ``part`` from its q rows averaged per context layer (N, groups, E)."""
+    odds = np.multiply.reduce(q / (1.0 - q), axis=1)
+    if groups > 1:
+        odds *= io ** (groups - 1)
+    out[[e[0] for e in part]] = EDGES.searchsorted(odds, side="right")
+
+
+def scratch(p, name: str, shape: tuple, dtype=np.float64) -> np.ndarray:
+    """A C-contiguous array of ``shape`` in ``p``'s reusable buffer ``name``: what a
+    gather writes to, so a fold allocates no large temporaries.  Valid until the
+    next call for ``name``."""
+    size = prod(shape)
+    buf = p.scratch.get(name)
+    if buf is None or buf.size < size or buf.dtype != dtype:
+        buf = p.scratch[name] = np.empty(max(size, 2 * (0 if buf is None else buf.size)), dtype)
+    return buf[:size].reshape(shape)
 
 
 def resolve(p, deferred) -> np.ndarray:
     """Calibration buffer indices (``counts``: a candidate's bin, and HIT + bin where it was
     picked) of the proposals ``propose`` deferred, all at once: entries (tables, layer,
-    context rows, context sizes, resident mask, picks); see ``bins_of``."""
+    context rows, context sizes, resident mask (bytes, 1: resident), picks); see ``bins_of``."""
     if not deferred:
         return np.zeros(0, np.int64)
     bins = bins_of(p, [e[:4] for e in deferred])
-    cand = ~np.array([e[4] for e in deferred], bool)
+    # (the masks are bytes of 0 / 1, one per expert, all of one length: one shape per fold)
+    cand = ~np.frombuffer(b"".join([e[4] for e in deferred]), np.bool_).reshape(bins.shape)
     hit = np.zeros(cand.shape, bool)
     hit[[i for i, e in enumerate(deferred) for _ in e[5]], [x for e in deferred for x in e[5]]] = True
     return np.concatenate((bins[cand], bins[cand & hit] + HIT))
 
 
+def layer_q(p, t: Tables, m: int) -> np.ndarray:
+    """Layer ``m``'s (co + prior * pm) / (seen + prior), all D * E rows of E, made at
+    its first use in the fold and kept (``t.q``: rows of ``t.qall``, a buffer the
+    next fold's tables of the same fetch size take over: ``CoPredictor._table``)."""
+    got = t.q.get(m)
+    if got is None:
+        c = p.c
+        if t.qall is None:
+            t.qall = np.empty(c.co.shape)         # (L, D * E, E), filled a layer at a time
+        got = t.q[m] = np.add(c.co[m], t.ppm[m], out=t.qall[m])
+        np.divide(got, (c.seen[m] + p.prior)[:, None], out=got)
+    return got
+
+
 def q_rows(p, t: Tables, m: int, rows) -> np.ndarray:
-    """``rows`` of layer ``m``'s (co + prior * pm) / (seen + prior) (D * E rows of E).  Once
-    the folds are far enough apart to pay for it (``Q_ROWS_FROM`` fetches or more), the
-    whole layer's is computed at the fold's first use and kept; before, only the rows
-    asked for, per fetch."""
+    """``rows`` of layer ``m``'s q rows (``layer_q``).  Once the folds are far enough
+    apart to pay for it (``Q_ROWS_FROM`` fetches or more), the whole layer's are
+    made at the fold's first use and kept; before, only the rows asked for, per
+    fetch."""
     got = t.q.get(m)
     if got is not None:
         return got.take(rows, 0)
-    c = p.c
     if p.fold_every() >= Q_ROWS_FROM:
-        got = t.q[m] = (c.co[m] + t.ppm[m]) / (c.seen[m] + p.prior)[:, None]
-        return got.take(rows, 0)
+        return layer_q(p, t, m).take(rows, 0)
+    c = p.c
     idx = np.array(rows, np.int64)
     return (c.co[m].take(idx, 0) + t.ppm[m]) / (c.seen[m].take(idx) + p.prior)[:, None]
 
 
-def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray) -> tuple[list, np.ndarray]:
-    """As ``small``, with one gather of the context rows (many experts)."""
+def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray, sizes: tuple = ()) -> tuple[list, np.ndarray]:
+    """As ``small``, with one gather of the context rows (many experts); ``sizes``: the
+    parts' pick counts (``CoPredictor._context``'s)."""
     E = p.experts
     if parts:
-        sizes = tuple(len(ps) for _, ps in parts)
-        avg = averaging(sizes)
+        sizes = sizes or tuple(len(ps) for _, ps in parts)
         # per context layer: mean over its picks a of (co[a, e] + prior * pm) / (seen[a] + prior)
-        q = avg @ q_rows(p, t, m, rows)
+        q = averaging(sizes) @ q_rows(p, t, m, rows)
         odds = np.multiply.reduce(q / (1.0 - q), axis=0)   # naive Bayes: the layers' odds multiply ...
         if len(sizes) > 1:                         # ... over the prior odds, counted once
-            odds *= t.io[m] ** (len(sizes) - 1)
+            odds *= t.io_pow(m, len(sizes) - 1)
     else:
         odds = 1.0 / t.io[m]
-    bins = EDGES.searchsorted(odds, side="right")
-    cand = ~res
-    pb = np.where(cand, bins, BINS)
-    conf = t.ct[m].take(bins * E + t.ar)
-    ok = np.flatnonzero((conf >= p.min_prob) & cand)
+    pb = np.where(res, BINS, EDGES.searchsorted(odds, side="right"))
+    conf = t.ct_dense(m).take(pb * E + t.ar)       # (a resident expert's bin BINS: -1)
+    ok = (conf >= p.min_prob).nonzero()[0]
     if not ok.size:                                # the usual answer: skip the lists
         return [], pb
     return list(zip((-conf[ok]).tolist(), ok.tolist())), pb
