@@ -57,7 +57,7 @@ from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
 from k3client.hf.families import FamilyError, GptOss, _on
 from k3client.hf.runtime import MoeLayer, Runtime, Stats
 
-from . import settings
+from . import native, settings
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -72,6 +72,10 @@ REDUCED = (torch.bfloat16, torch.float16)
 NATIVE_ROWS = 2
 # (token, expert) pairs of a step up to which run_layer sorts them in Python (a decode step)
 SMALL_STEP = 64
+# an expert with at most this many rows goes to native.rowmm (which reads its weights once per
+# native.ROWS rows); more (a prefill) to torch's gemm
+NATIVE_MAX_ROWS = 16
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)     # engine dtypes whose math rowmm's is
 # vLLM's SwigluOAIAndMul defaults: gpt-oss's MoE config leaves swiglu_alpha/limit unset and its
 # CPU kernel uses these
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
@@ -198,11 +202,14 @@ def install() -> None:
 
 @dataclass
 class VllmStats(Stats):
-    """``Stats`` plus, per MoE layer and step, the experts fetched (the union) against tokens x top-k."""
+    """``Stats`` plus, per MoE layer and step, the experts fetched (the union) against tokens x top-k,
+    and how many experts ``native.rowmm`` computed."""
 
     layer_steps: int = 0
     union: int = 0          # distinct experts a layer's tokens were routed to, summed over layer-steps
     routed: int = 0         # tokens x top-k, summed over layer-steps
+    native_kernel: bool = False     # native.rowmm loaded (VllmRuntime's native_kernel, and it built)
+    native_experts: int = 0         # experts computed by it
 
     def as_dict(self) -> dict:
         d = super().as_dict()
@@ -226,13 +233,20 @@ class VllmRuntime(Runtime):
     The next layer's gate picks the gate-ahead predictions, unless the shared index shows
     all of that layer's experts resident (``Client.layer_resident``: they would send
     nothing; ``stats.predicted`` then counts only the predictions made); ``stats`` adds
-    the union against B x top-k.  Invariants: ``torch.backends.mkldnn.enabled`` is as the caller
+    the union against B x top-k.  With ``native_kernel`` (the default) on a CPU with AVX-512, an
+    eligible layer's experts of at most ``NATIVE_MAX_ROWS`` rows are computed by
+    ``native.rowmm`` straight from the bf16 views (no cast in a float32 engine), and the
+    step's weighted expert outputs are summed in float32 and rounded once, where vLLM's
+    fused kernel rounds them.  Invariants: ``torch.backends.mkldnn.enabled`` is as the caller
     left it when ``run_layer`` returns or raises; ``stats.epochs == stats.forwards``
     while no mid-forward epoch was needed."""
 
-    def __init__(self, client, layers, predict=True, host_register=None):
+    def __init__(self, client, layers, predict=True, host_register=None, native_kernel=True):
         super().__init__(client, layers, predict=predict, host_register=host_register)
         self.stats = VllmStats()
+        # compiled (or found cached) here, at load, not in the first forward
+        self._rowmm = native.load() if native_kernel and host_register is None else None
+        self.stats.native_kernel = self._rowmm is not None
 
     def run_layer(self, ml, hidden_states, top_k_index, top_k_weights):
         tokens, k = top_k_index.shape
@@ -265,19 +279,30 @@ class VllmRuntime(Runtime):
         dtype, out_dtype = ml.dtype, hidden_states.dtype
         expert = _gpt_oss_expert if isinstance(ml.family, GptOss) else _gated_expert
         parts, at, out = [], 0, None
-        native = device.type == "cpu" and dtype in REDUCED
+        reduced = device.type == "cpu" and dtype in REDUCED       # a bf16/fp16 engine on a CPU
+        # a float16 engine keeps torch: plain vLLM holds fp16 casts of the bf16 weights, rowmm reads bf16
+        rowmm = self._rowmm if device.type == "cpu" and ml.rowmajor and dtype in NATIVE_DTYPES else None
+        # with rowmm the weighted outputs are summed in float32 (vLLM's kernel does), else in out_dtype
+        acc = torch.float32 if rowmm is not None else out_dtype
+        xf = xs.float() if rowmm is not None else None        # rowmm's input: converted once per step
         mkldnn = on = torch.backends.mkldnn.enabled
         try:
             for group in self._groups(ml, experts, predicted):
                 for e, views in group:
                     n = counts[e]
-                    if native and on != (mkldnn and n > NATIVE_ROWS):
-                        on = torch.backends.mkldnn.enabled = not on
-                    h = expert(ml.module, views, xs if tokens == 1 else xs[at:at + n], device, dtype)
+                    x = xs if tokens == 1 else xs[at:at + n]
+                    if rowmm is not None and n <= NATIVE_MAX_ROWS:
+                        h = native.gated_expert(rowmm, ml.module, views, xf if tokens == 1 else xf[at:at + n],
+                                                dtype if reduced else None)
+                        st.native_experts += 1
+                    else:
+                        if reduced and on != (mkldnn and n > NATIVE_ROWS):
+                            on = torch.backends.mkldnn.enabled = not on
+                        h = expert(ml.module, views, x, device, dtype)
                     # in place, the product rounded to h's dtype: the bits of (h * w).to(dtype)
                     h.mul_(scales[at] if n == 1 and scales is not None else ws[at:at + n])
-                    if h.dtype != out_dtype:
-                        h = h.to(out_dtype)
+                    if h.dtype != acc:
+                        h = h.to(acc)
                     if tokens > 1:
                         parts.append(h)
                     elif out is None:
@@ -290,10 +315,12 @@ class VllmRuntime(Runtime):
         finally:
             torch.backends.mkldnn.enabled = mkldnn
         if parts:
-            out = torch.zeros_like(hidden_states)
+            out = torch.zeros_like(hidden_states, dtype=acc)
             out.index_add_(0, rows, torch.cat(parts) if len(parts) > 1 else parts[0])
         elif out is None:                                # no token
             out = torch.zeros_like(hidden_states)
+        if out.dtype != out_dtype:
+            out = out.to(out_dtype)
         if ml.next is None:
             self._begin_next()
         return out
@@ -354,15 +381,17 @@ def _gpt_oss_expert(math, views, x, device, dtype):
 
 
 class VllmLayer(MoeLayer):
-    """``MoeLayer`` plus the top-k its gate picks (for gate-ahead) and ``fused``: the layout
-    puts the gate and up tensors back to back, so one view covers both (gated families only)."""
+    """``MoeLayer`` plus the top-k its gate picks (for gate-ahead), ``fused``: the layout
+    puts the gate and up tensors back to back, so one view covers both, and ``rowmajor``:
+    ``native.rowmm`` can read its views (both for gated families only)."""
 
     def __init__(self, layer, math, router, family, names, dtype, top_k, specs=()):
         super().__init__(layer, math, router, family, names, dtype)
         self.top_k = top_k
-        self.fused = False
+        self.fused = self.rowmajor = False
         if isinstance(family, GptOss):
             return
+        self.rowmajor = native.eligible(specs, family)
         by = {s.name: s for s in specs}
         g, u = by.get(family.gate), by.get(family.up)
         self.fused = (g is not None and u is not None and u.offset == g.offset + g.nbytes and g.dtype == u.dtype

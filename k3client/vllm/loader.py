@@ -154,7 +154,7 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRun
                           f"(vLLM builds them with {', '.join(own) or 'no RoutedExperts'}; the checkpoint has "
                           f"routed experts in layers {checkpoint_layers}); {SUPPORTED}")
     register = gpu.host_register if torch.cuda.is_available() else None
-    rt = VllmRuntime(client, layers, predict=st.predict, host_register=register)
+    rt = VllmRuntime(client, layers, predict=st.predict, host_register=register, native_kernel=st.native)
     for layer, mod in modules.items():
         mod._k3d = (rt, layers[layer])
     return rt

@@ -1,10 +1,11 @@
 """The ``k3d`` entry of vLLM's ``additional_config``: whether a model is served through k3d, and how.
 
-``{"k3d": {"endpoint": str | None, "name": str | None, "predict": bool}}``; every key
-is optional (``{"k3d": {}}`` uses the default endpoint, a name from the pid, and
-gate-ahead predictions).  An unknown key or a wrong type is a one-line
-``ValueError`` naming it, raised where the model is built, before any weight is
-read.  Pure functions of the config; any thread.
+``{"k3d": {"endpoint": str | None, "name": str | None, "predict": bool, "native": bool}}``;
+every key is optional (``{"k3d": {}}`` uses the default endpoint, a name from the pid,
+gate-ahead predictions, and the native expert kernel where the CPU has AVX-512:
+``k3client.vllm.native``; ``"native": false`` computes every expert with torch).
+An unknown key or a wrong type is a one-line ``ValueError`` naming it, raised where
+the model is built, before any weight is read.  Pure functions of the config; any thread.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ class Settings:
     endpoint: str | None = None
     name: str | None = None
     predict: bool = True
+    native: bool = True
 
 
-_TYPES = {"endpoint": (str, type(None)), "name": (str, type(None)), "predict": (bool,)}
+_TYPES = {"endpoint": (str, type(None)), "name": (str, type(None)), "predict": (bool,), "native": (bool,)}
 
 
 def from_config(vllm_config) -> Settings | None:
