@@ -30,10 +30,12 @@ pytestmark = pytest.mark.vllm
 LONG = 100            # tokens of the generation a daemon restart interrupts
 BF16_TOL = 0.02       # nats, on one step's top-5 log-probabilities
 # nats, the same in float32: at most 5e-7 measured between plain and k3d in one run, but
-# plain vLLM alone gave DeepSeek-V3 -4.42195 and -4.42243 for one token in two engine
-# starts (7.3e-4 apart, three times under load), so the bound sits above that variation
-# and still far below what a wrong layout or activation moves (tokens change)
-F32_TOL = 2e-3
+# plain vLLM alone moves DeepSeek-V3's between engine starts: 7.3e-4 for one token (three
+# times under load), and on 2026-12-04 2.18e-3 between two plain starts on a quiet machine
+# (twice; k3d against the first of them: 4.8e-7), which failed this test in CI one run in
+# four at 2e-3.  So the bound sits above that variation and still far below what a wrong
+# layout or activation moves (tokens change, and the tokens are compared exactly)
+F32_TOL = 5e-3
 HEAD = 1 << 20        # a shard's header (and its readahead) is read: its first MiB is not checked
 
 
