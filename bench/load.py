@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -296,6 +297,11 @@ def main():
     ok = (wrong == 0 and not others and st["arena"]["pinned"] == 0 and growth <= 0.05 and ratio <= 1.25
           and rc == 0 and not failed)
     print("PASS" if ok else "FAIL")
+    log.close()
+    if ok:
+        shutil.rmtree(run, ignore_errors=True)     # the daemon's and workers' logs: kept for a failure
+    else:
+        print(f"logs: {run}")
     return 0 if ok else 1
 
 
