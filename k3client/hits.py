@@ -21,7 +21,7 @@ import select
 import time
 
 from . import errors
-from .index import CLOSED, HEADER_WORDS, READY, IndexReader, supported
+from .index import IndexReader, supported
 
 REPORT_FLUSH = 1024      # reported keys held before they go without waiting for a next request
 PIDFD_EVERY_S = 0.005    # how often a fetch answered here asks whether the daemon process exited
@@ -58,14 +58,9 @@ class LocalHits:
 
     def answer(self, layer: int, experts: list[int]) -> list[int] | None:
         """The slots of ``experts`` if each is READY in the index (the fetch is recorded
-        for the daemon), else None: the daemon answers.  The index's lookup is inlined
-        (``IndexReader.lookup`` is its reference): every hit of every fetch runs this."""
+        for the daemon), else None: the daemon answers."""
         now = time.monotonic()
         if not experts or now >= self.t_req + self.window or len(set(experts)) != len(experts):
-            return None
-        index = self.index
-        w = index.words
-        if w is None or w[CLOSED] or not 0 <= layer < index.layers:
             return None
         if self._exited is not None and now >= self._checked + PIDFD_EVERY_S:
             # A killed daemon's arena and index stay mapped and correct; asking the
@@ -73,19 +68,10 @@ class LocalHits:
             if self._exited.poll(0):
                 return None
             self._checked = now
-        base, width = HEADER_WORDS + 2 * layer * index.width, index.width
-        slots = []
-        for e in experts:
-            if not 0 <= e < width:
-                return None
-            i = base + 2 * e
-            s1 = w[i]                    # seq, word, seq: three loads in this order
-            word = w[i + 1]
-            if s1 != w[i] or s1 & 1 or word & 3 != READY:
-                return None              # being changed, not resident, or being read
-            slots.append(word >> 2)
-        self.reports.append([layer, experts, slots])
-        self.reported += len(experts)
+        slots = self.index.ready_slots(layer, experts)
+        if slots is not None:
+            self.reports.append([layer, experts, slots])
+            self.reported += len(experts)
         return slots
 
     def not_resident(self, keys: list[list[int]]) -> list[list[int]]:

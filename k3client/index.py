@@ -71,9 +71,7 @@ class IndexReader:
 
     Reads go through a memoryview of 8-byte words: each item read is one aligned
     8-byte load, in program order (no numpy on the hit path: for the handful of
-    keys of one fetch its per-call overhead is most of the cost).  ``words`` is that
-    memoryview (None once closed): ``LocalHits.answer`` reads it directly, with the
-    three loads per entry in ``lookup``'s order."""
+    keys of one fetch its per-call overhead is most of the cost)."""
 
     def __init__(self, fd: int, size: int):
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -81,21 +79,21 @@ class IndexReader:
         if words[0] != MAGIC or words[1] != VERSION:
             words.release()
             raise ValueError(f"not a k3d index of version {VERSION}")
-        self.words = words
+        self._words = words
         self.layers, self.width = words[2], words[3]
 
     def retired(self) -> int:
         """How many entries the daemon has unpublished so far (it counts each after clearing it)."""
-        return self.words[RETIRED]
+        return self._words[RETIRED]
 
     def closed(self) -> bool:
         """The daemon stopped (a killed one cannot say so: the client's pidfd tells)."""
-        return bool(self.words[CLOSED])
+        return bool(self._words[CLOSED])
 
     def lookup(self, layer: int, experts) -> list[int]:
         """Per expert of ``layer``: its slot << 2 | state, 0 when not resident, -1 when
         unknown (being changed, or outside the index): ask the daemon."""
-        w, width = self.words, self.width
+        w, width = self._words, self.width
         if not 0 <= layer < self.layers:
             return [-1] * len(experts)
         base = HEADER_WORDS + 2 * layer * width
@@ -110,10 +108,31 @@ class IndexReader:
             out.append(word if s1 == w[i] and not s1 & 1 else -1)
         return out
 
+    def ready_slots(self, layer: int, experts) -> list[int] | None:
+        """The slots of ``experts`` of ``layer`` if every one is READY, else None (any not
+        resident, being read, being changed, or outside the index): ``lookup``'s loads,
+        in its order, stopping at the first entry that is not, with no list of words
+        built (every fetch a client answers itself runs this)."""
+        w, width = self._words, self.width
+        if w is None or w[CLOSED] or not 0 <= layer < self.layers:
+            return None
+        base = HEADER_WORDS + 2 * layer * width
+        slots = []
+        for e in experts:
+            if not 0 <= e < width:
+                return None
+            i = base + 2 * e
+            s1 = w[i]                    # seq, word, seq: three loads in this order
+            word = w[i + 1]
+            if s1 != w[i] or s1 & 1 or word & 3 != READY:
+                return None
+            slots.append(word >> 2)
+        return slots
+
     def close(self) -> None:
-        if self.words is not None:
-            self.words.release()
-            self.words = None
+        if self._words is not None:
+            self._words.release()
+            self._words = None
         try:
             self._mm.close()
         except BufferError:

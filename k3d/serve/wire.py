@@ -219,10 +219,11 @@ def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], lis
         total += len(item[1])
     if total > MAX_KEYS:
         raise BadRequest(f"hits report more than {MAX_KEYS} keys in one request")
-    every_seen = list(chain.from_iterable([item[2] for item in raw]))
-    if not (set(map(type, every_seen)) <= _INT and 0 <= min(every_seen) and max(every_seen) < slots):
-        bad = next(item[2] for item in raw if not (set(map(type, item[2])) <= _INT and 0 <= min(item[2])
-                                                      and max(item[2]) < slots))
+    def in_arena(seen: list) -> bool:
+        return set(map(type, seen)) <= _INT and 0 <= min(seen) and max(seen) < slots
+
+    if not in_arena(list(chain.from_iterable([item[2] for item in raw]))):
+        bad = next(item[2] for item in raw if not in_arena(item[2]))       # (named in the error)
         raise BadRequest(f"hits: slots {str(bad)[:80]} are not slots of this arena (0..{slots - 1})")
     # Set inclusion stands for the range check only once every expert is known an int
     # (True and 1.0 hash as 1 does).
