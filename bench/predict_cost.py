@@ -1,0 +1,143 @@
+"""The daemon's own predictor, what it costs per fetch: a real daemon's CPU with
+``--predict auto`` beside the same daemon with ``--predict client``.
+
+    python bench/predict_cost.py [--reps 3] [--hit-path client|daemon] [--slots 100]
+
+One k3client client replays the real routing trace ``traces/mixtral8x7b-gsm8k.trace``
+(244 tokens x 32 layers, top-2 of 8: 7,808 fetches; ``begin_token()`` at each token)
+into a fresh daemon on a synthetic checkpoint of the same shape (256 experts of
+51 KiB: reads are real but cheap) with a 100-slot arena, so there are misses and
+room to read ahead.  The client sends no predictions of its own.  With the default
+``--hit-path client`` (what users get) fetches of resident experts are answered in
+the client and reported with the next request: the daemon learns from those but
+predicts only at the fetches that reach it; ``--hit-path daemon`` sends every fetch.
+
+Figure: the daemon process's CPU (every thread, from the scheduler's per-thread
+run times: loop_cost's ``cpu()``), and its loop thread's, over the whole replay
+(up to the last read ahead landing) divided by the fetches.  Floor, in the same
+run: the ``--predict client`` daemon on the same stream, the same daemon without
+its predictor.  Runs alternate auto/client (the order swapped each rep), so drift
+hits both; figures are medians over ``--reps``, the difference and the ratio
+(difference / client's CPU per fetch: the predictor's cost against a fetch) medians
+of the per-rep (same-run) values.
+
+The difference is the whole daemon's, the honest user-facing cost: beside
+learning and proposing, the predictor changes the work itself (reads ahead are
+extra reads, hits it brings are reads moved earlier, and hits answered in the
+client are round trips the loop never sees).  The hit rates, reads and the
+daemon's prediction counters (``status()``, last run of each mode) say what it buys.
+No target beyond "small against a fetch": the ratio is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+import psutil  # noqa: E402
+from loop_cost import measured  # noqa: E402
+
+import k3client  # noqa: E402
+from k3d.observe.trace import BEGIN, FETCH, read  # noqa: E402
+
+TRACE = os.path.join(harness.ROOT, "traces", "mixtral8x7b-gsm8k.trace")
+MODES = ("auto", "client")
+
+
+def replay_once(ckpt: str, mode: str, slots: int, hit_path: str, stream) -> tuple[float, float, float, dict]:
+    """(daemon CPU s/fetch, loop thread CPU s/fetch, wall s, status) of one replay
+    of ``stream`` into a fresh daemon with ``--predict mode``."""
+    fetches = sum(1 for op, _ in stream if op == FETCH)
+    with harness.Daemon(ckpt, "--slots", slots, "--predict", mode, "--log-level", "warning") as d, \
+            k3client.connect(d.endpoint, name="replay", hit_path=hit_path) as c:
+        if c.hit_path != hit_path:
+            raise RuntimeError(f"hit path {c.hit_path}, not {hit_path}: {c.hit_path_why}")
+        c.status()                          # connected and answered before the clock starts
+
+        def replay():
+            for op, arg in stream:
+                if op == FETCH:
+                    c.fetch(*arg)
+                else:
+                    c.begin_token()
+            c.begin_token()                 # the last token's hits reported
+            while c.status()["arena"]["loading"]:   # reads ahead still landing count too
+                time.sleep(0.002)
+
+        t0 = time.perf_counter()
+        proc_s, main_s = measured(psutil.Process(d.pid), replay, fetches)
+        wall = time.perf_counter() - t0
+        return proc_s, main_s, wall, c.status()
+
+
+def bought(st: dict) -> str:
+    s = st["stats"]
+    hit = 100 * s["hits"] / max(1, s["hits"] + s["misses"])
+    line = (f"hit rate {hit:.1f}% ({s['hits']} hits, {s['misses']} misses, {s['client_hits']} answered in the "
+            f"client), {s['misses'] + s['prefetched']} reads, {s['evictions']} evictions")
+    dp = st.get("prediction", {}).get("daemon")
+    if dp:
+        prec = dp["precision"]
+        line += (f"; daemon predictions ({dp['predictor']}): issued {dp['issued']}, used {dp['used']} "
+                 f"({dp['used_late']} late), unused {dp['unused']}, precision "
+                 f"{'-' if prec is None else f'{prec:.2f}'}")
+    return line
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hit-path", choices=("client", "daemon"), default="client")
+    ap.add_argument("--slots", type=int, default=100)
+    a = ap.parse_args()
+    events = read(TRACE)
+    stream = []
+    for e in events:
+        if e.kind == FETCH:
+            stream.append((FETCH, (e.keys[0][0], [x for _, x in e.keys])))
+        elif e.kind == BEGIN:
+            stream.append((BEGIN, None))
+    layers = 1 + max(k[0] for e in events if e.kind == FETCH for k in e.keys)
+    experts = 1 + max(k[1] for e in events if e.kind == FETCH for k in e.keys)
+    fetches = sum(1 for op, _ in stream if op == FETCH)
+    ckpt = harness.checkpoint(layers=layers, experts=experts, hidden=256, inter=128, seed=3)
+    runs: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
+    last: dict[str, dict] = {}
+    t_start = time.perf_counter()
+    try:
+        for rep in range(a.reps):
+            for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+                p, m, w, st = replay_once(ckpt, mode, a.slots, a.hit_path, stream)
+                runs[mode].append((p, m, w))
+                last[mode] = st
+                print(f"  rep {rep + 1} {mode:<6} {p * 1e6:7.1f} us CPU/fetch (loop {m * 1e6:6.1f}), "
+                      f"{w:.2f}s wall", flush=True)
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    med = harness.median
+    print(f"predict_cost: {os.path.basename(TRACE)}, {fetches} fetches, {layers}x{experts} experts, "
+          f"{a.slots} slots, hit path {a.hit_path}; {a.reps} reps alternating auto/client, "
+          f"{time.perf_counter() - t_start:.0f}s in all")
+    print(f"{'predict':>8} {'daemon us CPU/fetch':>20} {'loop thread us':>15} {'replay wall s':>14}")
+    for mode in MODES:
+        rs = runs[mode]
+        print(f"{mode:>8} {med([r[0] for r in rs]) * 1e6:>20.1f} {med([r[1] for r in rs]) * 1e6:>15.1f} "
+              f"{med([r[2] for r in rs]):>14.2f}")
+    for mode in MODES:
+        print(f"  {mode}: {bought(last[mode])}")
+    for i, what in ((0, "daemon"), (1, "loop thread")):
+        diff = [(x[i] - y[i]) for x, y in zip(runs["auto"], runs["client"])]
+        ratio = [d / y[i] for d, y in zip(diff, runs["client"])]
+        print(f"predict_cost: {what} auto - client {med(diff) * 1e6:+.1f} us CPU per fetch, "
+              f"{med(ratio):+.2f}x client's per fetch (per-rep {' '.join(f'{r:+.2f}' for r in ratio)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
