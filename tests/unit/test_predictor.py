@@ -8,7 +8,8 @@
 - the same stream gives the same proposals; state()/restore() carries them;
 - learning in batches counts exactly what a fetch at a time counts, state() does
   not change what is proposed, deferred calibration counts what scoring at once
-  counts; one predictor per client (replay --learn private) keeps clients apart,
+  counts (and, sampled one in ``cal_every``, estimates it); ``quiet`` before
+  ``propose`` changes nothing; one predictor per client (replay --learn private) keeps clients apart,
   and shared learning beats it where clients teach each other.
 """
 
@@ -335,7 +336,6 @@ def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, ex
                for t in range(60)]
 
     def drive(p):
-        deferred = 0
         for t, route in enumerate(tokens):
             for layer, experts_ in enumerate(route):
                 for c in range(1, clients + 1):       # client c plays the tokens c - 1 later
@@ -343,12 +343,11 @@ def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, ex
                     p.observe(c, [(layer, e) for e in mine])
                     if layer + 1 < L:
                         p.propose(c, layer + 1, 2, {(layer + 1, mine[0])})
-                        deferred += p._pending[c][1] is None
             for c in range(1, clients + 1):
                 p.end_pass(c)
-        return p.state(), deferred
+        return p.state(), p._quiet
 
-    lazy, n_lazy = drive(CoPredictor(L, experts))
+    lazy, n_lazy = drive(CoPredictor(L, experts, cal_every=1))
     init = counts.Tables.__init__
 
     def at_once(self, *a):
@@ -356,9 +355,66 @@ def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, ex
         self.top[:] = 1.0                           # every candidate reachable: never defer
 
     monkeypatch.setattr(counts.Tables, "__init__", at_once)
-    eager, n_eager = drive(CoPredictor(L, experts))
+    eager, n_eager = drive(CoPredictor(L, experts, cal_every=1))
     assert n_lazy > 0 and n_eager == 0
     assert lazy == eager
+
+
+def random_stream(experts: int, tokens: int, seed: int) -> list:
+    rng = random.Random(seed)
+    return [[rng.sample(range(experts), 2) for _ in range(L)] for _ in range(tokens)]
+
+
+@pytest.mark.parametrize("experts", [16, 32])
+def test_sampled_deferred_calibration_estimates_the_whole(experts):
+    """On a stream with nothing to predict every proposal defers; one in ``cal_every``
+    feeds the calibration, weighing ``cal_every``: the counts per bin are those of
+    every deferral, up to sampling (a count left unweighted would be a quarter)."""
+    def drive(p):
+        for route in random_stream(experts, 400, 11):
+            for layer, picks in enumerate(route):
+                p.observe(1, [(layer, e) for e in picks])
+                if layer + 1 < L:
+                    p.propose(1, layer + 1, 2, ())
+            p.end_pass(1)
+        st = p.state()
+        return st["cal_n"], st["cal_hit"], p._quiet
+
+    n_all, hit_all, q_all = drive(CoPredictor(L, experts, cal_every=1))
+    n_4, hit_4, q_4 = drive(CoPredictor(L, experts, cal_every=4))
+    assert min(q_all, q_4) > 0.8 * 400 * (L - 1)                  # (nearly) every proposal defers
+    assert abs(sum(n_4) - sum(n_all)) <= 0.05 * sum(n_all)
+    for b, n in enumerate(n_all):
+        if n >= 2000:                                               # well-filled bins: the same frequency
+            assert abs(hit_4[b] / max(n_4[b], 1) - hit_all[b] / n) < 0.03
+
+
+@pytest.mark.parametrize("experts, cal_every", [(E, 1), (E, 4), (32, 4)])
+def test_quiet_before_propose_changes_nothing(experts, cal_every):
+    """``AutoPrefetch`` asks ``quiet`` first and sizes a budget only when it says False:
+    the proposals, and what is learned, are those of ``propose`` alone."""
+    stream = [pattern_token(t) if t % 3 else r for t, r in enumerate(random_stream(E, 240, 5))]
+    if experts != E:
+        stream = [[[(e * 5 + t) % experts for e in picks] for picks in route] for t, route in enumerate(stream)]
+    a, b = CoPredictor(L, experts, cal_every=cal_every), CoPredictor(L, experts, cal_every=cal_every)
+    quiet = proposed = 0
+    for route in stream:
+        for layer, picks in enumerate(route):
+            for p in (a, b):
+                p.observe(1, [(layer, e) for e in picks])
+            if layer + 1 < L:
+                res = {(layer + 1, picks[0])}
+                want = a.propose(1, layer + 1, 2, res)
+                if b.quiet(1, layer + 1, res):
+                    quiet += 1
+                    assert want == []
+                else:
+                    assert b.propose(1, layer + 1, 2, res) == want
+                proposed += bool(want)
+        a.end_pass(1)
+        b.end_pass(1)
+    assert quiet > 0 and proposed > 0
+    assert a.state() == b.state()
 
 
 @pytest.mark.parametrize("experts", [8, 32])

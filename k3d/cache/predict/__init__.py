@@ -10,6 +10,9 @@ A predictor's API (the only caller is ``AutoPrefetch``)::
     propose(client, layer, budget, resident, floor)
                                               -> [(key, confidence)], best first (resident: keys to skip;
                                                  floor: none is taken unless the best reaches it)
+    quiet(client, layer, resident, floor) -> bool
+                                              True: propose would give nothing, whatever the budget
+                                                 (settled as propose would); False: call propose
     end_pass(client)                          the client's token ended
     next_layer(client) / first_layer(client)  the layer to propose after a fetch / at a token's start
     remaining(client) / fetch_size(client)    keys its token still needs / keys in its last fetch

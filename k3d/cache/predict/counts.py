@@ -10,7 +10,9 @@
   of them picked when their layer came.
 
 Learning only appends to buffers (``learn``: a fetch's (layer, context rows, picks);
-``cal_idx`` / ``cal_arrs``: calibration indices, as a list or as arrays): the arrays
+``cal_idx`` / ``cal_arrs``: calibration indices, as a list or as arrays; ``cal_vecs``:
+calibration counts already binned and weighted, ``CoPredictor``'s sampled deferred
+candidates): the arrays
 move at ``fold``, all at once, so a fetch pays for a tuple and a few list appends
 instead of a few numpy calls, and everything read from the counts (``Tables``)
 stays fixed between folds and is computed once per fold.  The owner
@@ -58,6 +60,7 @@ class Counts:
         self.n = 0                              # fetches learned since the last fold
         self.cal_idx: list[int] = []            # calibration buffer indices (bin, or HIT + bin)
         self.cal_arrs: list[np.ndarray] = []
+        self.cal_vecs: list[np.ndarray] = []    # (2 * BINS + 2,) count vectors, added as they are
 
     def learn(self, m: int, rows, picks: tuple) -> None:
         """A fetch of layer ``m`` picked ``picks`` (distinct) with context ``rows`` (distinct)."""
@@ -74,7 +77,7 @@ class Counts:
     # -- folding ------------------------------------------------------------------
     def fold(self) -> None:
         """Move the buffers into the counts (and halve the layers that reached ``window``)."""
-        if not (self.n or self.cal_idx or self.cal_arrs):
+        if not (self.n or self.cal_idx or self.cal_arrs or self.cal_vecs):
             return
         self._apply(self.flat, self.visits, self.cal)
         self._clear()
@@ -114,6 +117,8 @@ class Counts:
         cparts = self.cal_arrs + ([np.array(self.cal_idx, np.int64)] if self.cal_idx else [])
         if cparts:
             cal += np.bincount(np.concatenate(cparts), minlength=2 * BINS + 2)
+        for v in self.cal_vecs:
+            cal += v
 
     def _apply_layers(self, flat, visits) -> None:
         """``_apply``'s counts, a layer at a time (the fetches sorted by layer): in a
@@ -141,11 +146,11 @@ class Counts:
 
     def snapshot(self, cal_extra=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(blk, visits, cal) as a fold would leave them, without folding (``cal_extra``:
-        calibration indices the fold would add too)."""
+        a calibration count vector the fold would add too)."""
         blk, visits, cal = self.blk.copy(), self.visits.copy(), self.cal.copy()
         self._apply(blk.reshape(-1), visits, cal)
-        if cal_extra is not None and cal_extra.size:
-            cal += np.bincount(cal_extra, minlength=2 * BINS + 2)
+        if cal_extra is not None:
+            cal += cal_extra
         return blk, visits, cal
 
     def views(self, blk=None, visits=None) -> dict:
@@ -177,7 +182,8 @@ class Tables:
       ``b``, shrunk towards the plain rate while the bin has few resolved candidates;
     - ``top[m, e]``: the best confidence any bin gives expert ``e`` of layer ``m``, and
       ``order(m)`` the (top, expert) pairs best first: no candidate of a proposal can
-      have a confidence above the first one not resident, whatever the context;
+      have a confidence above the first one not resident, whatever the context
+      (``best_l[m]``: the first one, resident or not);
     - ``q``: kept q rows per layer (``score.layer_q``: dense models' scoring, and any
       model's fold); dense models: ``ct_dense`` and ``io_pow``, per layer; small models:
       ``sets`` and ``memo``, the context layers' odds factors (``score.factors``),
@@ -195,6 +201,7 @@ class Tables:
         self.ct = ct.reshape(c.layers, BINS * E)
         self.ar = np.arange(E)
         self.top = ct.max(axis=1)                                      # (L, E)
+        self.best_l = self.top.max(axis=1).tolist()                    # (L,): no proposal's can be above
         self._order: dict[int, list] = {}
         self.small = small
         self.q: dict[int, np.ndarray] = {}      # layer -> score.layer_q (its rows of qall)

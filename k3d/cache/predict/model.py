@@ -39,7 +39,10 @@ that cannot propose anything (no candidate reaches ``min_prob`` in any bin under
 this fold's tables), or above ``SMALL`` experts nothing the caller would take (none
 reaches its ``floor``, or its budget is 0), is not scored at all then: its
 candidates' bins are computed at the fold, all together (``score.resolve``), with
-the same counts.  The fold
+the same counts, for one such proposal in ``cal_every`` (a count of them: the
+others leave nothing), weighing ``cal_every`` (``_defer``).  ``quiet`` settles a
+proposal so before its caller sizes a budget, when the layer's tables alone say
+it can give nothing.  The fold
 schedule is a function of the stream alone, so the daemon and ``k3d replay`` fold
 at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 
@@ -60,15 +63,18 @@ from k3d.cache.predict.counts import BINS, HIT, Counts, Tables
 from k3d.cache.predict.score import SMALL, bins_of, dense, resolve, small
 
 MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
+CAL_EVERY = 2           # a deferred proposal's candidates feed the calibration one in this many, weighted so
 
 
 class CoPredictor:
     name = "coact"
 
     def __init__(self, layers: int = 1, experts: int = 1, depth: int = 4, prior: float = 2.0,
-                 window: int = 4096, min_prob: float = 0.3):
+                 window: int = 4096, min_prob: float = 0.3, cal_every: int = CAL_EVERY):
         self.layers, self.experts = max(1, layers), max(1, experts)
         self.depth, self.prior, self.window, self.min_prob = depth, prior, window, min_prob
+        self.cal_every = max(1, cal_every)
+        self._quiet = 0                         # proposals deferred (propose / quiet), ever
         self.c = Counts(self.layers, self.experts, depth, window)
         self.learned = 0                        # fetches folded into the counts, ever
         self._fold_at = MIN_FOLD                # fold once this many fetches were learned since the last
@@ -117,7 +123,7 @@ class CoPredictor:
     def fold(self) -> None:
         """Move what was learned since the last fold into the counts (the proposals see it)."""
         if self._deferred:                         # binned under the tables they were made with
-            self.c.cal_arrs.append(resolve(self, self._deferred))
+            self.c.cal_vecs.append(self._resolved())
             self._deferred = []
         # Deferred proposals still waiting for their layer's fetch: bin them now, while
         # the counts are those they were made under, and keep the bins as if scored.
@@ -133,6 +139,12 @@ class CoPredictor:
         self.learned += self.c.pending()
         self.c.fold()
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
+
+    def _resolved(self) -> np.ndarray:
+        """The deferred proposals' calibration counts, each weighing ``cal_every`` (the
+        one sampled in that many: ``_defer``)."""
+        v = np.bincount(resolve(self, self._deferred), minlength=2 * BINS + 2)
+        return v * self.cal_every if self.cal_every > 1 else v
 
     def _observe_layer(self, client: int, m: int, picks: tuple) -> None:
         c = self.c
@@ -218,26 +230,19 @@ class CoPredictor:
         is scored now (see below)."""
         if not 0 <= layer < self.layers or (client not in self._recent and client not in self._prev):
             return []
-        keys = self._keys.get(layer)
-        if keys is None or len(keys) != self.experts:
-            keys = self._keys[layer] = [(layer, e) for e in range(self.experts)]
+        keys = self._layer_keys(layer)
         # Calibrated on the candidates not resident only: those are the ones read ahead,
         # and being evicted already says something (a key the policy let go is picked
         # less often than its score's bin says on average).
         t = self._table(client)
-        parts, rows, sizes = self._context(client, layer)
-        small_ = self.small                        # (read once: a property)
-        # One byte per expert, 1: resident (kept in _pending: a snapshot, and the fold
-        # joins the deferred ones' into one array)
-        row = getattr(resident, "row", None)
-        res = row(layer, self.experts) if row is not None else bytes(map(resident.__contains__, keys))
+        res = _residency(resident, layer, keys)
         top = -1.0                                 # the best confidence any candidate's bin has
         for c, e in t.order(layer):
             if not res[e]:
                 top = c
                 break
         # (score.small's bins are its own: see below)
-        idle = not small_ and (top < floor - 1e-9 or budget <= 0)
+        idle = not self.small and (top < floor - 1e-9 or budget <= 0)
         if top < self.min_prob or idle:
             # Nothing can be proposed, or (``idle``) taken, whatever the context (the 1e-9
             # is far above rounding, far below any confidence's step): the candidates'
@@ -245,9 +250,10 @@ class CoPredictor:
             # computed there, for all such proposals at once (score.resolve), as
             # score.dense computes them.  score.small's arithmetic may give another bin
             # at an exact edge, so a small model defers only what it always deferred.
-            self._pending[client] = (layer, None, t, rows, sizes, res)
+            self._defer(client, layer, t, res)
             return []
-        if small_:
+        parts, rows, sizes = self._context(client, layer)
+        if self.small:
             best, cands = small(self, t, layer, parts, res)
         else:
             best, cands = dense(self, t, layer, parts, rows, np.frombuffer(res, np.bool_), sizes)
@@ -256,6 +262,47 @@ class CoPredictor:
             return []
         best.sort()
         return [(keys[e], -c) for c, e in best[:budget]]
+
+    def _layer_keys(self, layer: int) -> list:
+        keys = self._keys.get(layer)
+        if keys is None or len(keys) != self.experts:
+            keys = self._keys[layer] = [(layer, e) for e in range(self.experts)]
+        return keys
+
+    def quiet(self, client: int, layer: int, resident=(), floor: float = 0.0) -> bool:
+        """True when ``propose(client, layer, budget, resident, floor)`` would give nothing
+        (or, above ``SMALL`` experts, nothing at ``floor`` or more) whatever its budget
+        and ``resident``: no expert of the layer has a bin that reaches ``min_prob`` (or
+        ``floor``) under this fold's tables (``Tables.best_l``).  The proposal is then
+        settled here, as ``propose`` settles one that can propose nothing (``_defer``),
+        so a caller need not size a budget first.  False: call ``propose``."""
+        if not 0 <= layer < self.layers or (client not in self._recent and client not in self._prev):
+            return True
+        t = self._table(client)
+        best = t.best_l[layer]
+        if best >= self.min_prob and (self.small or best >= floor - 1e-9):
+            return False
+        self._defer(client, layer, t, None, resident)
+        return True
+
+    def _defer(self, client: int, layer: int, t: Tables, res, resident=()) -> None:
+        """A proposal of ``layer`` that proposes nothing: one in ``cal_every`` is kept for
+        the calibration, binned at the fold (``fold``: ``score.resolve``, weighing
+        ``cal_every``); the others leave nothing.  The candidates of such proposals are
+        the bulk of the calibration on streams with little to predict (every proposal
+        of a layer that has nothing to propose), and binning each costs a gather of its
+        context rows: a fixed share, taken by a count of deferrals (a function of the
+        stream: replay samples the daemon's), estimates the same frequencies (an
+        unbiased one: every deferral is equally likely to be kept), at a quarter of
+        the cost.  ``res``: the residency bytes when the caller read them."""
+        self._quiet += 1
+        if self._quiet % self.cal_every:
+            self._pending.pop(client, None)
+            return
+        if res is None:
+            res = _residency(resident, layer, self._layer_keys(layer))
+        _, rows, sizes = self._context(client, layer)
+        self._pending[client] = (layer, None, t, rows, sizes, res)
 
     def next_layer(self, client: int) -> int | None:
         """The first layer after ``client``'s last fetch in this pass that has been
@@ -318,7 +365,7 @@ class CoPredictor:
         def sparse(arr):
             idx = np.nonzero(arr)
             return [[*map(int, i), int(arr[i])] for i in zip(*idx)]
-        blk, visits, cal = self.c.snapshot(resolve(self, self._deferred) if self._deferred else None)
+        blk, visits, cal = self.c.snapshot(self._resolved() if self._deferred else None)
         return {"predictor": self.name, "layers": self.layers, "experts": self.experts, "depth": self.depth,
                 **{name: sparse(arr) for name, arr in self.c.views(blk, visits).items()},
                 "cal_n": [int(x) for x in cal[:BINS]], "cal_hit": [int(x) for x in cal[HIT:HIT + BINS]]}
@@ -353,3 +400,12 @@ class CoPredictor:
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
         self._fetched = [bool(v) for v in new.visits.tolist()]
         self._reset_derived()
+
+
+def _residency(resident, layer: int, keys) -> bytes:
+    """One byte per expert of ``layer`` (1: resident) of ``keys`` (the layer's, expert
+    order), from a container of keys, or in one call from one with ``row(layer, n)``
+    (``k3d.cache.resident.ResidentRows``).  Kept in ``_pending`` as a snapshot; the
+    fold joins the deferred ones' into one array."""
+    row = getattr(resident, "row", None)
+    return row(layer, len(keys)) if row is not None else bytes(map(resident.__contains__, keys))

@@ -36,6 +36,9 @@ class PerClient:
     def propose(self, client: int, layer: int, budget: int, resident=(), floor: float = 0.0):
         return self._p(client).propose(client, layer, budget, resident, floor)
 
+    def quiet(self, client: int, layer: int, resident=(), floor: float = 0.0) -> bool:
+        return self._p(client).quiet(client, layer, resident, floor)
+
     def end_pass(self, client: int) -> None:
         self._p(client).end_pass(client)
 
