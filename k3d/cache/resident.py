@@ -61,3 +61,10 @@ class ResidentRows:
     def check(self) -> None:
         ones = {(layer, e) for layer, row in self.rows.items() for e, b in enumerate(row) if b}
         assert ones == self.key_slot.keys(), (ones ^ self.key_slot.keys())
+
+
+def residency(resident, layer: int, keys) -> bytes:
+    """One byte per key of ``keys`` (layer ``layer``'s, expert order; 1: resident), in one
+    call from ``ResidentRows`` (``row``), else one ``in`` per key of any container."""
+    row = getattr(resident, "row", None)
+    return row(layer, len(keys)) if row is not None else bytes(map(resident.__contains__, keys))

@@ -61,6 +61,7 @@ import numpy as np
 
 from k3d.cache.predict.counts import BINS, HIT, Counts, Tables
 from k3d.cache.predict.score import SMALL, bins_of, dense, resolve, small
+from k3d.cache.resident import residency
 
 MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
 CAL_EVERY = 2           # a deferred proposal's candidates feed the calibration one in this many, weighted so
@@ -233,9 +234,10 @@ class CoPredictor:
         keys = self._layer_keys(layer)
         # Calibrated on the candidates not resident only: those are the ones read ahead,
         # and being evicted already says something (a key the policy let go is picked
-        # less often than its score's bin says on average).
+        # less often than its score's bin says on average).  ``res``: a snapshot, kept
+        # in _pending (the fold joins the deferred ones' into one array).
         t = self._table(client)
-        res = _residency(resident, layer, keys)
+        res = residency(resident, layer, keys)
         top = -1.0                                 # the best confidence any candidate's bin has
         for c, e in t.order(layer):
             if not res[e]:
@@ -286,21 +288,19 @@ class CoPredictor:
         return True
 
     def _defer(self, client: int, layer: int, t: Tables, res, resident=()) -> None:
-        """A proposal of ``layer`` that proposes nothing: one in ``cal_every`` is kept for
-        the calibration, binned at the fold (``fold``: ``score.resolve``, weighing
-        ``cal_every``); the others leave nothing.  The candidates of such proposals are
-        the bulk of the calibration on streams with little to predict (every proposal
-        of a layer that has nothing to propose), and binning each costs a gather of its
-        context rows: a fixed share, taken by a count of deferrals (a function of the
-        stream: replay samples the daemon's), estimates the same frequencies (an
-        unbiased one: every deferral is equally likely to be kept), at a quarter of
-        the cost.  ``res``: the residency bytes when the caller read them."""
+        """A proposal of ``layer`` that proposes nothing: one in ``cal_every`` (by a count of
+        them: a function of the stream, so replay samples the daemon's) is kept for the
+        calibration, binned at the fold weighing ``cal_every``; the others leave nothing.
+        On streams with little to predict these are the bulk of the calibration, and
+        binning each costs a gather of its context rows: the sample estimates the same
+        frequencies, unbiased, at a fraction of the cost.  ``res``: the residency
+        bytes, when the caller read them."""
         self._quiet += 1
         if self._quiet % self.cal_every:
             self._pending.pop(client, None)
             return
         if res is None:
-            res = _residency(resident, layer, self._layer_keys(layer))
+            res = residency(resident, layer, self._layer_keys(layer))
         _, rows, sizes = self._context(client, layer)
         self._pending[client] = (layer, None, t, rows, sizes, res)
 
@@ -401,11 +401,3 @@ class CoPredictor:
         self._fetched = [bool(v) for v in new.visits.tolist()]
         self._reset_derived()
 
-
-def _residency(resident, layer: int, keys) -> bytes:
-    """One byte per expert of ``layer`` (1: resident) of ``keys`` (the layer's, expert
-    order), from a container of keys, or in one call from one with ``row(layer, n)``
-    (``k3d.cache.resident.ResidentRows``).  Kept in ``_pending`` as a snapshot; the
-    fold joins the deferred ones' into one array."""
-    row = getattr(resident, "row", None)
-    return row(layer, len(keys)) if row is not None else bytes(map(resident.__contains__, keys))
