@@ -8,8 +8,8 @@
 - the same stream gives the same proposals; state()/restore() carries them;
 - learning in batches counts exactly what a fetch at a time counts, state() does
   not change what is proposed, deferred calibration counts what scoring at once
-  counts (and, sampled one in ``cal_every``, estimates it); ``quiet`` before
-  ``propose`` changes nothing; one predictor per client (replay --learn private) keeps clients apart,
+  counts (and, sampled one in ``cal_every``, estimates it); a room asked lazily
+  proposes what a budget bounded before proposes; one predictor per client (replay --learn private) keeps clients apart,
   and shared learning beats it where clients teach each other.
 """
 
@@ -345,7 +345,7 @@ def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, ex
                         p.propose(c, layer + 1, 2, {(layer + 1, mine[0])})
             for c in range(1, clients + 1):
                 p.end_pass(c)
-        return p.state(), p._quiet
+        return p.state(), p._deferrals
 
     lazy, n_lazy = drive(CoPredictor(L, experts, cal_every=1))
     init = counts.Tables.__init__
@@ -353,6 +353,7 @@ def test_deferred_calibration_counts_what_scoring_at_once_counts(monkeypatch, ex
     def at_once(self, *a):
         init(self, *a)
         self.top[:] = 1.0                           # every candidate reachable: never defer
+        self.best_l = [1.0] * len(self.best_l)
 
     monkeypatch.setattr(counts.Tables, "__init__", at_once)
     eager, n_eager = drive(CoPredictor(L, experts, cal_every=1))
@@ -378,7 +379,7 @@ def test_sampled_deferred_calibration_estimates_the_whole(experts):
                     p.propose(1, layer + 1, 2, ())
             p.end_pass(1)
         st = p.state()
-        return st["cal_n"], st["cal_hit"], p._quiet
+        return st["cal_n"], st["cal_hit"], p._deferrals
 
     n_all, hit_all, q_all = drive(CoPredictor(L, experts, cal_every=1))
     n_4, hit_4, q_4 = drive(CoPredictor(L, experts, cal_every=4))
@@ -389,32 +390,38 @@ def test_sampled_deferred_calibration_estimates_the_whole(experts):
             assert abs(hit_4[b] / max(n_4[b], 1) - hit_all[b] / n) < 0.03
 
 
-@pytest.mark.parametrize("experts, cal_every", [(E, 1), (E, 4), (32, 4)])
-def test_quiet_before_propose_changes_nothing(experts, cal_every):
-    """``AutoPrefetch`` asks ``quiet`` first and sizes a budget only when it says False:
-    the proposals, and what is learned, are those of ``propose`` alone."""
+@pytest.mark.parametrize("experts, cal_every", [(E, 1), (E, 2), (32, 2)])
+def test_a_lazy_room_proposes_what_an_eager_budget_proposes(experts, cal_every):
+    """``AutoPrefetch`` gives ``propose`` its room as a callable, asked only when something
+    could be proposed: the proposals, and what is learned, are those of the budget
+    bounded before the call, and most proposals never ask."""
     stream = [pattern_token(t) if t % 3 else r for t, r in enumerate(random_stream(E, 240, 5))]
     if experts != E:
         stream = [[[(e * 5 + t) % experts for e in picks] for picks in route] for t, route in enumerate(stream)]
     a, b = CoPredictor(L, experts, cal_every=cal_every), CoPredictor(L, experts, cal_every=cal_every)
-    quiet = proposed = 0
-    for route in stream:
+    asked, calls, proposed = [0], 0, 0
+
+    def room(n):
+        def ask():
+            asked[0] += 1
+            return n
+        return ask
+
+    for t, route in enumerate(stream):
         for layer, picks in enumerate(route):
             for p in (a, b):
                 p.observe(1, [(layer, e) for e in picks])
             if layer + 1 < L:
-                res = {(layer + 1, picks[0])}
-                want = a.propose(1, layer + 1, 2, res)
-                if b.quiet(1, layer + 1, res):
-                    quiet += 1
-                    assert want == []
-                else:
-                    assert b.propose(1, layer + 1, 2, res) == want
+                res, n = {(layer + 1, picks[0])}, t % 3           # (room 0 at every third token)
+                want = a.propose(1, layer + 1, min(2, n), res, 0.4)
+                assert b.propose(1, layer + 1, 2, res, 0.4, room(n)) == want
+                calls += 1
                 proposed += bool(want)
         a.end_pass(1)
         b.end_pass(1)
-    assert quiet > 0 and proposed > 0
+    assert proposed > 0 and 0 < asked[0] < calls
     assert a.state() == b.state()
+
 
 
 @pytest.mark.parametrize("experts", [8, 32])

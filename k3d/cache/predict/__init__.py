@@ -7,12 +7,10 @@
 A predictor's API (the only caller is ``AutoPrefetch``)::
 
     observe(client, keys)                     client fetched keys (request order)
-    propose(client, layer, budget, resident, floor)
+    propose(client, layer, budget, resident, floor, room)
                                               -> [(key, confidence)], best first (resident: keys to skip;
-                                                 floor: none is taken unless the best reaches it)
-    quiet(client, layer, resident, floor) -> bool
-                                              True: propose would give nothing, whatever the budget
-                                                 (settled as propose would); False: call propose
+                                                 floor: none is taken unless the best reaches it;
+                                                 room(): a bound on budget, asked only when needed)
     end_pass(client)                          the client's token ended
     next_layer(client) / first_layer(client)  the layer to propose after a fetch / at a token's start
     remaining(client) / fetch_size(client)    keys its token still needs / keys in its last fetch

@@ -40,9 +40,9 @@ this fold's tables), or above ``SMALL`` experts nothing the caller would take (n
 reaches its ``floor``, or its budget is 0), is not scored at all then: its
 candidates' bins are computed at the fold, all together (``score.resolve``), with
 the same counts, for one such proposal in ``cal_every`` (a count of them: the
-others leave nothing), weighing ``cal_every`` (``_defer``).  ``quiet`` settles a
-proposal so before its caller sizes a budget, when the layer's tables alone say
-it can give nothing.  The fold
+others leave nothing), weighing ``cal_every`` (``_defer``); one that the layer's
+tables alone say can give nothing reads neither the residency nor the caller's
+``room``.  The fold
 schedule is a function of the stream alone, so the daemon and ``k3d replay`` fold
 at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 
@@ -75,7 +75,7 @@ class CoPredictor:
         self.layers, self.experts = max(1, layers), max(1, experts)
         self.depth, self.prior, self.window, self.min_prob = depth, prior, window, min_prob
         self.cal_every = max(1, cal_every)
-        self._quiet = 0                         # proposals deferred (propose / quiet), ever
+        self._deferrals = 0                     # proposals deferred (_defer), ever
         self.c = Counts(self.layers, self.experts, depth, window)
         self.learned = 0                        # fetches folded into the counts, ever
         self._fold_at = MIN_FOLD                # fold once this many fetches were learned since the last
@@ -220,23 +220,32 @@ class CoPredictor:
             t.qall = old.qall                      # (no one reads the old tables after a fold)
         return t
 
-    def propose(self, client: int, layer: int, budget: int, resident=(),
-                floor: float = 0.0) -> list[tuple[tuple[int, int], float]]:
+    def propose(self, client: int, layer: int, budget: int, resident=(), floor: float = 0.0,
+                room=None) -> list[tuple[tuple[int, int], float]]:
         """Up to ``budget`` keys of ``layer`` not in ``resident`` (a container of keys;
         one with ``row(layer, n)``, as ``k3d.cache.resident.ResidentRows``, answers for
-        the whole layer in one call), with confidence at least ``min_prob``, best first (ties: lower expert), as
-        (key, confidence).  Remembers the candidates so the client's fetch of
-        ``layer`` measures the calibration.  ``floor``: the caller takes nothing
-        unless the best confidence is at least this: when none can reach it, nothing
-        is scored now (see below)."""
+        the whole layer in one call), with confidence at least ``min_prob``, best first
+        (ties: lower expert), as (key, confidence).  Remembers the candidates so the
+        client's fetch of ``layer`` measures the calibration.  ``floor``: the caller
+        takes nothing unless the best confidence is at least this: when none can reach
+        it, nothing is scored now (see below).  ``room``: a callable, the most keys the
+        caller can take now (the budget is the smaller), asked only once something
+        could be proposed: most proposals can give nothing, and the caller's answer
+        (``AutoPrefetch._room``) is a sum over clients."""
         if not 0 <= layer < self.layers or (client not in self._recent and client not in self._prev):
+            return []
+        t = self._table(client)
+        # No expert of the layer has a bin reaching min_prob (or, scored densely, the
+        # floor): nothing can be proposed whatever the context and the residency.
+        best_l = t.best_l[layer]
+        if best_l < self.min_prob or (not self.small and best_l < floor - 1e-9):
+            self._defer(client, layer, t, None, resident)
             return []
         keys = self._layer_keys(layer)
         # Calibrated on the candidates not resident only: those are the ones read ahead,
         # and being evicted already says something (a key the policy let go is picked
         # less often than its score's bin says on average).  ``res``: a snapshot, kept
         # in _pending (the fold joins the deferred ones' into one array).
-        t = self._table(client)
         res = residency(resident, layer, keys)
         top = -1.0                                 # the best confidence any candidate's bin has
         for c, e in t.order(layer):
@@ -244,6 +253,8 @@ class CoPredictor:
                 top = c
                 break
         # (score.small's bins are its own: see below)
+        if not self.small and top >= floor - 1e-9 and top >= self.min_prob and room is not None:
+            budget, room = min(budget, room()), None
         idle = not self.small and (top < floor - 1e-9 or budget <= 0)
         if top < self.min_prob or idle:
             # Nothing can be proposed, or (``idle``) taken, whatever the context (the 1e-9
@@ -262,30 +273,16 @@ class CoPredictor:
         self._pending[client] = (layer, cands)
         if not best:
             return []
+        if room is not None:
+            budget = min(budget, room())
         best.sort()
-        return [(keys[e], -c) for c, e in best[:budget]]
+        return [(keys[e], -c) for c, e in best[:max(0, budget)]]
 
     def _layer_keys(self, layer: int) -> list:
         keys = self._keys.get(layer)
         if keys is None or len(keys) != self.experts:
             keys = self._keys[layer] = [(layer, e) for e in range(self.experts)]
         return keys
-
-    def quiet(self, client: int, layer: int, resident=(), floor: float = 0.0) -> bool:
-        """True when ``propose(client, layer, budget, resident, floor)`` would give nothing
-        (or, above ``SMALL`` experts, nothing at ``floor`` or more) whatever its budget
-        and ``resident``: no expert of the layer has a bin that reaches ``min_prob`` (or
-        ``floor``) under this fold's tables (``Tables.best_l``).  The proposal is then
-        settled here, as ``propose`` settles one that can propose nothing (``_defer``),
-        so a caller need not size a budget first.  False: call ``propose``."""
-        if not 0 <= layer < self.layers or (client not in self._recent and client not in self._prev):
-            return True
-        t = self._table(client)
-        best = t.best_l[layer]
-        if best >= self.min_prob and (self.small or best >= floor - 1e-9):
-            return False
-        self._defer(client, layer, t, None, resident)
-        return True
 
     def _defer(self, client: int, layer: int, t: Tables, res, resident=()) -> None:
         """A proposal of ``layer`` that proposes nothing: one in ``cal_every`` (by a count of
@@ -295,8 +292,8 @@ class CoPredictor:
         binning each costs a gather of its context rows: the sample estimates the same
         frequencies, unbiased, at a fraction of the cost.  ``res``: the residency
         bytes, when the caller read them."""
-        self._quiet += 1
-        if self._quiet % self.cal_every:
+        self._deferrals += 1
+        if self._deferrals % self.cal_every:
             self._pending.pop(client, None)
             return
         if res is None:

@@ -125,13 +125,11 @@ class AutoPrefetch:
         return self._predict(client, layer, self.budget or p.fetch_size(client), now)
 
     def _predict(self, client: int, layer: int, budget: int, now: float) -> tuple[list, list[int]]:
-        # (_afford takes nothing under precision - credit: the predictor need not score then)
-        floor = self.precision - self.credit
-        if self.predictor.quiet(client, layer, self._resident(), floor):
-            return [], []                        # (nothing to size a budget for: _room is a sum over clients)
         store = self.store
-        budget = min(budget, self._room())
-        props = self.predictor.propose(client, layer, max(0, budget), self._resident(), floor)
+        # (_afford takes nothing under precision - credit: the predictor need not score
+        # then; _room, a sum over clients, only once there is something to take)
+        props = self.predictor.propose(client, layer, budget, self._resident(),
+                                       self.precision - self.credit, self._room)
         proposed = self._afford(props)
         if not proposed:
             return [], []

@@ -33,11 +33,8 @@ class PerClient:
     def observe(self, client: int, keys) -> None:
         self._p(client).observe(client, keys)
 
-    def propose(self, client: int, layer: int, budget: int, resident=(), floor: float = 0.0):
-        return self._p(client).propose(client, layer, budget, resident, floor)
-
-    def quiet(self, client: int, layer: int, resident=(), floor: float = 0.0) -> bool:
-        return self._p(client).quiet(client, layer, resident, floor)
+    def propose(self, client: int, layer: int, budget: int, resident=(), floor: float = 0.0, room=None):
+        return self._p(client).propose(client, layer, budget, resident, floor, room)
 
     def end_pass(self, client: int) -> None:
         self._p(client).end_pass(client)
