@@ -203,6 +203,7 @@ class Tables:
         self.top = ct.max(axis=1)                                      # (L, E)
         self.best_l = self.top.max(axis=1).tolist()                    # (L,): no proposal's can be above
         self._order: dict[int, list] = {}
+        self._sorted: np.ndarray | None = None  # (L, E): each layer's experts by top, best first
         self.small = small
         self.q: dict[int, np.ndarray] = {}      # layer -> score.layer_q (its rows of qall)
         self.qall: np.ndarray | None = None     # (L, D * E, E): score.layer_q's buffer
@@ -231,10 +232,12 @@ class Tables:
         return got
 
     def order(self, m: int) -> list:
-        """Layer ``m``'s (top, expert) pairs, best first (ties: lower expert); one sort per fold."""
+        """Layer ``m``'s (top, expert) pairs, best first (ties: lower expert); one numpy sort of
+        every layer's per fold, not one per layer."""
         got = self._order.get(m)
         if got is None:
-            row = self.top[m]
-            idx = np.argsort(-row, kind="stable")      # (stable: equal tops keep expert order)
-            got = self._order[m] = list(zip(row[idx].tolist(), idx.tolist()))
+            if self._sorted is None:                   # every layer at once: one sort per fold
+                self._sorted = np.argsort(-self.top, axis=1, kind="stable")   # (equal tops: expert order)
+            idx = self._sorted[m]
+            got = self._order[m] = list(zip(self.top[m][idx].tolist(), idx.tolist()))
         return got
