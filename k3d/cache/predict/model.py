@@ -397,4 +397,3 @@ class CoPredictor:
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
         self._fetched = [bool(v) for v in new.visits.tolist()]
         self._reset_derived()
-
