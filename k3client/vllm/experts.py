@@ -290,7 +290,6 @@ class VllmRuntime(Runtime):
             for group in self._groups(ml, experts, predicted):
                 for e, views in group:
                     n = counts[e]
-                    x = xs if tokens == 1 else xs[at:at + n]
                     if rowmm is not None and n <= NATIVE_MAX_ROWS:
                         h = native.gated_expert(rowmm, ml.module, views, xf if tokens == 1 else xf[at:at + n],
                                                 dtype if reduced else None)
@@ -298,7 +297,7 @@ class VllmRuntime(Runtime):
                     else:
                         if reduced and on != (mkldnn and n > NATIVE_ROWS):
                             on = torch.backends.mkldnn.enabled = not on
-                        h = expert(ml.module, views, x, device, dtype)
+                        h = expert(ml.module, views, xs if tokens == 1 else xs[at:at + n], device, dtype)
                     # in place, the product rounded to h's dtype: the bits of (h * w).to(dtype)
                     h.mul_(scales[at] if n == 1 and scales is not None else ws[at:at + n])
                     if h.dtype != acc:

@@ -144,8 +144,7 @@ class CoPredictor:
     def _resolved(self) -> np.ndarray:
         """The deferred proposals' calibration counts, each weighing ``cal_every`` (the
         one sampled in that many: ``_defer``)."""
-        v = np.bincount(resolve(self, self._deferred), minlength=2 * BINS + 2)
-        return v * self.cal_every if self.cal_every > 1 else v
+        return np.bincount(resolve(self, self._deferred), minlength=2 * BINS + 2) * self.cal_every
 
     def _observe_layer(self, client: int, m: int, picks: tuple) -> None:
         c = self.c
@@ -253,9 +252,12 @@ class CoPredictor:
                 top = c
                 break
         # (score.small's bins are its own: see below)
-        if not self.small and top >= floor - 1e-9 and top >= self.min_prob and room is not None:
-            budget, room = min(budget, room()), None
-        idle = not self.small and (top < floor - 1e-9 or budget <= 0)
+        idle = False
+        if not self.small and top >= self.min_prob:
+            idle = top < floor - 1e-9
+            if not idle and room is not None:      # something could be taken: the room bounds it
+                budget, room = min(budget, room()), None
+            idle = idle or budget <= 0
         if top < self.min_prob or idle:
             # Nothing can be proposed, or (``idle``) taken, whatever the context (the 1e-9
             # is far above rounding, far below any confidence's step): the candidates'
