@@ -26,7 +26,16 @@ learning and proposing, the predictor changes the work itself (reads ahead are
 extra reads, hits it brings are reads moved earlier, and hits answered in the
 client are round trips the loop never sees).  The hit rates, reads and the
 daemon's prediction counters (``status()``, last run of each mode) say what it buys.
-No target beyond "small against a fetch": the ratio is printed.
+
+The predictor's own CPU, timed where it runs: the daemon's loop thread adds its
+CPU in the predictor's hooks and in starting their reads to ``status()``'s
+``prediction.daemon.cpu_s`` (``k3d.cache.fetch``).  Against the rest of the same
+``auto`` run's daemon CPU (the floor, in the same run: no drift between runs),
+it is far less noisy than the difference above, and leaves out what the reads
+ahead themselves cost (extra reads, reported as bytes read for nothing).
+``--hidden 2880 --inter 2880``: experts of gpt-oss's size (~13 MB in MXFP4), where a
+fetch's reads cost what they cost users.
+No target beyond "small against a fetch": the ratios are printed.
 """
 
 from __future__ import annotations
@@ -95,6 +104,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--hit-path", choices=("client", "daemon"), default="client")
     ap.add_argument("--slots", type=int, default=100)
+    ap.add_argument("--hidden", type=int, default=256, help="expert shape (MXFP4); 2880 x 2880: gpt-oss's")
+    ap.add_argument("--inter", type=int, default=128)
     a = ap.parse_args()
     events = read(TRACE)
     stream = []
@@ -106,8 +117,9 @@ def main() -> int:
     layers = 1 + max(k[0] for e in events if e.kind == FETCH for k in e.keys)
     experts = 1 + max(k[1] for e in events if e.kind == FETCH for k in e.keys)
     fetches = sum(1 for op, _ in stream if op == FETCH)
-    ckpt = harness.checkpoint(layers=layers, experts=experts, hidden=256, inter=128, seed=3)
+    ckpt = harness.checkpoint(layers=layers, experts=experts, hidden=a.hidden, inter=a.inter, seed=3)
     runs: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
+    own: list[float] = []                   # the auto runs' predictor CPU, s/fetch
     last: dict[str, dict] = {}
     t_start = time.perf_counter()
     try:
@@ -116,6 +128,8 @@ def main() -> int:
                 p, m, w, st = replay_once(ckpt, mode, a.slots, a.hit_path, stream)
                 runs[mode].append((p, m, w))
                 last[mode] = st
+                if mode == "auto":
+                    own.append(st["prediction"]["daemon"]["cpu_s"] / fetches)
                 print(f"  rep {rep + 1} {mode:<6} {p * 1e6:7.1f} us CPU/fetch (loop {m * 1e6:6.1f}), "
                       f"{w:.2f}s wall", flush=True)
     finally:
@@ -136,6 +150,10 @@ def main() -> int:
         ratio = [d / y[i] for d, y in zip(diff, runs["client"])]
         print(f"predict_cost: {what} auto - client {med(diff) * 1e6:+.1f} us CPU per fetch, "
               f"{med(ratio):+.2f}x client's per fetch (per-rep {' '.join(f'{r:+.2f}' for r in ratio)})")
+    for i, what in ((0, "daemon"), (1, "loop thread")):
+        ratio = [o / (r[i] - o) for o, r in zip(own, runs["auto"])]
+        print(f"predict_cost: predictor's own CPU {med(own) * 1e6:.1f} us per fetch, {med(ratio):.2f}x the rest of "
+              f"the {what}'s per fetch in the same run (per-rep {' '.join(f'{r:.2f}' for r in ratio)})")
     return 0
 
 

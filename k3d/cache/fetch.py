@@ -21,6 +21,9 @@ The loop validates a request and makes one call here, with the client's session:
 - ``begin_token``: reports, then the client's pins go, its unused predictions are
   counted and demoted, and its prediction-waste share moves; with ``auto``, the
   daemon predicts the new token's first layer (an ``auto`` line after ``begin``);
+  the loop thread's CPU in ``auto``'s hooks and in starting its reads is added to
+  ``auto.cpu_ns`` at each (status ``prediction.daemon.cpu_s``: what predicting
+  costs, measured where it is paid; ~0.3 µs per hook for the clock);
 - ``drop``: a client leaves or dies: pins released, held-back reads go on as
   background reads, a fetch it waits on is answered NotAttached;
 - ``settle``: after each request, slots no client can read any more are freed
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import time
+from time import thread_time_ns
 
 from k3d.cache.parked import Parked, checked_slots
 from k3d.cache.sessions import Session
@@ -113,7 +117,9 @@ class Cache:
             for (keys, _), prefetched in zip(hits, used):
                 self._trace_fetch(s, keys, now, prefetched=prefetched)
         if self.auto is not None:             # learn only: the client is past these layers
+            t = thread_time_ns()
             self.auto.after_reports(s.client_id, hits)
+            self.auto.cpu_ns += thread_time_ns() - t
         return skipped
 
     def predict(self, s: Session, keys, now: float) -> int:
@@ -144,13 +150,15 @@ class Cache:
         released, unused = self.store.end_epoch(s.client_id, s.holder)
         released += skipped
         if self.auto is not None:             # after the client's own, as k3d replay does
+            t = thread_time_ns()
             self.auto.end_token(s.client_id)
             # the token's first layer, which no client can name yet
             proposed, started = self.auto.begin_token(s.client_id, now)
-            if self.live.trace is not None:
-                self.live.trace.auto(now, s.client_id, s.epoch + 1, proposed)
             if started:
                 self._start(started, urgent=False, owner=s.client_id)
+            self.auto.cpu_ns += thread_time_ns() - t
+            if self.live.trace is not None:
+                self.live.trace.auto(now, s.client_id, s.epoch + 1, proposed)
         self.store.reuse.new_token(s.client_id)
         s.pfu += unused
         if s.pf_started:
@@ -181,11 +189,13 @@ class Cache:
         """The daemon's predictions after ``s``'s fetch (the one call site): learn, propose,
         read BACKGROUND.  The trace gets an ``auto`` line even when empty: it marks where
         the predictor ran, so ``k3d replay`` runs it at the same point."""
+        t = thread_time_ns()
         proposed, started = self.auto.after_fetch(s.client_id, keys, plan.slots, client_started, now)
-        if self.live.trace is not None:
-            self.live.trace.auto(now, s.client_id, s.epoch, proposed)
         if started:
             self._start(started, urgent=False, owner=s.client_id)
+        self.auto.cpu_ns += thread_time_ns() - t
+        if self.live.trace is not None:
+            self.live.trace.auto(now, s.client_id, s.epoch, proposed)
 
     def drop(self, s: Session, reason: str) -> int:
         """``s`` is gone (the caller removes the session).  Returns the pins released."""
@@ -194,7 +204,9 @@ class Cache:
         released, _ = self.store.end_epoch(s.client_id, s.holder)
         self.store.forget_client(s.client_id)
         if self.auto is not None:
+            t = thread_time_ns()
             self.auto.drop(s.client_id)
+            self.auto.cpu_ns += thread_time_ns() - t
         self.store.reuse.leave(s.client_id)
         # Its held-back reads go on as background reads (another client may fetch
         # those keys: that promotes them), never ahead of the urgent reads of others.

@@ -132,7 +132,7 @@ def render(st: dict) -> str:
         if a:   # the daemon's own predictor (--predict auto)
             lines.append(f"auto    {a['predictor']}: {a['issued']} read ahead, used {a['used_in_time']} in time / "
                          f"{a['used_late']} late, {a['unused']} unused ({a['unused_bytes'] / 2**20:.1f} MiB), "
-                         f"{a['refused']} refused")
+                         f"{a['refused']} refused; {1e6 * a['cpu_s'] / max(1, a['fetches']):.0f} us CPU per fetch")
     w = st.get("warm") or {}
     if "planned" in w:
         lines.append(f"warm    {st.get('policy', '')} statistics from {w['state_file']}: pre-loaded {w['ready']} of "

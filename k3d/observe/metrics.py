@@ -171,6 +171,8 @@ def families(st: dict):
     if auto:                                   # the daemon's own predictions (--predict auto)
         for field, text in AUTO.items():
             yield CounterMetricFamily(f"k3d_auto_prefetch_{field}", text, value=auto[field])
+        yield CounterMetricFamily("k3d_auto_prefetch_cpu_seconds", "the daemon loop thread's CPU seconds in its own "
+                                  "predictor: learning, proposing, starting its reads", value=auto["cpu_s"])
     tiers = (st.get("model") or {}).get("tiers") or {}
     o = tiers.get("origin")
     if o:

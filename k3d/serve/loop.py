@@ -102,8 +102,11 @@ class Server:
         self.index = SharedIndex(layers, 1 + max(e for _, e in source.keys))
         # SIGHUP's settings, read by every component from this one object (reload.apply updates it)
         self.live = Live.of(cfg, RouteTrace(cfg.trace, self.t0) if cfg.trace else None)
+        # (a read costs a slot's bytes: fixed once the arena is built; ``Source.expert_bytes``
+        # recomputes it from the layouts, and the store asks per prediction found unused)
+        slot_bytes = source.expert_bytes
         self.store = Store(arena.slots, self.live, make_policy(cfg.policy, layers),
-                           key_bytes=lambda key: source.expert_bytes, index=self.index, reuse=Reuse(),
+                           key_bytes=lambda key: slot_bytes, index=self.index, reuse=Reuse(),
                            reserve=reserve_for(arena.slots))
         self.warm = WarmState(cfg, source, self.store, self.t0)     # restores the policy's statistics
         self.stats = self.store.stats

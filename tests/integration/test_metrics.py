@@ -67,6 +67,14 @@ def test_scrape_equals_status(checkpoint, start_daemon):
         assert m[("k3d_fetch_seconds_count", (("result", result),))] == lat[result]["count"]
         assert m[("k3d_fetch_seconds_sum", (("result", result),))] == pytest.approx(lat[result]["sum"])
     assert lat["hit"]["count"] == 1 and lat["miss"]["count"] == 1
+    # the daemon's own predictor (--predict auto, the default) learned both fetches, at a CPU
+    # cost timed in its loop thread; nothing ran it between the scrape and the status
+    auto = st["prediction"]["daemon"]
+    assert auto["fetches"] == 2 and auto["cpu_s"] > 0
+    assert m[("k3d_auto_prefetch_cpu_seconds_total", ())] == pytest.approx(auto["cpu_s"])
+    assert m[("k3d_auto_prefetch_issued_total", ())] == auto["issued"]
+    line = next(ln for ln in k3ctl("status", "--endpoint", d.endpoint).stdout.splitlines() if ln.startswith("auto"))
+    assert re.search(r"; \d+ us CPU per fetch$", line), line
     inf = m[("k3d_fetch_seconds_bucket", (("le", "+Inf"), ("result", "miss")))]
     assert inf == 1
 

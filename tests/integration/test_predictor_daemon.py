@@ -79,6 +79,7 @@ def test_replay_reproduces_the_daemons_own_predictions(start_daemon, ckpt):
     assert auto["used"] >= 0.8 * auto["issued"]
     assert auto["used_in_time"] + auto["used_late"] == auto["used"]
     assert auto["unused_bytes"] == auto["unused"] * status["arena"]["expert_bytes"]
+    assert 0 < auto["fetches"] <= 60 * LAYERS and auto["cpu_s"] > 0   # what predicting cost, timed in the daemon
     want = {k: st[k] for k in ("hits", "misses", "evictions", "prefetched", "prefetch_hits", "prefetch_unused",
                                "prefetch_refused")}
     for predictor in ("recorded", "coact"):

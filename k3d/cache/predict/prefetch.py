@@ -70,6 +70,9 @@ class AutoPrefetch:
         self.used_in_time = 0
         self.used_late = 0
         self.gone = PredictionStats()            # the daemon's figures for clients that left
+        # The loop thread's CPU in these hooks (and in starting their reads), ns: the
+        # daemon's caller (k3d.cache.fetch) adds it; replay, which has no such thread, never does
+        self.cpu_ns = 0
 
     # -- the hooks ----------------------------------------------------------------
     def after_fetch(self, client: int, keys, slots, client_started: int = 0, now: float = 0.0,
@@ -215,12 +218,14 @@ class AutoPrefetch:
         return out
 
     def as_dict(self) -> dict:
-        """For status and metrics: issued, used in time, used late, unused, refused, bytes read for nothing."""
+        """For status and metrics: issued, used in time, used late, unused, refused, bytes read
+        for nothing; what it cost: ``cpu_s`` over ``fetches`` (every fetch it learned)."""
         q = self.totals()
         return {"predictor": self.predictor.name, "issued": q.prefetched, "used": q.prefetch_hits,
                 "used_in_time": self.used_in_time, "used_late": self.used_late,
                 "unused": q.prefetch_unused, "unused_bytes": q.unused_bytes, "refused": q.refused,
-                "precision": round(q.prefetch_hits / q.prefetched, 4) if q.prefetched else None}
+                "precision": round(q.prefetch_hits / q.prefetched, 4) if q.prefetched else None,
+                "fetches": self.fetches, "cpu_s": self.cpu_ns / 1e9}
 
 
 class _Resident:
