@@ -38,22 +38,20 @@ keeps that memfd alive while it is mapped), so their bytes stay correct.
 
 from __future__ import annotations
 
-import mmap
 import os
-import socket
 import threading
 import time
 import weakref
 
 import zmq
 
-from . import errors
+from . import errors, handout
 from .channel import Channel, Gone
 from .endpoint import ipc_path, no_access_message, resolve_endpoint, unreachable_dir
 from .hits import REPORT_FLUSH, LocalHits, hit_path_mode
 from .layout import TensorSpec, layouts_from_wire
 from .lease import end_heartbeat, heartbeat
-from .protocol import items, key_int, key_pairs, unpack
+from .protocol import items, key_int, key_pairs
 from .views import Expert
 
 _INTS = frozenset((int,))
@@ -206,37 +204,16 @@ class Client:
         self.restarts += 1
 
     def _attach_arena(self, path: str, size: int, index_size: int, t_hello: float):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-            s.settimeout(5.0)
-            try:
-                s.connect(path)
-                msg, fds, _, _ = socket.recv_fds(s, 4096, 2)
-            except OSError as e:
-                raise errors.DaemonNotRunning(f"cannot attach the arena at {path}: {e}") from None
-        if not fds:
-            raise errors.PermissionDenied(
-                f"the daemon refused to hand out the arena at {path}: {msg.decode(errors='replace')}")
-        fd = fds[0]
-        for extra in fds[1:]:
-            try:
-                if self.hit_path == "client" and self._hits is None:
-                    self._hits = LocalHits(extra, index_size, self.lease_s, t_hello, self._chan.pidfd)
-            except (OSError, ValueError) as e:
-                self.hit_path, self.hit_path_why = "daemon", f"cannot map the shared index: {e}"
-            finally:
-                os.close(extra)
+        self._mm, index_fd = handout.receive(path, size, self.gen)
+        if index_fd is None:
+            return
         try:
-            meta = unpack(msg)
-            if meta["gen"] != self.gen:
-                raise errors.DaemonRestarted("the daemon restarted while attaching; connect again")
-            # Map the whole memfd: a hugetlb arena is rounded up to whole huge pages, and a
-            # mapping of a length that is not a multiple of them could never be unmapped.
-            whole = os.fstat(fd).st_size
-            if whole < size:
-                raise errors.ProtocolMismatch(f"the arena at {path} holds {whole} bytes, the daemon said {size}")
-            self._mm = mmap.mmap(fd, whole, mmap.MAP_SHARED, mmap.PROT_READ)
+            if self.hit_path == "client" and self._hits is None:
+                self._hits = LocalHits(index_fd, index_size, self.lease_s, t_hello, self._chan.pidfd)
+        except (OSError, ValueError) as e:
+            self.hit_path, self.hit_path_why = "daemon", f"cannot map the shared index: {e}"
         finally:
-            os.close(fd)
+            os.close(index_fd)
 
     def _call(self, op: str, **fields):
         """``Channel.request``, re-attaching and re-issuing it across daemon restarts (without the

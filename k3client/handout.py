@@ -1,0 +1,57 @@
+"""Receiving the arena: the client's side of the daemon's hand-out (``k3d/serve/handout.py``).
+
+Wire: connect to the path ``hello`` named (SOCK_SEQPACKET) and receive one
+packet: msgpack ``{gen, ...}`` with two fds (SCM_RIGHTS), the arena's sealed
+memfd and the shared index's; a refused peer gets one line of text and no fd.
+
+``receive`` maps the whole arena read-only and returns the index's fd, which the
+caller owns (and closes) from then on; on any error every received fd is
+closed and nothing is mapped.  The mapping covers the memfd's whole length: a
+hugetlb arena is rounded up to whole huge pages, and a mapping of a length
+that is not a multiple of them could never be unmapped.
+
+Called by ``Client`` on its own thread, at each (re-)attach.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+
+from . import errors
+from .protocol import unpack
+
+
+def receive(path: str, size: int, gen: int) -> tuple[mmap.mmap, int | None]:
+    """(the arena ``path`` hands out, mapped read-only; the shared index's fd, or None if
+    none came).  ``size``: the arena's bytes as ``hello`` said; ``gen``: its generation
+    (another one: the daemon restarted in between, ``DaemonRestarted``)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(5.0)
+        try:
+            s.connect(path)
+            msg, fds, _, _ = socket.recv_fds(s, 4096, 2)
+        except OSError as e:
+            raise errors.DaemonNotRunning(f"cannot attach the arena at {path}: {e}") from None
+    if not fds:
+        raise errors.PermissionDenied(
+            f"the daemon refused to hand out the arena at {path}: {msg.decode(errors='replace')}")
+    fd, extra = fds[0], fds[1:]
+    index_fd = extra[0] if extra else None
+    for other in extra[1:]:
+        os.close(other)
+    try:
+        meta = unpack(msg)
+        if meta["gen"] != gen:
+            raise errors.DaemonRestarted("the daemon restarted while attaching; connect again")
+        whole = os.fstat(fd).st_size
+        if whole < size:
+            raise errors.ProtocolMismatch(f"the arena at {path} holds {whole} bytes, the daemon said {size}")
+        return mmap.mmap(fd, whole, mmap.MAP_SHARED, mmap.PROT_READ), index_fd
+    except BaseException:
+        if index_fd is not None:
+            os.close(index_fd)
+        raise
+    finally:
+        os.close(fd)
