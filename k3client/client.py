@@ -237,8 +237,12 @@ class Client:
                 fields.pop("hits", None)
             except errors.SlotsBusy:
                 # Evicted slots wait until other clients' views of them end (their next
-                # request, at most their lease): the daemon makes room meanwhile.
+                # request, at most their lease): the daemon makes room meanwhile.  Until
+                # this client's next request it answers no hit itself: the daemon counts
+                # on that to reuse slots under the others' retries (k3d/cache/reuse.py).
                 if time.monotonic() + pause > deadline:
+                    if self._hits is not None:
+                        self._hits.t_req = float("-inf")
                     raise
                 fields.pop("hits", None)          # applied with the first try
                 time.sleep(pause)

@@ -6,7 +6,9 @@ client's next message (``take``), so that the daemon's policy and counters hear
 every access.
 
 The window: a fetch is answered here only while ``now < t_req + lease / 2``,
-``t_req`` being when the client sent the last request it waited for.  The daemon
+``t_req`` being when the client sent the last request it waited for; closed
+(``-inf``) from a fetch the daemon answered ``SlotsBusy`` (retried in vain) until
+the next request: the daemon reuses slots meanwhile as if the client read nothing.  The daemon
 keeps a slot this client may read from reuse until its next request or until
 ``lease`` after that reply (``k3d/cache/reuse.py``), so every view answered here
 is good for at least ``lease / 2``, and until the next ``begin_token`` in a

@@ -35,7 +35,8 @@ from the shared index (``k3client.index``) since its last message, in order:
 ``[[layer, [experts], [slots seen]], ...]``.  A hit-path client sends a fetch only
 when some key is not READY in the index, or with predictions of keys not
 resident (a slot they evict is reused at once only while it waits), with every
-key of it.
+key of it.  After a fetch answered ``slots_busy`` it answers no hit itself until
+its next request (version 3: the daemon then reuses slots as if it read nothing).
 
 Replies carry slot numbers, never expert bytes: the bytes are read from the
 shared arena, whose memfd the client receives once over ``arena_socket`` (a Unix
@@ -63,7 +64,7 @@ import msgpack
 
 from .errors import BadRequest
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_REPLY_BYTES = 64 * MAX_MESSAGE_BYTES    # a client's socket accepts no larger message (ZMQ_MAXMSGSIZE)
 MAX_KEYS = 4096          # keys in one fetch/predict

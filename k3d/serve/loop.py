@@ -62,6 +62,7 @@ from k3client.errors import (
     K3Error,
     NotAttached,
     ProtocolMismatch,
+    SlotsBusy,
     UnknownExpert,
 )
 from k3d.cache.fetch import Cache
@@ -102,8 +103,7 @@ class Server:
         self.index = SharedIndex(layers, 1 + max(e for _, e in source.keys))
         # SIGHUP's settings, read by every component from this one object (reload.apply updates it)
         self.live = Live.of(cfg, RouteTrace(cfg.trace, self.t0) if cfg.trace else None)
-        # (a read costs a slot's bytes: fixed once the arena is built; ``Source.expert_bytes``
-        # recomputes it from the layouts, and the store asks per prediction found unused)
+        # (a read costs a slot's bytes, fixed with the arena: not recomputed per unused prediction)
         slot_bytes = source.expert_bytes
         self.store = Store(arena.slots, self.live, make_policy(cfg.policy, layers),
                            key_bytes=lambda key: slot_bytes, index=self.index, reuse=Reuse(),
@@ -234,6 +234,8 @@ class Server:
             if isinstance(e, (BadRequest, ProtocolMismatch, UnknownExpert, NotAttached)):
                 self.stats.bad_requests += 1
             self.replies.error(routing, rid, e)
+            if isinstance(e, SlotsBusy):       # it looks nothing up until its retry (k3d/cache/reuse.py)
+                reader = None
         except Exception as e:  # a bug in a handler must not take the daemon down
             log.exception("internal error handling a request")
             self.replies.error(routing, rid, K3Error(f"internal error in k3d: {type(e).__name__}: {e}"))

@@ -7,7 +7,9 @@
 - the index is read-only for clients (sealed memfd), like the arena;
 - a garbage hit report is a one-line error for its sender, and others go on;
 - views of a slot already seen are the same objects (no new mapping);
-- ``hit_path="daemon"`` / ``K3D_HIT_PATH`` keep the round trip; a bad value is one line.
+- ``hit_path="daemon"`` / ``K3D_HIT_PATH`` keep the round trip; a bad value is one line;
+- a client refused ``SlotsBusy`` answers nothing itself until its next request, and
+  the daemon leaves it unsynced meanwhile.
 """
 
 import mmap
@@ -19,6 +21,7 @@ from test_server_component import ask, raw_dealer, server  # noqa: F401 -- the f
 
 import k3client
 from helpers import poll_for
+from k3client.errors import SlotsBusy
 from k3client.protocol import PROTOCOL_VERSION, pack
 
 
@@ -128,3 +131,24 @@ def test_hit_path_daemon_keeps_the_round_trip(server, monkeypatch):  # noqa: F81
     monkeypatch.setenv("K3D_HIT_PATH", "sometimes")
     with pytest.raises(k3client.K3Error, match="must be 'client' or 'daemon'"):
         k3client.connect(srv.cfg.endpoint, name="f")
+
+
+def test_a_client_refused_slots_busy_reads_nothing_until_its_next_request(server):  # noqa: F811
+    """Near the arena's floor a fetch is answered ``SlotsBusy`` while the free slots wait
+    for another client's next request.  The refused client retries and answers no hit
+    itself until a later request's reply, so the daemon leaves it unsynced: its retries
+    hold no evicted slot from reuse (several clients at the floor waited on each
+    other's backoff sleeps: the demo's p99 was ~1 s)."""
+    srv = server(slots=4)
+    with k3client.connect(srv.cfg.endpoint, name="a") as a, \
+            k3client.connect(srv.cfg.endpoint, name="b", timeout=0.3) as b:
+        a.fetch(0, [0, 1, 2, 3])                  # the whole arena, then unpinned: a may read it all
+        a.begin_token()
+        with pytest.raises(SlotsBusy):
+            b.fetch(1, [0])                       # a victim would wait for a's next request
+        assert srv.store.reuse.readers[b.client_id].synced == float("inf")
+        before = srv.stats.fetches
+        ex = b.fetch(0, [2])                      # resident, yet through the daemon: b's window is shut
+        assert srv.stats.fetches == before + 1 and bytes(ex[0].memory()) == bytes(a.fetch(0, [2])[0].memory())
+        a.begin_token()                           # a's next request: the slot waiting for it is free
+        assert b.fetch(1, [0])[0].layer == 1

@@ -6,7 +6,9 @@ Hypothesis interleaves, on a small store (6 slots, 24 keys) with the real
   in the first half of its lease after its last request (as ``k3client`` does);
   each expert it gets is a view: (slot, key, what the slot held then);
 - a client's request the daemon handles (a fetch of its own keys, a
-  ``begin_token``): its reports first, then the op, then the reply;
+  ``begin_token``): its reports first, then the op, then the reply; a fetch
+  answered ``SlotsBusy`` leaves the client unsynced (``INF``) and it answers
+  nothing itself until its next request, as ``k3client`` does;
 - read completions, the clock moving on, the daemon settling (reclaim, make
   room), a client dying, a client attaching.
 
@@ -28,6 +30,7 @@ from k3d.cache.store import Store
 from k3d.memory.index import SharedIndex
 
 SLOTS, LAYERS, EXPERTS, LEASE = 6, 4, 6, 10.0
+BUSY = object()                             # a request answered SlotsBusy
 keys_st = st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=3, unique=True)
 
 
@@ -41,6 +44,7 @@ class HitPathMachine(RuleBasedStateMachine):
         self.written = [0] * SLOTS          # times each slot was filled
         self.clients = {}                   # id -> {epoch, t_req, views, reports}
         self.next_id = 1
+        self.busy_replies = 0               # SlotsBusy replies (the interleavings reach them)
         for _ in range(n):
             self.attach()
 
@@ -51,23 +55,26 @@ class HitPathMachine(RuleBasedStateMachine):
     def attach(self):
         c = self.next_id
         self.next_id += 1
-        self.clients[c] = {"epoch": 0, "t_req": self.now, "views": [], "reports": []}
+        self.clients[c] = {"epoch": 0, "t_req": self.now, "views": [], "reports": [], "busy": False}
         self.store.reuse.attach(c, self.now, LEASE)
 
     # -- the daemon handles one request of client c ---------------------------------
     def request(self, c, op):
+        """As the loop does: a reply syncs the client, except ``SlotsBusy``'s, after which
+        the client answers nothing itself until its next request (``busy``)."""
         cl, store = self.clients[c], self.store
         cl["t_req"] = self.now
+        cl["busy"] = False
         store.reuse.waiting(c)
         for keys, seen in cl["reports"]:
             store.report((c, cl["epoch"]), keys, seen)
         cl["reports"] = []
-        try:
-            return op(cl)
-        finally:
+        if op(cl) is BUSY:
+            cl["busy"] = True
+        else:
             store.reuse.replied(c, self.now)
-            store.reclaim(self.now)
-            store.make_room(self.now)
+        store.reclaim(self.now)
+        store.make_room(self.now)
 
     @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st)
     def fetch_through_daemon(self, data, layer, experts):
@@ -77,8 +84,11 @@ class HitPathMachine(RuleBasedStateMachine):
         def op(cl):
             try:
                 plan = self.store.fetch((c, cl["epoch"]), keys, self.now)
-            except (CacheFull, SlotsBusy):
+            except CacheFull:
                 return
+            except SlotsBusy:
+                self.busy_replies += 1
+                return BUSY
             for s in plan.new_loads:        # reads finish before the reply (a parked fetch)
                 self.complete(s)
             for key, s in zip(keys, plan.slots):
@@ -90,7 +100,7 @@ class HitPathMachine(RuleBasedStateMachine):
     def answer_here(self, data, layer, experts):
         c = data.draw(st.sampled_from(sorted(self.clients)))
         cl = self.clients[c]
-        if self.now >= cl["t_req"] + LEASE / 2:
+        if cl["busy"] or self.now >= cl["t_req"] + LEASE / 2:
             return
         words = self.reader.lookup(layer, experts)
         if not all(w & 3 == READY for w in words):
@@ -241,3 +251,31 @@ def test_reports_of_a_slot_since_given_away_or_loading_are_late():
     assert (store.stats.hits, store.stats.late_hits) == (3, 2)
     assert not store.policy.held((1, 2)) and store.policy.held((2, 0)) == {s}
     store.check()
+
+
+def test_a_client_answered_slots_busy_keeps_no_slot_from_reuse():
+    """Client 2's fetch is refused SlotsBusy: it retries and answers nothing itself until
+    its next request, so the daemon leaves it unsynced (as while it waits) and client 1's
+    fetch reuses a victim at once, where it would otherwise wait for client 2's retry."""
+    index = SharedIndex(1, 4)
+    try:
+        store = Store(2, policy=make("lru"), index=index, reuse=Reuse())
+        r = store.reuse
+        r.attach(1, 0.0, LEASE)
+        r.attach(2, 0.0, LEASE)
+        r.waiting(1)
+        for e in (0, 1):
+            store.complete(store.fetch((1, 0), [(0, e)], 0.0).new_loads[0], None)
+        store.end_epoch(1, (1, 0))
+        r.replied(1, 0.0)                     # client 1 may read (0, 0) and (0, 1) now
+        r.waiting(2)
+        try:
+            store.fetch((2, 0), [(0, 2)], 1.0)
+            raise AssertionError("a slot client 1 may read was reused")
+        except SlotsBusy:
+            pass                              # the loop sends the reply and leaves client 2 unsynced
+        r.waiting(1)
+        plan = store.fetch((1, 1), [(0, 3)], 2.0)
+        assert plan.new_loads and not r.limbo and plan.evictions == 1
+    finally:
+        index.close()
