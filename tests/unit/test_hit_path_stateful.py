@@ -200,18 +200,25 @@ def test_one_client_reuses_at_once_as_without_the_index():
         index.close()
 
 
+def two_readers(index) -> Store:
+    """A 2-slot store with two hit-path clients attached, both slots filled by client 1's
+    epoch 0 (ended: unpinned, and client 1 may read them from the index)."""
+    store = Store(2, policy=make("lru"), index=index, reuse=Reuse())
+    store.reuse.attach(1, 0.0, LEASE)
+    store.reuse.attach(2, 0.0, LEASE)
+    for e in (0, 1):
+        store.reuse.waiting(1)
+        store.complete(store.fetch((1, 0), [(0, e)], 0.0).new_loads[0], None)
+        store.reuse.replied(1, 0.0)
+    store.end_epoch(1, (1, 0))
+    return store
+
+
 def test_a_second_reader_delays_reuse_until_its_next_request():
     index = SharedIndex(1, 4)
     try:
-        store = Store(2, policy=make("lru"), index=index, reuse=Reuse())
+        store = two_readers(index)
         r = store.reuse
-        r.attach(1, 0.0, LEASE)
-        r.attach(2, 0.0, LEASE)
-        for e in (0, 1):
-            r.waiting(1)
-            store.complete(store.fetch((1, 0), [(0, e)], 0.0).new_loads[0], None)
-            r.replied(1, 0.0)
-        store.end_epoch(1, (1, 0))
         r.waiting(1)
         try:
             store.fetch((1, 1), [(0, 2)], 1.0)
@@ -259,15 +266,8 @@ def test_a_client_answered_slots_busy_keeps_no_slot_from_reuse():
     fetch reuses a victim at once, where it would otherwise wait for client 2's retry."""
     index = SharedIndex(1, 4)
     try:
-        store = Store(2, policy=make("lru"), index=index, reuse=Reuse())
+        store = two_readers(index)            # client 1 may read (0, 0) and (0, 1)
         r = store.reuse
-        r.attach(1, 0.0, LEASE)
-        r.attach(2, 0.0, LEASE)
-        r.waiting(1)
-        for e in (0, 1):
-            store.complete(store.fetch((1, 0), [(0, e)], 0.0).new_loads[0], None)
-        store.end_epoch(1, (1, 0))
-        r.replied(1, 0.0)                     # client 1 may read (0, 0) and (0, 1) now
         r.waiting(2)
         try:
             store.fetch((2, 0), [(0, 2)], 1.0)
