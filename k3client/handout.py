@@ -37,10 +37,7 @@ def receive(path: str, size: int, gen: int) -> tuple[mmap.mmap, int | None]:
     if not fds:
         raise errors.PermissionDenied(
             f"the daemon refused to hand out the arena at {path}: {msg.decode(errors='replace')}")
-    fd, extra = fds[0], fds[1:]
-    index_fd = extra[0] if extra else None
-    for other in extra[1:]:
-        os.close(other)
+    fd, index_fd = fds[0], (fds[1] if len(fds) > 1 else None)    # (recv_fds gives at most 2)
     try:
         meta = unpack(msg)
         if meta["gen"] != gen:
