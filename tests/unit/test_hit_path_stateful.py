@@ -44,7 +44,6 @@ class HitPathMachine(RuleBasedStateMachine):
         self.written = [0] * SLOTS          # times each slot was filled
         self.clients = {}                   # id -> {epoch, t_req, views, reports}
         self.next_id = 1
-        self.busy_replies = 0               # SlotsBusy replies (the interleavings reach them)
         for _ in range(n):
             self.attach()
 
@@ -87,7 +86,6 @@ class HitPathMachine(RuleBasedStateMachine):
             except CacheFull:
                 return
             except SlotsBusy:
-                self.busy_replies += 1
                 return BUSY
             for s in plan.new_loads:        # reads finish before the reply (a parked fetch)
                 self.complete(s)
