@@ -111,7 +111,7 @@ class Cache:
         (``Store.report_all``); returns the pins that ending it would have released."""
         if not hits:
             return 0
-        used, skipped = self.store.report_all(s.holder, hits, pin=not ends_epoch)
+        used, skipped = self.store.report_all(s.holder, hits, pin=not ends_epoch, quota=s.pin_quota)
         s.fetches += len(hits)
         if self.live.trace is not None:
             for (keys, _), prefetched in zip(hits, used):

@@ -104,7 +104,7 @@ class Parked:
         self.replies.ok(session.routing, rid, {"slots": slots})
         now = time.monotonic()
         self.latency.record(result, now - t0)
-        self.store.reuse.replied(session.client_id, now)
+        self.store.reuse.replied(session.client_id, rid, ok=True)
 
     def drop(self, session, reason: str) -> None:
         """The daemon dropped ``session``: a fetch it still waits on is answered now (a live
@@ -127,4 +127,4 @@ class Parked:
 
     def _error(self, p: Pending, e: K3Error) -> None:
         self.replies.error(p.session.routing, p.rid, e)
-        self.store.reuse.replied(p.session.client_id, time.monotonic())
+        self.store.reuse.replied(p.session.client_id, p.rid, ok=False)

@@ -63,7 +63,7 @@ def build(srv, now: float) -> dict:
                     "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
                     "recent_bps": round(srv.cache.recent.rate(now))},
         "reuse": {"waiting": len(srv.store.reuse.limbo), "peak": srv.store.reuse.peak,
-                  "reserve": srv.store.reserve, "held_by": srv.store.reuse.holders(now)},
+                  "reserve": srv.store.reserve, "held_by": srv.store.reuse.holders()},
         "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
                      "hit_path": "client" if s.hit_path else "daemon",
                      "pins": srv.store.pins(s.holder), "fetches": s.fetches,
