@@ -12,7 +12,8 @@ Generated pages (added to the site in ``on_files``, never written into the check
 - ``reference/metrics.md``: every Prometheus family ``k3d.observe.metrics.families``
   yields, from a status dict carrying every field the daemon's status has a metric for;
 - ``reference/python-api.md``: the public names of ``k3client`` (``__all__``) with
-  their signatures and docstrings.
+  their signatures and docstrings;
+- ``changelog.md`` and ``security.md``: ``CHANGELOG.md`` and ``SECURITY.md`` from the root.
 
 Markers replaced in hand-written pages (``on_page_markdown``):
 
@@ -400,6 +401,16 @@ GENERATED = {
     "reference/metrics.md": metrics_page,
     "reference/python-api.md": python_api_page,
 }
+# Pages of the site that are files at the repository's root (where users look for them), with
+# their links into docs/ made relative to the site.
+FROM_ROOT = {"changelog.md": "CHANGELOG.md", "security.md": "SECURITY.md"}
+
+
+def from_root(name: str) -> str:
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        return f.read().replace("](docs/", "](")
+
+
 MARKER = re.compile(r"<!-- k3d:(errors|stats|ops|docstring ([\w.]+)) -->")
 
 
@@ -408,6 +419,8 @@ def on_files(files, config):
 
     for path, make in GENERATED.items():
         files.append(File.generated(config, path, content=make()))
+    for path, name in FROM_ROOT.items():
+        files.append(File.generated(config, path, content=from_root(name)))
     return files
 
 
