@@ -325,7 +325,7 @@ def python_api_page() -> str:
             for n, m in members:
                 if isinstance(m, property):
                     out += [f"### `{name}.{n}` (property)", "", _doc(m.fget), ""]
-                elif inspect.isfunction(m) and m.__doc__:
+                elif inspect.isfunction(m):
                     out += [f"### `{name}.{n}{_signature(m)}`", "", _doc(m), ""]
             if dataclasses.is_dataclass(obj):
                 fields = ", ".join(f"`{f.name}`" for f in dataclasses.fields(obj))

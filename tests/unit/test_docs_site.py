@@ -52,6 +52,13 @@ def test_every_metric_has_help_text():
     assert not [name for name, _kind, doc, _labels in families if not doc.strip()]
 
 
+def test_every_wire_error_says_what_it_means():
+    """The protocol reference's error table is the classes' own docstrings."""
+    from k3client import errors
+    blank = [cls.__name__ for cls in set(errors._BY_CODE.values()) if not (cls.__dict__.get("__doc__") or "").strip()]
+    assert not blank, f"error classes without a docstring (the reference would say nothing): {sorted(blank)}"
+
+
 def test_strict_build_has_no_warning(tmp_path):
     assert importlib.util.find_spec("mkdocs") and importlib.util.find_spec("material"), \
         "mkdocs or its Material theme is missing: pip install -e '.[docs]'"
