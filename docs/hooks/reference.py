@@ -388,9 +388,23 @@ def ops_section() -> str:
     return "\n".join(out)
 
 
+def _markdown_of(text: str) -> str:
+    """A docstring as Markdown: a list or a ``::`` literal block gets the blank line before
+    it that Markdown needs (reST's ``::`` becomes ``:``)."""
+    out: list[str] = []
+    for line in text.splitlines():
+        prev = out[-1] if out else ""
+        if line.startswith("- ") and prev.strip() and not prev.startswith(("- ", " ")):
+            out.append("")
+        if line.startswith("    ") and prev.strip() and not prev.startswith(" "):
+            out.append("")                      # the indented block after "...::" is code
+        out.append(line)
+    return "\n".join(out).replace("::\n", ":\n")
+
+
 def docstring(module: str) -> str:
     _import_checkout()
-    text = inspect.cleandoc(importlib.import_module(module).__doc__ or "")
+    text = _markdown_of(inspect.cleandoc(importlib.import_module(module).__doc__ or ""))
     body = "\n".join("    " + line if line else "" for line in text.splitlines())
     return f'??? quote "The docstring of `{module}`"\n\n{body}\n'
 
