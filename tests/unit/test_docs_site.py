@@ -4,9 +4,10 @@
 extra) fails on any warning: a broken link or anchor, a page missing from the nav, a
 generated page that does not render.  The reference pages for the command line, the
 config keys, the metrics and the Python API are generated from the code at each build
-by ``docs/hooks/reference.py``; these tests import that hook by path and check what a
-generated page would leave blank: an option with no help text, a config key with
-neither an option's help nor a comment beside its field.
+by ``docs/hooks/reference.py`` with ``reference_pages.py``; these tests import the latter
+by path and check what a generated page would leave blank: an option with no help text,
+a config key with neither an option's help nor a comment beside its field, a metric or a
+wire error that says nothing.
 """
 
 import importlib.util
@@ -18,7 +19,8 @@ from helpers import ROOT
 
 
 def _hook():
-    spec = importlib.util.spec_from_file_location("k3d_docs_hook", os.path.join(ROOT, "docs", "hooks", "reference.py"))
+    path = os.path.join(ROOT, "docs", "hooks", "reference_pages.py")
+    spec = importlib.util.spec_from_file_location("k3d_docs_pages", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
