@@ -213,12 +213,12 @@ def config_page() -> str:
            "as below), else it takes its default.  Unknown keys, values of the wrong kind and "
            "files that do not parse are one-line errors.  Keys marked *live* change on "
            "`systemctl reload k3d` (SIGHUP); the others need a restart.", "",
-           "| key | type | default | option | environment | meaning |", "|---|---|---|---|---|---|"]
+           "| key | default | set by | meaning |", "|---|---|---|---|"]
     for r in config_docs():
-        live = " *live*" if r["live"] else ""
-        option = f"`{r['option']}`" if r["option"] else "—"
-        out.append(f"| `{r['key']}`{live} | `{_cell(r['type'])}` | `{_cell(r['default'])}` | {option} "
-                   f"| `{r['env']}` | {r['doc']} |")
+        live = "<br>*live*" if r["live"] else ""
+        kind = r["type"].replace(" | ", " or ")
+        set_by = (f"`{r['option']}`<br>" if r["option"] else "") + f"`{r['env']}`"
+        out.append(f"| `{r['key']}`<br>{kind}{live} | `{_cell(r['default'])}` | {set_by} | {r['doc']} |")
     out += ["", "`endpoint` defaults to `ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock` "
             "(`ipc:///tmp/k3d-$UID/k3d.sock` without `XDG_RUNTIME_DIR`); `state_dir` to "
             "`$STATE_DIRECTORY` under systemd, else `$XDG_STATE_HOME/k3d`, else `~/.local/state/k3d`.", ""]
