@@ -12,6 +12,7 @@ wire error that says nothing.
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -59,6 +60,32 @@ def test_every_wire_error_says_what_it_means():
     from k3client import errors
     blank = [cls.__name__ for cls in set(errors._BY_CODE.values()) if not (cls.__dict__.get("__doc__") or "").strip()]
     assert not blank, f"error classes without a docstring (the reference would say nothing): {sorted(blank)}"
+
+
+def _anchors(path):
+    """GitHub's anchors for the headings of a Markdown file (lowercase, punctuation dropped)."""
+    with open(path, encoding="utf-8") as f:
+        heads = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", f.read(), flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def _local_links(name):
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", f.read())
+    return [(path, anchor) for path, anchor in links if "://" not in path]
+
+
+def test_root_files_link_to_pages_that_exist():
+    """The README, SECURITY.md and CHANGELOG.md lead into docs/ as GitHub shows them (the
+    strict build checks the site's own links).  The generated reference pages are not files
+    of the checkout, so a link to one would be broken there."""
+    assert ("docs/guides/vllm.md", "") in _local_links("README.md"), "the README must lead to the vLLM guide"
+    for name in ("README.md", "SECURITY.md", "CHANGELOG.md"):
+        for path, anchor in _local_links(name):
+            full = os.path.join(ROOT, path)
+            assert os.path.exists(full), f"{name} links to {path}, which is not a file of the checkout"
+            if anchor:
+                assert anchor in _anchors(full), f"{name} links to {path}#{anchor}: no such heading"
 
 
 def test_strict_build_has_no_warning(tmp_path):
