@@ -66,7 +66,7 @@ def serve_checked(client, ref, layer, experts):
 def test_cp_over_a_shard_fails_its_reads_and_serves_the_other(ckpts, start_daemon):
     served, other = ckpts
     ref = reference(served)
-    d = start_daemon(served, "--slots", "6")
+    d = start_daemon(served, "--slots", "8")      # room for all 7 experts served below
     shard1 = os.path.join(served, SHARD1)
     with k3client.connect(d.endpoint, timeout=10) as c:
         serve_checked(c, ref, 0, [0, 1])          # resident from the old bytes
