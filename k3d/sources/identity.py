@@ -97,7 +97,8 @@ class FileWatch:
     @classmethod
     def of(cls, source, now: float = 0.0) -> FileWatch | None:
         """A watch of ``source``'s local files; None for a source with no descriptors (remote)."""
-        if not source.fds or len(source.fds) != len(source.files):
+        fds = getattr(source, "fds", None)
+        if not fds or len(fds) != len(source.files):
             return None
         return cls(source.files, source.fds, now)
 
