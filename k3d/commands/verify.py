@@ -60,7 +60,7 @@ def _layout_text(specs) -> str:
 def compare_bytes(client, source, out) -> tuple[int, int]:
     """Every expert of ``source`` against what ``client``'s daemon serves; raises Mismatch at
     the first difference.  Returns (experts, bytes) compared."""
-    from k3client.errors import UnknownExpert
+    from k3client.errors import CacheFull, QuotaExceeded, UnknownExpert
 
     served = client.model
     by_layer: dict[int, list[int]] = {}
@@ -68,6 +68,8 @@ def compare_bytes(client, source, out) -> tuple[int, int]:
         by_layer.setdefault(layer, []).append(expert)
     if set(served.get("layers", [])) != set(by_layer):
         raise Mismatch(f"the daemon serves layers {served.get('layers')}, MODEL_DIR has {sorted(by_layer)}")
+    if served.get("count") != len(source.keys):
+        raise Mismatch(f"the daemon serves {served.get('count')} experts, MODEL_DIR has {len(source.keys)}")
     buf = bytearray(-(-source.expert_bytes // 4096) * 4096)
     view = memoryview(buf)
     experts = nbytes = 0
@@ -77,12 +79,20 @@ def compare_bytes(client, source, out) -> tuple[int, int]:
         if [(s.name, s.dtype, tuple(s.shape)) for s in local] != [(s.name, s.dtype, tuple(s.shape)) for s in remote]:
             raise Mismatch(f"layer {layer}: the daemon serves experts of {_layout_text(remote)}; "
                            f"MODEL_DIR has {_layout_text(local)}")
-        for i in range(0, len(want_experts), chunk):
+        i = 0
+        while i < len(want_experts):
             batch = want_experts[i:i + chunk]
             try:
                 fetched = client.fetch(layer, batch)
             except UnknownExpert as e:
                 raise Mismatch(f"the daemon does not serve an expert MODEL_DIR has: {e}") from None
+            except (QuotaExceeded, CacheFull):
+                if chunk == 1:
+                    raise
+                chunk //= 2                       # a pin quota or a busy arena: fewer at a time
+                client.begin_token()
+                continue
+            i += len(batch)
             at = {s.name: s.offset for s in remote}
             for ex in fetched:
                 source.read(source.keys[(layer, ex.expert)], view)
@@ -116,8 +126,11 @@ def logits_difference(model_dir: str, endpoint: str, tokens: int) -> tuple[float
     """Largest |logit| difference between daemon experts and the checkpoint's own, and the dtype."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from k3client.hf import load_model
+
+    hf_logging.disable_progress_bar()         # two loads' bars would bury the result lines
 
     config = AutoConfig.from_pretrained(model_dir)
     kw = {}
