@@ -1,8 +1,10 @@
 """Source file identity: a local checkpoint file changed while served is noticed, never mixed in.
 
 A file's identity is ``(st_dev, st_ino, st_size, st_mtime_ns)``, recorded from the
-served descriptor (``fstat``) when the watch is made, right after the source opened
-its files; the path must then name that same file, or start-up fails.
+served descriptor (``fstat``) as the source opens its files (``open_source`` calls
+``record``: before the arena is built, which may take minutes); the watch, made
+when the server starts, checks each file at once, so a change during start-up is
+caught too.
 
 ``check(files)`` compares, for each file index, the recorded identity with
 - ``fstat`` of the served descriptor: a write in place (``cp other shard`` truncates
@@ -40,8 +42,6 @@ import logging
 import os
 from typing import NamedTuple
 
-from .base import SourceError
-
 log = logging.getLogger("k3d")
 
 EVERY_S = 1.0            # seconds between checks of every file (``due``)
@@ -69,6 +69,11 @@ def difference(was: Identity, now: Identity) -> str | None:
     return None
 
 
+def record(fds: list[int]) -> list[Identity]:
+    """The identities of the files behind ``fds`` now (``open_source`` records them as it opens)."""
+    return [Identity.of(os.fstat(fd)) for fd in fds]
+
+
 def message(path: str, what: str) -> str:
     return (f"source file {path} changed while served ({what}); "
             "restart k3d to serve the new checkpoint")
@@ -77,22 +82,16 @@ def message(path: str, what: str) -> str:
 class FileWatch:
     """The identities of a local source's files (``source.files`` / ``source.fds``)."""
 
-    def __init__(self, paths: list[str], fds: list[int], now: float = 0.0):
+    def __init__(self, paths: list[str], fds: list[int], ids: list[Identity] | None = None, now: float = 0.0):
+        """``ids``: the identities recorded when the source opened the files (``record``);
+        None: now.  A file already changed since is marked changed at once (and logged)."""
         self.paths = list(paths)
         self._abs = [os.path.abspath(p) for p in paths]
         self.fds = list(fds)
-        self.ids: list[Identity] = []
+        self.ids: list[Identity] = list(ids) if ids is not None else record(self.fds)
         self.changed: dict[int, str] = {}        # file index -> its one-line message
         self.next_all = now + EVERY_S
-        for path, fd, ab in zip(self.paths, self.fds, self._abs):
-            was = Identity.of(os.fstat(fd))
-            try:
-                what = difference(was, Identity.of(os.stat(ab)))
-            except OSError as e:
-                what = f"cannot stat: {e.strerror}"
-            if what:
-                raise SourceError(message(path, what))
-            self.ids.append(was)
+        self.check(range(len(self.ids)))
 
     @classmethod
     def of(cls, source, now: float = 0.0) -> FileWatch | None:
@@ -100,7 +99,7 @@ class FileWatch:
         fds = getattr(source, "fds", None)
         if not fds or len(fds) != len(source.files):
             return None
-        return cls(source.files, source.fds, now)
+        return cls(source.files, fds, getattr(source, "identities", None), now)
 
     def check(self, files) -> str | None:
         """Check each file index in ``files``; the first changed file's message (None: all unchanged)."""
