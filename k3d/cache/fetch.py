@@ -38,7 +38,8 @@ Source files changed while served (``watch``, a ``k3d.sources.identity.FileWatch
 None for remote sources, which pin their origin's ETag instead): every finished
 load's files are checked after its last part reported and before its slot goes
 READY (once per file per ``apply_done`` pass, after the pass has collected its
-loads), so a read that a write reached fails instead of being served; a fetch
+loads; the descriptors: a replaced path is the watch's once-a-second check), so a
+read that a write reached fails instead of being served; a fetch
 that needs a read from a changed file fails at once, and predicted or warm-restart
 reads of it are not started.  Experts already resident stay: each was checked
 after its whole read, so it holds the old file's bytes, all of them.  ``settle``
@@ -287,7 +288,7 @@ class Cache:
         if self.watch is not None and finished:
             # every load's reads have returned: a write that reached any of their bytes
             # has moved its file's identity by now (k3d.sources.identity)
-            self.watch.check(sorted({f for load in finished for f in self._files(load.key)}))
+            self.watch.check(sorted({f for load in finished for f in self._files(load.key)}), paths=False)
             if self.watch.changed:
                 for load in finished:
                     msg = self._changed(load.key)

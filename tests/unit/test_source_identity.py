@@ -76,3 +76,17 @@ def test_due_checks_every_file_once_a_second(files):
     assert w.changed == {}                                    # not due yet
     w.due(101.0)
     assert list(w.changed) == [0]
+
+
+def test_reads_check_descriptors_and_the_path_once_a_second(files):
+    """A replaced path leaves the descriptor on the old inode, unchanged: the per-batch check
+    (descriptors only) passes it, the once-a-second one names it."""
+    paths, fds = files
+    w = FileWatch(paths, fds, now=0.0)
+    with open(paths[0] + ".new", "wb") as f:
+        f.write(b"c" * 8192)
+    os.replace(paths[0] + ".new", paths[0])
+    assert w.check([0], paths=False) is None
+    w.due(1.0)
+    assert "replaced: inode" in w.changed[0]
+    assert w.check([0], paths=False) == w.changed[0]
