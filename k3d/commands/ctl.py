@@ -138,6 +138,8 @@ def render(st: dict) -> str:
     if "planned" in w:
         lines.append(f"warm    {st.get('policy', '')} statistics from {w['state_file']}: pre-loaded {w['ready']} of "
                      f"{w['planned']} hot experts ({w['percent']:.0f}%{', done' if w['done'] else ''})")
+    for changed in st.get("source_changed") or ():
+        lines.append(f"CHANGED {changed}")
     tiers = m.get("tiers")
     if tiers:
         o = tiers["origin"]

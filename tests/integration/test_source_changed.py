@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import k3client
-from helpers import expert_bytes, k3d, poll_for, reference
+from helpers import expert_bytes, k3ctl, k3d, poll_for, reference
 from k3d.demo.synthetic import write_checkpoint, write_synthetic_gguf
 
 SHARD1 = "model-00001-of-00002.safetensors"
@@ -80,6 +80,9 @@ def test_cp_over_a_shard_fails_its_reads_and_serves_the_other(ckpts, start_daemo
         serve_checked(c, ref, 3, [2, 3, 4])       # the other shard still serves, byte for byte
         serve_checked(c, ref, 0, [0, 1])          # resident experts stay: whole old bytes
         c.begin_token()
+        assert c.status()["source_changed"] == [msg.split(": ", 1)[1]]
+    r = k3ctl("status", "--endpoint", d.endpoint)
+    assert f"CHANGED source file {shard1} changed while served" in r.stdout, r.stdout
     log = d.log()
     assert log.count(f"source file {shard1} changed while served") == 1, log
     assert d.proc.poll() is None
