@@ -9,7 +9,8 @@ of them; it is answered exactly once (``done``):
   slots are pinned again for its current token, within its quota
   (``Store.repin``);
 - with ReadFailed when a read it waits on failed (every waiter learns; the next
-  fetch retries), or ShuttingDown when the daemon cancelled it;
+  fetch retries; a read whose source file changed says so, and no retry helps),
+  or ShuttingDown when the daemon cancelled it;
 - with NotAttached when the daemon drops its client (``drop``);
 - with ShuttingDown at shutdown (``shut_down``).
 A client already dropped gets no reply.  A fetch answered with its slots
@@ -73,6 +74,9 @@ class Parked:
                 p.done = True
                 if p.session.alive and cancelled:   # the client re-attaches after a restart
                     self._error(p, errors.ShuttingDown(SHUTTING_DOWN))
+                elif p.session.alive and load.stale:     # no retry helps: the file changed
+                    self._error(p, errors.ReadFailed(
+                        f"expert (layer {load.key[0]}, expert {load.key[1]}): {load.fail}"))
                 elif p.session.alive:
                     self._error(p, errors.ReadFailed(
                         f"reading expert (layer {load.key[0]}, expert {load.key[1]}) from "
