@@ -63,11 +63,15 @@ class Trust:
         self.members: frozenset[str] = frozenset()
         if group is None or group == "":
             return
+        numeric = str(group).isdigit()
         try:
-            g = grp.getgrgid(int(group)) if str(group).isdigit() else grp.getgrnam(str(group))
+            g = grp.getgrgid(int(group)) if numeric else grp.getgrnam(str(group))
         except (KeyError, ValueError, OverflowError):
-            raise Untrusted(f"daemon group {group!r} (K3D_DAEMON_GROUP or connect(daemon_group=...)) "
-                            "is no group of this machine; name the daemon's group, e.g. k3d") from None
+            if not numeric:
+                raise Untrusted(f"daemon group {group!r} (K3D_DAEMON_GROUP or connect(daemon_group=...)) "
+                                "is no group of this machine; name the daemon's group, e.g. k3d") from None
+            self.gid = self.group = int(group)       # a gid with no entry (a container): peers' gids only
+            return
         self.gid, self.group, self.members = g.gr_gid, g.gr_name, frozenset(g.gr_mem)
 
     @classmethod
