@@ -34,6 +34,9 @@ that named its slot; after a re-attach it raises ``DaemonRestarted`` instead
 of building a view, so nothing ever reads a slot number of the old arena in
 the new one.  Views made before the restart keep the old mapping (the kernel
 keeps that memfd alive while it is mapped), so their bytes stay correct.
+
+Trust: each (re-)attach verifies what answers before any view is built (peer
+uid, socket directories, memfd seals: ``trust.py``), else ``Untrusted``.
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ class Client:
             try:
                 self._connect(min(left, 2.0))
                 break
-            except _LayoutChanged:
+            except (_LayoutChanged, errors.Untrusted):   # no arena, no channel: nothing to read
                 self._disconnect()
                 self.gen = None
                 raise

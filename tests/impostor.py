@@ -1,9 +1,10 @@
 """A process that is not the k3d daemon but answers at its endpoint, for the client's trust tests.
 
-``python impostor.py ENDPOINT KIND`` binds a ROUTER at the ipc ``ENDPOINT``,
-answers ``hello`` with a reply shaped as the daemon's (one tiny layout, a
-4-slot arena), and hands out two fds over ``ENDPOINT.arena`` as the daemon
-does.  ``KIND`` says what is wrong with what it hands out:
+``python impostor.py ENDPOINT KIND [HELLO_JSON]`` binds a ROUTER at the ipc
+``ENDPOINT``, answers ``hello`` with a reply shaped as the daemon's (one tiny
+layout, a 4-slot arena; ``HELLO_JSON`` overrides its fields, e.g. a real
+daemon's layout, ``slots`` and ``slot_bytes``), and hands out two fds over
+``ENDPOINT.arena`` as the daemon does.  ``KIND`` says what is wrong with what it hands out:
 
 - ``sealed``: nothing (memfds sealed as the daemon seals them): the control;
 - ``unsealed-arena`` / ``unsealed-index``: that memfd carries no seal;
@@ -17,6 +18,7 @@ thread; the hand-out is served between ZeroMQ polls.
 """
 
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -43,16 +45,20 @@ def memfd(size: int, sealed: bool) -> int:
     return fd
 
 
-def main(endpoint: str, kind: str) -> None:
+def main(endpoint: str, kind: str, overrides: dict) -> None:
     path = endpoint[len("ipc://"):]
+    layout = [TensorSpec("w", "F32", (16,), 0, 64).to_wire()]
+    hello = {"client_id": 1, "layout": layout, "slots": SLOTS, "slot_bytes": SLOT, "expert_bytes": SLOT,
+             "arena_socket": path + ".arena", "lease_s": 10.0, "model": {"path": "impostor"}, **overrides}
+    size = hello["arena_bytes"] = hello["slots"] * hello["slot_bytes"]
     if kind == "file":
         f = tempfile.NamedTemporaryFile(dir=os.path.dirname(path), delete=False)
-        f.write(b"\0" * SLOTS * SLOT)
+        f.write(b"\0" * size)
         f.close()
         arena = os.open(f.name, os.O_RDONLY)
         os.unlink(f.name)
     else:
-        arena = memfd(SLOTS * SLOT, kind != "unsealed-arena")
+        arena = memfd(size, kind != "unsealed-arena")
     if kind == "unsealed-index":
         index, index_size = memfd(index_bytes(1, 4), False), index_bytes(1, 4)
     else:
@@ -72,10 +78,7 @@ def main(endpoint: str, kind: str) -> None:
     listener.setblocking(False)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print("ready", flush=True)
-    layout = [TensorSpec("w", "F32", (16,), 0, 64).to_wire()]
-    hello = {"client_id": 1, "layout": layout, "slots": SLOTS, "slot_bytes": SLOT, "expert_bytes": SLOT,
-             "arena_bytes": SLOTS * SLOT, "arena_socket": path + ".arena", "lease_s": 10.0,
-             "index_bytes": index_size, "model": {"path": "impostor", "layers": 1, "experts": 4}}
+    hello["index_bytes"] = index_size
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(listener.fileno(), zmq.POLLIN)
@@ -85,8 +88,8 @@ def main(endpoint: str, kind: str) -> None:
             if listener.fileno() in events:
                 conn, _ = listener.accept()
                 with conn:
-                    meta = pack({"gen": GEN, "arena_bytes": SLOTS * SLOT, "index_bytes": index_size,
-                                 "slot_bytes": SLOT, "slots": SLOTS})
+                    meta = pack({"gen": GEN, "arena_bytes": size, "index_bytes": index_size,
+                                 "slot_bytes": hello["slot_bytes"], "slots": hello["slots"]})
                     socket.send_fds(conn, [meta], [arena, index])
             if router in events:
                 routing, body = router.recv_multipart()
@@ -108,4 +111,4 @@ def main(endpoint: str, kind: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})

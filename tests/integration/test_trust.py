@@ -14,6 +14,7 @@
 """
 
 import grp
+import json
 import os
 import pwd
 import subprocess
@@ -193,3 +194,30 @@ def test_the_daemon_hands_out_memfds_with_every_seal_the_client_checks(checkpoin
         for fd in fds:
             os.close(fd)
     assert d.stop() == 0
+
+
+def test_an_impostor_taking_over_after_a_restart_is_refused_at_the_reattach(checkpoint, start_daemon):
+    """The daemon stops; a process that is not k3d binds its endpoint: the attached client's next
+    request re-attaches, finds unsealed memory and raises, and keeps refusing (no view, no channel)."""
+    endpoint = f"ipc://{fresh_dir()}/k.sock"
+    d = start_daemon(checkpoint, "--slots", "4", endpoint=endpoint)
+    c = k3client.connect(endpoint, name="victim", reconnect_timeout=10.0)
+    try:
+        ex = c.fetch(0, [1])[0]
+        assert d.stop() == 0
+        same = {"layout": [t.to_wire() for t in c.layout], "expert_bytes": c.expert_bytes, "slots": c.slots,
+                "slot_bytes": c.slot_bytes, "model": c.model}        # it passes for the daemon that left
+        p = subprocess.Popen([sys.executable, IMPOSTOR, endpoint, "unsealed-arena", json.dumps(same)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+            for _ in range(2):
+                with pytest.raises(k3client.Untrusted, match="lacks the write, shrink, grow seals"):
+                    c.fetch(0, [1])
+            with pytest.raises(k3client.K3Error):
+                ex.array("w1.weight_scale")           # bound to the daemon that went away
+        finally:
+            p.terminate()
+            p.communicate(timeout=10)
+    finally:
+        c.close()
