@@ -94,8 +94,8 @@ class Trust:
         return pw.pw_gid == self.gid or pw.pw_name in self.members
 
     def who(self) -> str:
-        group = f" or group {self.group} (gid {self.gid})" if self.group else ""
-        return f"you (uid {self.uid}), root{group}"
+        group = f" or group {self.group} (gid {self.gid})" if self.group is not None else ""
+        return f"{'root (you)' if self.uid == 0 else f'you (uid {self.uid}), root'}{group}"
 
     # -- 1. directories --------------------------------------------------------
     def socket_dir(self, sock_path: str) -> None:

@@ -90,7 +90,10 @@ def main(endpoint: str, kind: str, overrides: dict) -> None:
                 with conn:
                     meta = pack({"gen": GEN, "arena_bytes": size, "index_bytes": index_size,
                                  "slot_bytes": hello["slot_bytes"], "slots": hello["slots"]})
-                    socket.send_fds(conn, [meta], [arena, index])
+                    try:
+                        socket.send_fds(conn, [meta], [arena, index])
+                    except OSError:          # the client refused before reading (EPIPE): the next one
+                        pass
             if router in events:
                 routing, body = router.recv_multipart()
                 msg = unpack(body)
