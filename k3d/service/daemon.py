@@ -186,8 +186,8 @@ def claim_endpoint(endpoint: str, arena_sock: str) -> Claim:
 
 
 def _makedirs(d: str) -> list[str]:
-    """``os.makedirs(d, 0o750)``, the directories above it made 0755 whatever the umask
-    (clients refuse a world-writable one: ``k3client/trust.py``); returns the
+    """``os.makedirs(d, 0o750)``, the directories above it at most 0755 (not 0777 less the
+    umask: clients refuse a world-writable one, ``k3client/trust.py``); returns the
     directories it created, outermost first."""
     missing = []
     while d and not os.path.isdir(d):
