@@ -163,7 +163,7 @@ def test_daemon_refuses_a_sticky_world_writable_socket_directory(checkpoint):
     assert r.stderr.strip().count("\n") == 0, r.stderr
 
 
-def test_daemon_makes_the_directories_above_its_own_0755_whatever_the_umask(checkpoint, start_daemon):
+def test_daemon_makes_the_directories_above_its_own_0755_under_umask_0(checkpoint, start_daemon):
     base = fresh_dir()
     endpoint = f"ipc://{base}/a/b/k.sock"
     old = os.umask(0)                           # the daemon inherits it
