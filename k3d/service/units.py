@@ -95,7 +95,8 @@ AmbientCapabilities=
 _SERVICE = """\
 # k3d: shared expert-weight cache for MoE inference, one daemon per host.
 # Written by `k3d install-unit`.  Model processes: be in group k3d and set
-# K3D_ENDPOINT=ipc:///run/k3d/k3d.sock.  Reload live settings: systemctl reload k3d.
+# K3D_ENDPOINT=ipc:///run/k3d/k3d.sock and K3D_DAEMON_GROUP=k3d (they trust a
+# daemon of that group).  Reload live settings: systemctl reload k3d.
 [Unit]
 Description=k3d shared expert-weight cache
 After=local-fs.target network-online.target
@@ -124,7 +125,8 @@ WantedBy=multi-user.target
 _TEMPLATE = """\
 # k3d@MODEL: one k3d daemon per model (systemctl enable --now k3d@MODEL).
 # Written by `k3d install-unit`.  Config /etc/k3d/MODEL.toml; model processes:
-# be in group k3d and set K3D_ENDPOINT=ipc:///run/k3d/MODEL/k3d.sock.
+# be in group k3d and set K3D_ENDPOINT=ipc:///run/k3d/MODEL/k3d.sock and
+# K3D_DAEMON_GROUP=k3d.
 # MemoryMax below applies to each instance; size one per model with
 # `systemctl edit k3d@MODEL` ([Service] MemoryMax=...).
 [Unit]
@@ -274,5 +276,5 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     print("next: systemd-sysusers; write /etc/k3d/k3d.toml (source = \"/path/to/checkpoint\", arena = \"...\"); "
           "systemctl daemon-reload; systemctl enable --now k3d; usermod -aG k3d <model user>; "
-          "model processes: K3D_ENDPOINT=ipc:///run/k3d/k3d.sock")
+          "model processes: K3D_ENDPOINT=ipc:///run/k3d/k3d.sock K3D_DAEMON_GROUP=k3d")
     return 0
