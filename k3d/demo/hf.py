@@ -12,6 +12,9 @@
    precision, per-process memory, and checks that the k3d processes' PSS sum is
    below the baseline's by at least (N - 1) x expert bytes.
 
+The daemon and the workers are ``k3d.demo.children``: a Ctrl-C stops them and
+removes the model; the caller prints one line and exits 130.
+
 A worker is ``python -m k3d.demo.hf worker PATH [--endpoint EP] ...``: it prints
 one JSON line per generated token, then a result line, then waits for stdin to
 close (so its memory can be read while its siblings are alive).
@@ -33,6 +36,7 @@ import time
 import psutil
 
 from . import hf_models
+from .children import PYTHON, Children, interrupted
 
 PROMPT_LEN = 12
 
@@ -94,10 +98,10 @@ def worker(argv: list[str]) -> int:
     return 0
 
 
-def _spawn(path, endpoint, tokens, seed, eager, predict=True):
-    cmd = [sys.executable, "-m", "k3d.demo.hf", "worker", path, "--tokens", str(tokens), "--seed", str(seed), "--hold"]
+def _spawn(children, path, endpoint, tokens, seed, eager, predict=True):
+    cmd = [*PYTHON, "-m", "k3d.demo.hf", "worker", path, "--tokens", str(tokens), "--seed", str(seed), "--hold"]
     cmd += ["--eager"] if eager else ["--endpoint", endpoint] + ([] if predict else ["--no-predict"])
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return children.start(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
 def _collect(procs, timeout: float = 300) -> list[dict]:
@@ -134,24 +138,22 @@ def run_hf_demo(clients: int = 3, tokens: int = 16, family: str = "qwen3_moe", h
         ebytes = hf_models.expert_bytes(path)
         endpoint = f"ipc://{tmp}/k3d.sock"
         arena = max(1 << 20, int(ebytes * arena_fraction))
-        cmd = [sys.executable, "-m", "k3d", "start", "--source", path, "--endpoint", endpoint,
+        cmd = [*PYTHON, "-m", "k3d", "start", "--source", path, "--endpoint", endpoint,
                "--arena", str(arena), "--state-dir", "none"]     # a throw-away daemon: nothing to keep
-        with open(os.path.join(tmp, "daemon.log"), "w+") as log:
-            daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                _wait_ready(log, daemon)
-                t0 = time.perf_counter()
-                k3d_res = _collect([_spawn(path, endpoint, tokens, i, eager=False) for i in range(clients)])
-                k3d_wall = time.perf_counter() - t0
-                with connect(endpoint, name="hf-demo-status") as c:
-                    status = c.status()
-                dmem = psutil.Process(daemon.pid).memory_full_info()
-                t0 = time.perf_counter()
-                eager_res = _collect([_spawn(path, endpoint, tokens, i, eager=True) for i in range(clients)])
-                eager_wall = time.perf_counter() - t0
-            finally:
-                daemon.terminate()
-                daemon.wait(30)
+        with open(os.path.join(tmp, "daemon.log"), "w+") as log, Children() as children:
+            daemon = children.start(cmd, stdout=log, stderr=subprocess.STDOUT)
+            _wait_ready(log, daemon)
+            t0 = time.perf_counter()
+            k3d_res = _collect([_spawn(children, path, endpoint, tokens, i, eager=False) for i in range(clients)])
+            k3d_wall = time.perf_counter() - t0
+            with connect(endpoint, name="hf-demo-status") as c:
+                status = c.status()
+            dmem = psutil.Process(daemon.pid).memory_full_info()
+            t0 = time.perf_counter()
+            eager_res = _collect([_spawn(children, path, endpoint, tokens, i, eager=True) for i in range(clients)])
+            eager_wall = time.perf_counter() - t0
+            daemon.terminate()
+            daemon.wait(30)
     report = _report(clients, tokens, ebytes, arena, k3d_res, eager_res, status, dmem, k3d_wall, eager_wall)
     if as_json:
         print(json.dumps(report))
@@ -232,8 +234,11 @@ def main(argv=None) -> int:
     ap.add_argument("--inter", type=int, default=1024, help="its experts' intermediate size (default 1024)")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
     a = ap.parse_args(argv)
-    return run_hf_demo(clients=a.clients, tokens=a.tokens, family=a.family, hidden=a.hidden, inter=a.inter,
-                       as_json=a.json)
+    try:
+        return run_hf_demo(clients=a.clients, tokens=a.tokens, family=a.family, hidden=a.hidden, inter=a.inter,
+                           as_json=a.json)
+    except KeyboardInterrupt as e:       # Ctrl-C: the children are stopped by now
+        return interrupted("hf_generate", e)
 
 
 if __name__ == "__main__":
