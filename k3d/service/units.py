@@ -169,12 +169,13 @@ def render(name: str, exec_path: str, arena: int) -> str:
 
 
 def default_exec() -> str:
-    """The ``k3d`` script of this installation, else ``python -m k3d``."""
+    """The ``k3d`` script of this installation, else ``python -P -m k3d`` (``-P``: a ``k3d``
+    folder in the working directory is not imported in place of this installation)."""
     beside = os.path.join(os.path.dirname(sys.executable), "k3d")
     if os.access(beside, os.X_OK):
         return beside
     found = shutil.which("k3d")
-    return found or f"{sys.executable} -m k3d"
+    return found or f"{sys.executable} -P -m k3d"
 
 
 DEFAULT_CONFIG = "/etc/k3d/k3d.toml"
