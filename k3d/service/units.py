@@ -29,6 +29,8 @@ Why the settings are what they are (each pitfall was checked):
   visible: the daemon checks client liveness and groups in /proc/<pid>, so
   ``ProtectProc=invisible`` or ``ProcSubset=pid`` would make every client of
   another user look dead.
+- ``PrivateTmp=yes`` gives the service empty /tmp and /var/tmp of its own, and
+  /root is closed to other users: ``install-unit`` warns of an ExecStart there.
 - Clients find the daemon through ``K3D_ENDPOINT`` (set in the unit for the
   daemon; model processes need the same value) and must be in group ``k3d``.
 
@@ -209,6 +211,21 @@ def closed_to_others(path: str) -> str | None:
     return None
 
 
+PRIVATE_TMP = ("/tmp", "/var/tmp")
+
+
+def in_private_tmp(path: str) -> str | None:
+    """The temporary directory ``path`` is under (itself, or where a link leads), if any: the
+    unit's ``PrivateTmp=yes`` shows the service an empty one there, so an ExecStart (a venv
+    made in /tmp) is not found."""
+    first = path.split()[0]
+    for p in (os.path.abspath(first), os.path.realpath(first)):
+        for tmp in PRIVATE_TMP:
+            if p.startswith(tmp + "/"):
+                return tmp
+    return None
+
+
 def install(dest: str, sysusers_dir: str, exec_path: str, arena: int) -> list[str]:
     """Write the units to ``dest`` and the sysusers file to ``sysusers_dir``."""
     written = []
@@ -259,6 +276,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"k3d: warning: ExecStart {exec_path.split()[0]} is under {closed}, which other users cannot enter: "
               "the k3d user could not start it; install k3d where it can (e.g. a venv under /opt) and pass --exec",
               file=sys.stderr)
+    tmp = in_private_tmp(exec_path)
+    if tmp:
+        print(f"k3d: warning: ExecStart {exec_path.split()[0]} is under {tmp}, which the unit's PrivateTmp=yes "
+              "replaces with an empty directory for the service: it could not start; install k3d elsewhere "
+              "(e.g. a venv under /opt) and pass --exec", file=sys.stderr)
     if args.print_only:
         for name in FILES:
             print(f"# ---- {name}")
