@@ -92,6 +92,7 @@ def worker(argv: list[str]) -> int:
         res["stats"] = {k: v for k, v in rt.stats.as_dict().items() if not isinstance(v, dict)}
         res["fetch_ms_per_layer"] = {str(k): 1e3 * v / rt.stats.fetch_calls[k]
                                      for k, v in rt.stats.fetch_seconds.items()}
+        res["fetch_seconds"] = sum(rt.stats.fetch_seconds.values())     # of "seconds": round trips
     print(json.dumps({"result": res}), flush=True)
     if a.hold:
         sys.stdin.read()
@@ -192,6 +193,7 @@ def _report(n, tokens, ebytes, arena, k3d_res, eager_res, status, dmem, k3d_wall
         "pss_sum_k3d": pss_k3d, "pss_sum_eager": pss_eager, "pss_saved": pss_eager - pss_k3d,
         "pss_needed": (n - 1) * ebytes, "ok": same and pss_eager - pss_k3d >= (n - 1) * ebytes,
         "tok_s_k3d": n * tokens / k3d_wall, "tok_s_eager": n * tokens / eager_wall,
+        "slot_bytes": status["arena"]["expert_bytes"],
     }
 
 
@@ -203,11 +205,16 @@ def _print(r: dict) -> None:
     for kind in ("k3d", "eager"):
         for w in r[kind]:
             extra = ""
+            # tok/s says what it includes: a k3d process waits on a round trip to the daemon per
+            # fetch, which weighs heavily beside this toy model's tiny experts
+            why = "(experts in its own memory: no round trips)"
             if kind == "k3d":
                 s = w["stats"]
-                extra = (f"  epochs {s['epochs']}  fetches {s['fetches']}  predicted {s['predicted']} "
-                         f"(used {s['predicted_used']})")
-            print(f"  {kind:5} pid {w['pid']}: {w['tok_s']:6.1f} tok/s  PSS {w['pss'] * mb:7.1f} MiB  "
+                extra = f"  epochs {s['epochs']}  predicted {s['predicted']} (used {s['predicted_used']})"
+                why = (f"({w['fetch_seconds'] / w['seconds']:.0%} of its time in {s['fetches']} round trips to "
+                       f"the daemon, {1e3 * w['fetch_seconds'] / max(s['fetches'], 1):.1f} ms each, in a toy model of "
+                       f"{r['slot_bytes'] * mb:.1f} MiB experts)")
+            print(f"  {kind:5} pid {w['pid']}: {w['tok_s']:6.1f} tok/s {why}  PSS {w['pss'] * mb:7.1f} MiB  "
                   f"RSS {w['rss'] * mb:7.1f} MiB{extra}")
     hr = r["hit_rate"]
     pp = r["prediction_precision"]

@@ -6,6 +6,7 @@ subprocess, with real daemon and model processes under it.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def test_demo_runs_from_a_folder_holding_a_k3d_directory(tmp_path):
     assert "demo: OK" in r.stdout and "Traceback" not in r.stderr
 
 
-def test_hf_demo_runs_from_a_folder_holding_a_k3d_directory(tmp_path):
+def test_hf_demo_runs_from_a_folder_holding_a_k3d_directory_and_says_what_its_rates_include(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers", minversion="5")
     _decoy(tmp_path)
@@ -46,6 +47,12 @@ def test_hf_demo_runs_from_a_folder_holding_a_k3d_directory(tmp_path):
                        capture_output=True, text=True, timeout=600, check=False)
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.returncode == 0 and "same tokens with and without k3d: True" in r.stdout, r.stdout + r.stderr[-2000:]
+    # each tokens/s says, in its own line, what it includes
+    k3d_line, eager_line = (next(ln for ln in r.stdout.splitlines() if ln.startswith(f"  {kind} "))
+                            for kind in ("k3d  ", "eager"))
+    assert re.search(r"tok/s \(\d+% of its time in \d+ round trips to the daemon, [\d.]+ ms each, "
+                     r"in a toy model of [\d.]+ MiB experts\)", k3d_line), k3d_line
+    assert "tok/s (experts in its own memory: no round trips)" in eager_line
 
 
 def _fetches(endpoint: str) -> int:
