@@ -159,3 +159,11 @@ def test_plot_problems_are_one_line_before_any_replay(tmp_path):
 def _sub():
     import argparse
     return argparse.ArgumentParser().add_subparsers()
+
+
+def test_sharing_table_labels_opt_the_bound_without_reads_ahead(capsys):
+    assert k3d_main(["replay", SHARED, "--clients", "2", "--slots", "128"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines[2:5]] == ["cycle", "lru", "opt-demand"]
+    assert lines[-1] == ("(opt-demand: Belady's OPT under the same pins on demand fetches alone, nothing read "
+                         "ahead: the daemon's predictor, coact here, can pass it)")
