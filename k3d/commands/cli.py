@@ -130,11 +130,15 @@ def main(argv=None) -> int:
             if not 1 <= value <= top:
                 print(f"k3d demo: error: {opt} {value}: use 1 to {top}", file=sys.stderr)
                 return 2
-        if args.hf:
-            from k3d.demo.hf import run_hf_demo
-            return run_hf_demo(clients=args.clients, tokens=min(args.tokens, 32))
-        from k3d.demo.run import run_demo
-        return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+        from k3d.demo.children import interrupted
+        try:
+            if args.hf:
+                from k3d.demo.hf import run_hf_demo
+                return run_hf_demo(clients=args.clients, tokens=min(args.tokens, 32))
+            from k3d.demo.run import run_demo
+            return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+        except KeyboardInterrupt as e:       # Ctrl-C: the children are stopped by now
+            return interrupted("k3d demo", e)
     if args.cmd == "replay":
         return replay_cli.main(args)
     if args.cmd == "install-unit":

@@ -29,6 +29,8 @@ Why the settings are what they are (each pitfall was checked):
   visible: the daemon checks client liveness and groups in /proc/<pid>, so
   ``ProtectProc=invisible`` or ``ProcSubset=pid`` would make every client of
   another user look dead.
+- ``PrivateTmp=yes`` gives the service empty /tmp and /var/tmp of its own, and
+  /root is closed to other users: ``install-unit`` warns of an ExecStart there.
 - Clients find the daemon through ``K3D_ENDPOINT`` (set in the unit for the
   daemon; model processes need the same value) and must be in group ``k3d``.
 
@@ -171,12 +173,13 @@ def render(name: str, exec_path: str, arena: int) -> str:
 
 
 def default_exec() -> str:
-    """The ``k3d`` script of this installation, else ``python -m k3d``."""
+    """The ``k3d`` script of this installation, else ``python -P -m k3d`` (``-P``: a ``k3d``
+    folder in the working directory is not imported in place of this installation)."""
     beside = os.path.join(os.path.dirname(sys.executable), "k3d")
     if os.access(beside, os.X_OK):
         return beside
     found = shutil.which("k3d")
-    return found or f"{sys.executable} -m k3d"
+    return found or f"{sys.executable} -P -m k3d"
 
 
 DEFAULT_CONFIG = "/etc/k3d/k3d.toml"
@@ -207,6 +210,21 @@ def closed_to_others(path: str) -> str | None:
         except FileNotFoundError:       # not made yet: what is above it decides
             pass
         d = os.path.dirname(d)
+    return None
+
+
+PRIVATE_TMP = ("/tmp", "/var/tmp")
+
+
+def in_private_tmp(path: str) -> str | None:
+    """The temporary directory ``path`` is under (itself, or where a link leads), if any: the
+    unit's ``PrivateTmp=yes`` shows the service an empty one there, so an ExecStart (a venv
+    made in /tmp) is not found."""
+    first = path.split()[0]
+    for p in (os.path.abspath(first), os.path.realpath(first)):
+        for tmp in PRIVATE_TMP:
+            if p.startswith(tmp + "/"):
+                return tmp
     return None
 
 
@@ -260,6 +278,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"k3d: warning: ExecStart {exec_path.split()[0]} is under {closed}, which other users cannot enter: "
               "the k3d user could not start it; install k3d where it can (e.g. a venv under /opt) and pass --exec",
               file=sys.stderr)
+    tmp = in_private_tmp(exec_path)
+    if tmp:
+        print(f"k3d: warning: ExecStart {exec_path.split()[0]} is under {tmp}, which the unit's PrivateTmp=yes "
+              "replaces with an empty directory for the service: it could not start; install k3d elsewhere "
+              "(e.g. a venv under /opt) and pass --exec", file=sys.stderr)
     if args.print_only:
         for name in FILES:
             print(f"# ---- {name}")
