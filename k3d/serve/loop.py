@@ -185,6 +185,10 @@ class Server:
                 if now >= next_reap:
                     for s, reason in self.sessions.expired(now, self.live.lease_s):
                         self._drop(s, reason, dead=True)
+                    patience = max([self.live.lease_s, *(s.lease_s for s in self.sessions)])
+                    for c in self.store.reuse.lagging(now - patience):
+                        self._drop(self.sessions.by_id[c], "reported no index count for a lease while slots "
+                                   "it held back waited (k3d/cache/reuse.py)", dead=True)
                     self.cache.settle(now)          # slots no client can read any more (a dead one left)
                     next_reap = now + REAP_INTERVAL
                     self.warm.tick(self.store, now)
