@@ -134,7 +134,7 @@ class Server:
         self.handout.start()
         self.replies = wire.Replies(self.sock, self.gen)
         # requests in turn, each client's CPU charged, a client far over its share held back
-        self.intake = Intake(self.sock, self.sessions, self.stats, self.live)
+        self.intake = Intake(self.sock, self.sessions, self.stats, self.live, self._over_cap)
         self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency,
                            self.intake.charge)
         self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
@@ -211,10 +211,34 @@ class Server:
         if pacing and s is not None:
             self.intake.charge_session(s, time.thread_time() - cpu)
 
+    def _over_cap(self, routing: bytes, frames, t0: float) -> None:
+        """A request that found its client's cap of waiting requests full (``intake.py``,
+        "Bounded intake"): handled now, as ``_refuse`` says; its loop CPU is charged."""
+        s = self.sessions.get(routing)
+        self.stats.requests_over_cap += 1
+        if s is not None:
+            s.over_cap += 1
+        pacing = self.intake.pacing
+        cpu = time.thread_time() if pacing else 0.0
+        self._handle(routing, s, frames, t0, over_cap=True)
+        if pacing and s is not None:
+            self.intake.charge_session(s, time.thread_time() - cpu)
+
+    def _refuse(self, s, routing, msg, frame, t0):
+        """Any op but ``hits`` and ``heartbeat`` over the cap: its hit reports are applied (the
+        client's views depend on them), then it is refused in one line.  The reuse rule's
+        quiescent point does not move: the client is no nearer than at its last reply."""
+        if s is not None and msg.get("hits") is not None:
+            self.cache.report(s, self._hits(msg), time.monotonic())
+        raise BadRequest(f"more than {wire.MAX_QUEUED} requests queued from this client; "
+                         "wait for replies before sending more")
+
     # -- dispatch: the one place that turns exceptions into error replies ---
-    def _handle(self, routing: bytes, s: Session | None, frames, t0: float) -> Session | None:
+    def _handle(self, routing: bytes, s: Session | None, frames, t0: float,
+                over_cap: bool = False) -> Session | None:
         """Handle one request from ``routing`` (session ``s``, None before hello) that
-        arrived at ``t0``; returns the session it ran for."""
+        arrived at ``t0``; returns the session it ran for.  ``over_cap``: it came with its
+        client's cap of waiting requests full (``_refuse``)."""
         rid = None
         reader = None                          # a hit-path client waiting for this reply
         try:
@@ -224,9 +248,11 @@ class Server:
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise BadRequest(f"unknown op {op!r}; known ops: {', '.join(sorted(self._ops))}")
+            if over_cap and op not in ASYNC_OPS:
+                handler = self._refuse
             if s is not None:
                 s.last_seen = t0
-                if s.hit_path and op not in ASYNC_OPS:
+                if s.hit_path and op not in ASYNC_OPS and not over_cap:
                     reader = s.client_id
                     self.store.reuse.waiting(reader)
             result = handler(s, routing, msg, frames[0], t0)
