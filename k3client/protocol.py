@@ -47,11 +47,14 @@ attached: the arena's and the shared index's.
 Decode limits (``unpack``) bound every container so a hostile frame cannot make
 the daemon allocate without bound.  A request is at most ``MAX_MESSAGE_BYTES``
 (1 MiB; a fetch of ``MAX_KEYS`` keys with as many predictions and hit reports
-is under 100 KiB): the daemon's ZeroMQ drops the connection of a peer that sends
+is under 100 KiB): the daemon's ZeroMQ ends the connection of a peer that sends
 a larger frame (ZMQ_MAXMSGSIZE), unanswered, so ``pack_request`` refuses to
-build one (``BadRequest``).  The daemon takes at most 32 requests of one client
-waiting for their turn (``k3d.serve.wire.MAX_QUEUED``) and answers any more with a
-one-line ``bad_request`` at once; this client never has more than two outstanding.
+build one (``BadRequest``).  The daemon keeps at most 32 requests of one client
+waiting for their turn (``k3d.serve.wire.MAX_QUEUED``); one more is answered at
+once with a one-line ``bad_request``, after its hit reports are applied (a
+``hits`` report or heartbeat over the cap is applied, unanswered as ever).  This
+client waits for each reply, so only its hit reports can queue behind a request,
+and none is lost.
 
 Keys are integers.  ``key_int`` / ``key_pairs`` refuse anything else before a
 request is sent (``BadRequest``, one line): a float is never rounded (``1.5`` is

@@ -213,21 +213,20 @@ class Server:
 
     def _over_cap(self, routing: bytes, frames, t0: float) -> None:
         """A request that found its client's cap of waiting requests full (``intake.py``,
-        "Bounded intake"): handled now, as ``_refuse`` says; its loop CPU is charged."""
+        "Bounded intake"): handled now (``_refuse``), counted, its loop CPU charged."""
         s = self.sessions.get(routing)
         self.stats.requests_over_cap += 1
+        cpu = time.thread_time()
+        self._handle(routing, s, frames, t0, over_cap=True)
         if s is not None:
             s.over_cap += 1
-        pacing = self.intake.pacing
-        cpu = time.thread_time() if pacing else 0.0
-        self._handle(routing, s, frames, t0, over_cap=True)
-        if pacing and s is not None:
-            self.intake.charge_session(s, time.thread_time() - cpu)
+            if self.intake.pacing:
+                self.intake.charge_session(s, time.thread_time() - cpu)
 
     def _refuse(self, s, routing, msg, frame, t0):
-        """Any op but ``hits`` and ``heartbeat`` over the cap: its hit reports are applied (the
-        client's views depend on them), then it is refused in one line.  The reuse rule's
-        quiescent point does not move: the client is no nearer than at its last reply."""
+        """Any op but ``hits`` and ``heartbeat`` over the cap: refused in one line once its
+        hit reports are applied (the client's views depend on them).  The reuse rule's
+        quiescent point stays: the client is no nearer than at its last reply."""
         if s is not None and msg.get("hits") is not None:
             self.cache.report(s, self._hits(msg), time.monotonic())
         raise BadRequest(f"more than {wire.MAX_QUEUED} requests queued from this client; "

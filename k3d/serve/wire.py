@@ -22,11 +22,12 @@ client does stops the loop), so a reply ZeroMQ will not take is dropped:
 
 Limits, per client (ZeroMQ counts its high-water marks per peer), set on the socket by
 ``open_endpoint`` so that nothing a client sends grows the daemon without bound:
-- ``MAXMSGSIZE`` = ``MAX_MESSAGE_BYTES``: libzmq drops the connection of a peer that
-  sends a larger frame, before the loop sees it (``k3client`` refuses to send one,
-  ``BadRequest``; its socket reconnects, and the request is never answered);
-- ``MAX_QUEUED`` requests waiting for their turn in the loop (``intake.py`` answers
-  one more with a one-line ``bad_request`` at once);
+- ``MAXMSGSIZE`` = ``MAX_MESSAGE_BYTES``: libzmq ends the connection of a peer that
+  sends a larger frame before the loop sees it; that request is never answered
+  and the peer's socket reconnects (``k3client`` refuses to send one: ``BadRequest``);
+- ``MAX_QUEUED`` requests waiting for their turn in the loop: one more is answered
+  at once with a one-line ``bad_request``, its hit reports applied (``intake.py``,
+  "Bounded intake");
 - ``RCVHWM`` = ``MAX_QUEUED``: beyond what the loop took, at most this many of a
   client's messages wait in the daemon; past it ZeroMQ stops reading that peer,
   so its own sends wait (back-pressure), not the daemon's memory.  A client's
@@ -34,8 +35,10 @@ Limits, per client (ZeroMQ counts its high-water marks per peer), set on the soc
   a real request is under 100 KiB);
 - ``SNDHWM`` = ``REPLY_HWM`` = ``2 * MAX_QUEUED`` replies waiting for a client to read
   them: one per request it may have queued, and as many one-line refusals.  A
-  ``k3client`` has at most two outstanding, so only a client that stopped reading
-  reaches it; its replies are then dropped (below), never waited for.
+  ``k3client`` waits for at most two replies at a time, so only a client that
+  stopped reading reaches it; its replies are then dropped (below), never waited
+  for, and the daemon holds at most ``REPLY_HWM`` of its replies (a fetch's reply
+  is under 25 KiB) beside what the kernel's socket buffer takes.
 
 Thread: the server thread owns the socket once the start-up responder
 (``service/starting.py``) has handed it over; these functions keep no state.

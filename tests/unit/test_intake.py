@@ -1,7 +1,9 @@
-"""The loop's intake (k3d/serve/intake.py): holds decided by the pacer reach the turns.
+"""The loop's intake (k3d/serve/intake.py): holds decided by the pacer reach the turns,
+and each client's waiting requests are capped (bounded intake, wire.py "Limits").
 
-No socket is needed past ``receive``: requests are put in ``turns`` as
+The pacing tests need no socket past ``receive``: requests are put in ``turns`` as
 ``receive`` puts them (arrival time, frames), with real sessions and counters.
+The cap's tests use the daemon's real ROUTER (``open_endpoint``) over inproc.
 """
 
 import time
