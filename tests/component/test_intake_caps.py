@@ -25,6 +25,7 @@ import k3client
 from conftest import SCRATCH
 from helpers import expert_bytes, poll_for, reference as reference_reader
 from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
+from k3d.commands.ctl import render
 from k3d.config import DEFAULT_PATTERN, resolve
 from k3d.memory.arena import Arena
 from k3d.serve.loop import Server
@@ -126,6 +127,8 @@ def test_a_flooding_client_is_refused_and_bounded_while_another_is_served(server
     me = next(x for x in st["clients"] if x["name"] == "flood")
     assert me["over_cap"] == st["stats"]["requests_over_cap"] > 0
     assert me["queued"] <= MAX_QUEUED
+    flood_line = next(ln for ln in render(st).splitlines() if ln.strip().startswith("flood "))
+    assert f"{me['over_cap']} requests refused: too many waiting" in flood_line, flood_line
     # every request the loop took was answered or its reply dropped and counted (the rest
     # were still on their way when the flood stopped)
     assert len(replies) + st["stats"]["replies_dropped"] <= sent[0]
