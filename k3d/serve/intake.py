@@ -20,8 +20,8 @@ there is something to do):
   ``paced_seconds``).
 
 Bounded intake: a request that finds ``MAX_QUEUED`` of its client's requests
-waiting is not queued but handed to ``over_cap`` (the loop's ``_over_cap``) at
-once: it is answered with a one-line ``bad_request`` ("more than N requests
+waiting is not queued but handled at once (``over_cap``; the loop's ``_handle``
+with ``over_cap``, so ``_refuse``): it is answered with a one-line ``bad_request`` ("more than N requests
 queued from this client; wait for replies before sending more") after its hit
 reports are applied, and a ``hits`` report or a heartbeat, which wait for no
 reply, is simply handled then (a client's reports are never lost: its views
@@ -67,11 +67,12 @@ REFUSED_PAUSE_MS = 1     # after a refusal with nothing to serve: the socket is 
 
 
 class Intake:
-    def __init__(self, sock: zmq.Socket, sessions, stats, live, over_cap=None):
+    def __init__(self, sock: zmq.Socket, sessions, stats, live, handle=None):
         """``live``: the daemon's live settings (``k3d.config.Live``); pacing reads ``max_share``.
-        ``over_cap(routing, frames, arrival)`` handles a request over its client's cap (above)."""
+        ``handle(routing, session, frames, arrival, over_cap=True)`` handles a request over
+        its client's cap (above)."""
         self.sock, self.sessions, self.stats = sock, sessions, stats
-        self.over_cap = over_cap
+        self.handle = handle
         self.turns = Turns()
         self.live = live
         self.pacer = Pacer(live)
@@ -147,13 +148,25 @@ class Intake:
                 self._direct = (now, routing, frames)
                 return
             if self.queued(routing) >= wire.MAX_QUEUED:
-                self._refused = True
                 self.over_cap(routing, frames, now)
                 return
             size = sum(len(f.buffer) for f in frames)
             turns.push(routing, (now, routing, frames), cost_of(size))
             if not more:
                 return
+
+    def over_cap(self, routing: bytes, frames, now: float) -> None:
+        """Handle a request that found its client's cap full (above): counted, its loop CPU
+        charged, and the pass ends with a pause unless a request may be served."""
+        self._refused = True
+        self.stats.requests_over_cap += 1
+        s = self.sessions.get(routing)
+        cpu = time.thread_time()
+        self.handle(routing, s, frames, now, over_cap=True)
+        if s is not None:
+            s.over_cap += 1
+            if self.pacing:
+                self.charge_session(s, time.thread_time() - cpu)
 
     def queued(self, routing: bytes) -> int:
         """How many of ``routing``'s requests wait to be handled."""

@@ -134,7 +134,7 @@ class Server:
         self.handout.start()
         self.replies = wire.Replies(self.sock, self.gen)
         # requests in turn, each client's CPU charged, a client far over its share held back
-        self.intake = Intake(self.sock, self.sessions, self.stats, self.live, self._over_cap)
+        self.intake = Intake(self.sock, self.sessions, self.stats, self.live, self._handle)
         self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency,
                            self.intake.charge)
         self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
@@ -210,18 +210,6 @@ class Server:
         self.cache.settle(time.monotonic())
         if pacing and s is not None:
             self.intake.charge_session(s, time.thread_time() - cpu)
-
-    def _over_cap(self, routing: bytes, frames, t0: float) -> None:
-        """A request that found its client's cap of waiting requests full (``intake.py``,
-        "Bounded intake"): handled now (``_refuse``), counted, its loop CPU charged."""
-        s = self.sessions.get(routing)
-        self.stats.requests_over_cap += 1
-        cpu = time.thread_time()
-        self._handle(routing, s, frames, t0, over_cap=True)
-        if s is not None:
-            s.over_cap += 1
-            if self.intake.pacing:
-                self.intake.charge_session(s, time.thread_time() - cpu)
 
     def _refuse(self, s, routing, msg, frame, t0):
         """Any op but ``hits`` and ``heartbeat`` over the cap: refused in one line once its

@@ -94,8 +94,8 @@ def test_the_share_is_read_from_the_live_settings_at_each_use():
 # -- bounded intake (wire.py "Limits") -------------------------------------------------
 def flood_setup(name: str):
     """A real ROUTER with the daemon's options and two DEALERs over inproc (a message is
-    in the ROUTER's queue when ``send`` returns), and an intake that records what it
-    hands to ``over_cap``."""
+    in the ROUTER's queue when ``send`` returns), and an intake whose loop handler
+    records what it is given over the cap."""
     import zmq
 
     from k3d.serve.wire import open_endpoint
@@ -104,7 +104,7 @@ def flood_setup(name: str):
     router = open_endpoint(ctx, f"inproc://{name}")
     over = []
     intake = Intake(router, Sessions(), Counters(), Live(max_share=0.0),
-                    over_cap=lambda routing, frames, t: over.append((routing, frames[0].bytes)))
+                    handle=lambda routing, s, frames, t, over_cap: over.append((routing, frames[0].bytes)))
     peers = []
     for rid in (b"flood", b"calm"):
         s = ctx.socket(zmq.DEALER)
@@ -134,6 +134,7 @@ def test_a_client_gets_at_most_max_queued_waiting_and_the_rest_goes_to_over_cap(
             assert intake.queued(b"flood") <= MAX_QUEUED
             assert passes < 10 * sent, "the intake stopped taking messages"
         assert intake.queued(b"flood") == MAX_QUEUED and intake.queued(b"calm") == 1
+        assert intake.stats.requests_over_cap == len(over)
         # in arrival order: the first MAX_QUEUED queued, the next ones over the cap, one per pass
         assert [m for _, m in over[:3]] == [str(MAX_QUEUED + i).encode() for i in range(3)]
         assert {r for r, _ in over} == {b"flood"}
