@@ -20,22 +20,22 @@ there is something to do):
   ``paced_seconds``).
 
 Bounded intake: a request that finds ``MAX_QUEUED`` of its client's requests
-waiting is not queued but handled at once (``over_cap``; the loop's ``_handle``
-with ``over_cap``, so ``_refuse``): it is answered with a one-line ``bad_request`` ("more than N requests
-queued from this client; wait for replies before sending more") after its hit
-reports are applied, and a ``hits`` report or a heartbeat, which wait for no
-reply, is simply handled then (a client's reports are never lost: its views
-depend on them).  Counted in ``requests_over_cap`` (and the session's
-``over_cap``).  A refusal, not a hold, because ROUTER hands the loop its peers'
-messages in turn: the loop cannot leave one peer's messages on the socket and
-read the others', so a held client's further messages would have to be kept,
-without bound.  A ``k3client`` waits for the reply to each request, so only
-hit reports can queue behind one (a client the pacer holds while it answers
-many hits itself); it meets the cap only then, and loses nothing.
-Handling one over the cap ends the pass (the loop serves a request in turn
-before it reads on), and when nothing may be served then, the loop reads the
-socket again only after ``REFUSED_PAUSE_MS``: a client that floods is read
-about once per pause while nothing else waits, and ZeroMQ's back-pressure
+waiting is not queued but handled at once (``over_cap``, through the loop's
+``_handle``): a ``hits`` report or a heartbeat, which waits for no reply, is
+applied as ever; any other op has its hit reports applied and is answered with
+a one-line ``bad_request`` ("more than N requests queued from this client;
+wait for replies before sending more").  A client's reports are never lost:
+its views depend on them.  Counted in ``requests_over_cap`` (and the
+session's ``over_cap``).  A refusal, not a hold, because ROUTER hands the loop
+its peers' messages in turn: the loop cannot leave one peer's messages on the
+socket and read the others', so a held client's further messages would have
+to be kept, without bound.  A ``k3client`` waits for the reply to each
+request, so only hit reports can queue behind one (a client the pacer holds
+while it answers many hits itself); it meets the cap only then, and loses
+nothing.  Handling one over the cap ends the pass (the loop serves a request
+in turn before it reads on), and when nothing may be served then, the loop
+reads the socket again only after ``REFUSED_PAUSE_MS``: a client that floods is
+read about once per pause while nothing else waits, and ZeroMQ's back-pressure
 (``RCVHWM``) keeps the rest in its own process.  Others' requests may wait that
 pause once while a flood goes on; the loop's CPU stays theirs.
 
