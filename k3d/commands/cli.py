@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
     d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default %(default)s)")
     d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default %(default)s)")
-    d.add_argument("--seed", type=int, default=1234)
+    d.add_argument("--seed", type=int, default=1234,
+                   help="seed of the synthetic checkpoint and of the routing (default %(default)s)")
     d.add_argument("--hf", action="store_true",
                    help="transformers processes (k3client.hf) generating with one daemon, vs plain ones")
     args = parse_args(ap, sub, argv)

@@ -54,6 +54,7 @@ HELP = {
     "paced_seconds": "seconds clients were held back for using far more than their CPU share",
     "client_hits": "hits clients answered themselves from the shared index (reported later; in hits)",
     "late_hits": "client hits reported after the key had left its slot (the slot waited for reuse)",
+    "bad_reports": "reported hits refused: slots the client could not have read in its window, or over its pin quota",
     "slots_busy": "fetches told to retry: the slots they needed waited until other clients' views ended",
     "evicted_ahead": "evictions made ahead of misses while several clients answer hits themselves",
     "replies_dropped": "replies not sent as they were: the client's queue was full (it is not reading), "

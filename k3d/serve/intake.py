@@ -21,15 +21,15 @@ there is something to do):
 
 Bounded intake: a request that finds ``MAX_QUEUED`` of its client's requests
 waiting is not queued but handled at once (``over_cap``, through the loop's
-``_handle``): a ``hits`` report or a heartbeat, which waits for no reply, is
-applied as ever; any other op has its hit reports applied and is answered with
-a one-line ``bad_request`` ("more than N requests queued from this client;
-wait for replies before sending more").  A client's reports are never lost:
-its views depend on them.  Counted in ``requests_over_cap`` (and the
-session's ``over_cap``).  A refusal, not a hold, because ROUTER hands the loop
-its peers' messages in turn: the loop cannot leave one peer's messages on the
-socket and read the others', so a held client's further messages would have
-to be kept, without bound.  A ``k3client`` waits for the reply to each
+``_handle``): its hit reports are applied (a client's reports are never lost:
+its views depend on them); a heartbeat is handled and a ``hits`` message is then
+done (no reply, as ever; its ``seen`` is not applied out of turn); any other op
+is answered with a one-line ``bad_request`` ("more than N requests queued from
+this client; wait for replies before sending more").  Counted in
+``requests_over_cap`` (and the session's ``over_cap``).  A refusal, not a hold,
+because ROUTER hands the loop its peers' messages in turn: the loop cannot leave
+one peer's messages on the socket and read the others', so a held client's
+further messages would have to be kept, without bound.  A ``k3client`` waits for the reply to each
 request, so only hit reports can queue behind one (a client the pacer holds
 while it answers many hits itself); it meets the cap only then, and loses
 nothing.  Handling one over the cap ends the pass (the loop serves a request

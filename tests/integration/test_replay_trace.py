@@ -48,13 +48,13 @@ def _table(path, header):
 
 
 def test_documented_hit_rates_are_what_replay_gives():
-    """traces/README.md and README.md quote the same figures, and replay reproduces them."""
+    """traces/README.md and the sizing guide quote the same figures, and replay reproduces them."""
     root = Path(SHARED).parents[1]
     ev = parse(Path(SHARED).read_text().splitlines())
     ours = {s: [round(100 * run(ev, p, s).hit_rate, 1) for p in ("lru", "cycle", "opt")]
             for s in (64, 80, 100, 128, 160, 192)}
     traces = _table(root / "traces" / "README.md", "| slots | LRU | Belady OPT |")
-    readme = _table(root / "README.md", "| slots | LRU | cycle (default) | OPT | cycle − LRU |")
+    readme = _table(root / "docs" / "guides" / "sizing.md", "| slots | LRU | cycle (default) | OPT | cycle − LRU |")
     assert traces == {s: [v[0], v[2]] for s, v in ours.items()}, traces
     assert readme == ours, readme
 
