@@ -40,6 +40,9 @@ that named its slot; after a re-attach it raises ``DaemonRestarted`` instead
 of building a view, so nothing ever reads a slot number of the old arena in
 the new one.  Views made before the restart keep the old mapping (the kernel
 keeps that memfd alive while it is mapped), so their bytes stay correct.
+
+Trust: each (re-)attach verifies what answers before any view is built (peer
+uid, socket directories, memfd seals: ``trust.py``), else ``Untrusted``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from .hits import REPORT_FLUSH, LocalHits, hit_path_mode
 from .layout import TensorSpec, layouts_from_wire
 from .lease import end_heartbeat, heartbeat
 from .protocol import items, key_int, key_pairs
+from .trust import Trust
 from .views import Expert
 
 _INTS = frozenset((int,))
@@ -72,8 +76,10 @@ class Client:
 
     def __init__(self, endpoint: str | None = None, name: str | None = None,
                  timeout: float = 120.0, connect_timeout: float = 5.0,
-                 reconnect_timeout: float = 30.0, wait: float = 0.0, hit_path: str | None = None):
+                 reconnect_timeout: float = 30.0, wait: float = 0.0, hit_path: str | None = None,
+                 daemon_group: str | int | None = None):
         self.endpoint = resolve_endpoint(endpoint, os.environ)
+        self.trust = Trust.of(daemon_group, os.environ)     # who may be the daemon (trust.py)
         self.hit_path, self.hit_path_why = hit_path_mode(hit_path, os.environ)
         self._hits: LocalHits | None = None     # the shared index, while attached with the hit path
         self._views: dict = {}          # (slot, layer or -1, tensor) -> view (views.py)
@@ -140,6 +146,7 @@ class Client:
         except errors.Timeout:
             raise errors.DaemonNotRunning(
                 f"k3d daemon not running at {self.endpoint}: no answer in {connect_timeout:g}s") from None
+        arena_socket = self.trust.hello_peer(self._chan.peer, self.endpoint, h["arena_socket"])
         layout = [TensorSpec.from_wire(w) for w in h["layout"]]
         layouts = layouts_from_wire(h["model"].get("layouts"))
         if self.layout is not None and (layout != self.layout or h["expert_bytes"] != self.expert_bytes
@@ -163,7 +170,7 @@ class Client:
         self.lease_s = h["lease_s"]
         self.pin_quota = h.get("pin_quota", 0)
         self._hb_wake.set()         # a (re)attach: beat now, at this daemon's lease from here on
-        self._attach_arena(h["arena_socket"], h["arena_bytes"], h["index_bytes"])
+        self._attach_arena(arena_socket, h["arena_bytes"], h["index_bytes"])
 
     def _disconnect(self) -> None:
         with self._io:
@@ -200,7 +207,7 @@ class Client:
             try:
                 self._connect(min(left, 2.0))
                 break
-            except _LayoutChanged:
+            except (_LayoutChanged, errors.Untrusted):   # no arena, no channel: nothing to read
                 self._disconnect()
                 self.gen = None
                 raise
@@ -212,7 +219,7 @@ class Client:
         self.restarts += 1
 
     def _attach_arena(self, path: str, size: int, index_size: int):
-        self._mm, index_fd = handout.receive(path, size, self.gen)
+        self._mm, index_fd = handout.receive(path, size, self.gen, self.trust, (self._chan.peer or (0, 0, None))[2])
         if index_fd is None:
             return
         try:
@@ -439,9 +446,12 @@ def connect(endpoint: str | None = None, name: str | None = None, **kw) -> Clien
     - ``hit_path`` (``K3D_HIT_PATH``, default ``"client"``): ``"client"`` answers fetches of
       resident experts from the shared index without a message; ``"daemon"`` sends every
       fetch to the daemon (forced where the CPU lacks the ordering the index needs).
+    - ``daemon_group`` (``K3D_DAEMON_GROUP``): the daemon may run as a member of this group
+      (a name or gid), besides this user and root; needed for a daemon of another user.
 
     Raises ``DaemonNotRunning`` (nothing listens), ``Starting`` (still starting, after ``wait``),
-    ``PermissionDenied`` (not the daemon's
-    user or group), ``ProtocolMismatch`` (k3client and k3d versions differ)."""
+    ``PermissionDenied`` (not the daemon's user or group), ``Untrusted`` (what answers is not
+    shown to be a daemon of a trusted user, with sealed memory: ``k3client/trust.py``),
+    ``ProtocolMismatch`` (k3client and k3d versions differ)."""
     return Client(endpoint=endpoint, name=name, **kw)
 

@@ -89,6 +89,13 @@ class PermissionDenied(K3Error):
     code = "permission_denied"
 
 
+class Untrusted(K3Error):
+    """What answers at the endpoint is not shown to be the daemon (``k3client/trust.py``):
+    a stranger's socket, directory or process, or an arena another process could change.
+    Raised before any view is built; the message names what failed."""
+    code = "untrusted"
+
+
 class Timeout(K3Error):
     """A reply took longer than the client's ``timeout`` (a very cold origin, a stalled daemon)."""
 
@@ -106,7 +113,7 @@ _BY_CODE = {
     for cls in (
         K3Error, DaemonNotRunning, ProtocolMismatch, BadRequest, UnknownExpert,
         CacheFull, SlotsBusy, QuotaExceeded, ReadFailed, NotAttached, ShuttingDown,
-        DaemonRestarted, PermissionDenied, Timeout, Starting,
+        DaemonRestarted, PermissionDenied, Timeout, Starting, Untrusted,
     )
 }
 

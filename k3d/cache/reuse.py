@@ -177,6 +177,14 @@ class Reuse:
             del self.limbo[s]
         return out
 
+    def coming(self) -> int:
+        """Waiting slots no client claims: each is free once the clients' sync points pass
+        it (a claimed one waits for its claimant's next token, which may be far)."""
+        if not self.limbo:
+            return 0
+        claimed = set().union(*(r.claims for r in self.readers.values()))
+        return len(self.limbo.keys() - claimed)
+
     def could_reuse_now(self) -> bool:
         """Whether a slot retired now would be reusable at once (no client is reading)."""
         return all(r.synced == INF for r in self.readers.values())

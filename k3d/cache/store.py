@@ -272,7 +272,7 @@ class Store(PredictionBook, ReportedHits):
         pressed = now - self.pressed < PRESSURE_S and len(self.reuse.readers) > 1
         target = max(self.want, self.reserve if pressed else 0)
         evicted = 0
-        while len(self.free) + len(self.reuse.limbo) < target:
+        while len(self.free) + self.reuse.coming() < target:
             s = self._victim()
             if s is None:
                 break

@@ -31,6 +31,7 @@ from k3client.endpoint import (
 )
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 from k3d.observe.quality import line as prediction_line
+from k3d.serve.access import printable
 from k3d.service.starting import describe
 from k3d.sizes import show_size
 
@@ -154,8 +155,8 @@ def render(st: dict) -> str:
              if s.get("paced") else "")
     lines.append(f"clients {len(st['clients'])}{paced}")
     for c in st["clients"]:
-        lines.append(f"  {c['name']:<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  fetches {c['fetches']}"
-                     f"{_cpu(c)}{_over_cap(c)}")
+        lines.append(f"  {printable(str(c['name'])):<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  "
+                     f"fetches {c['fetches']}{_cpu(c)}{_over_cap(c)}")
         q = (pq or {}).get("clients", {}).get(str(c.get("id")))
         if q:
             lines.append(f"    predict {prediction_line(q)}")

@@ -116,11 +116,12 @@ class SnapshotBoard:
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` / ``[v6]:PORT`` / ``:PORT`` -> (host, port); ValueError with what is accepted."""
+    """``HOST:PORT`` / ``[v6]:PORT`` / ``:PORT`` -> (host, port); ValueError with what is accepted.
+    Without a host only this machine may scrape (127.0.0.1): status names clients and models."""
     host, sep, port = str(text).rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:   # 0: any free port (logged)
         raise ValueError("use HOST:PORT, e.g. 127.0.0.1:9484")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 AUTO = {   # status prediction.daemon -> k3d_auto_prefetch_<field>_total
