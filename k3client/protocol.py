@@ -48,8 +48,16 @@ SOCK_SEQPACKET socket; SCM_RIGHTS).  The arena message is
 attached: the arena's and the shared index's.
 
 Decode limits (``unpack``) bound every container so a hostile frame cannot make
-the daemon allocate without bound; frames above ``MAX_MESSAGE_BYTES`` are
-dropped by ZeroMQ itself (ZMQ_MAXMSGSIZE).
+the daemon allocate without bound.  A request is at most ``MAX_MESSAGE_BYTES``
+(1 MiB; a fetch of ``MAX_KEYS`` keys with as many predictions and hit reports
+is under 100 KiB): the daemon's ZeroMQ ends the connection of a peer that sends
+a larger frame (ZMQ_MAXMSGSIZE), unanswered, so ``pack_request`` refuses to
+build one (``BadRequest``).  The daemon keeps at most 32 requests of one client
+waiting for their turn (``k3d.serve.wire.MAX_QUEUED``); one more is answered at
+once with a one-line ``bad_request``, after its hit reports are applied (a
+``hits`` report or heartbeat over the cap is applied, unanswered as ever).  This
+client waits for each reply, so only its hit reports can queue behind a request,
+and none is lost.
 
 Keys are integers.  ``key_int`` / ``key_pairs`` refuse anything else before a
 request is sent (``BadRequest``, one line): a float is never rounded (``1.5`` is
@@ -77,6 +85,15 @@ MAX_CONTAINER = 4 * MAX_KEYS
 
 def pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def pack_request(msg: dict) -> bytes:
+    """``msg`` packed, if within ``MAX_MESSAGE_BYTES`` (else ``BadRequest``, one line)."""
+    data = pack(msg)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise BadRequest(f"{msg.get('op')} request of {len(data)} bytes exceeds the daemon's "
+                         f"{MAX_MESSAGE_BYTES} byte limit; send fewer keys per request")
+    return data
 
 
 def unpack(data: bytes):
