@@ -86,10 +86,6 @@ class IndexReader:
         """How many entries the daemon has unpublished so far (it counts each after clearing it)."""
         return self._words[RETIRED]
 
-    def closed(self) -> bool:
-        """The daemon stopped (a killed one cannot say so: the client's pidfd tells)."""
-        return bool(self._words[CLOSED])
-
     def lookup(self, layer: int, experts) -> list[int]:
         """Per expert of ``layer``: its slot << 2 | state, 0 when not resident, -1 when
         unknown (being changed, or outside the index): ask the daemon."""

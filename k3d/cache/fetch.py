@@ -23,7 +23,7 @@ The loop validates a request and makes one call here, with the client's session:
   daemon predicts the new token's first layer (an ``auto`` line after ``begin``);
   the loop thread's CPU in ``auto``'s hooks and in starting its reads is added to
   ``auto.cpu_ns`` at each (status ``prediction.daemon.cpu_s``: what predicting
-  costs, measured where it is paid; ~0.3 µs per hook for the clock);
+  costs, measured where it is paid);
 - ``drop``: a client leaves or dies: pins released, held-back reads go on as
   background reads, a fetch it waits on is answered NotAttached;
 - ``settle``: after each request, slots no client can read any more are freed
@@ -78,7 +78,7 @@ log = logging.getLogger("k3d")
 WASTE_LIMIT = 0.9        # share of unused predictions above which a client is throttled
 
 
-class Cache:
+class FetchService:
     def __init__(self, store: Store, source, arena, readers: int, replies, latency: FetchLatency, charge):
         """``charge(client_id, cpu_seconds)``: told the readers' CPU spent for each client
         (None: nobody is charged, pacing is off)."""
@@ -182,7 +182,7 @@ class Cache:
             if self.live.trace is not None:
                 self.live.trace.auto(now, s.client_id, s.epoch + 1, proposed)
         self.store.reuse.new_token(s.client_id)
-        s.pfu += unused
+        s.unused_predictions += unused
         if s.pf_started:
             s.pf_waste = 0.8 * s.pf_waste + 0.2 * min(1.0, unused / s.pf_started)
         s.pf_started = 0
@@ -203,11 +203,12 @@ class Cache:
                      waited: int = 0, prefetched: int = 0) -> None:
         if self.live.trace is not None:
             try:
-                self.live.trace.fetch(now, s.client_id, s.epoch, keys, misses, evictions, waited, prefetched, s.pfu)
+                self.live.trace.fetch(now, s.client_id, s.epoch, keys, misses, evictions, waited, prefetched,
+                                      s.unused_predictions)
             except OSError as e:   # a full disk must not fail a fetch that is already planned
                 log.error("route trace %s: %s; tracing stops", self.live.trace.path, e)
                 self.live.trace = None
-        s.pfu = 0
+        s.unused_predictions = 0
 
     def _auto(self, s: Session, keys, plan, client_started: int, now: float) -> None:
         """The daemon's predictions after ``s``'s fetch (the one call site): learn, propose,

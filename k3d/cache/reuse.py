@@ -24,7 +24,7 @@ The client's obligations (``k3client/hits.py``; the model test plays them):
   hold back reuse).
 - C3. It answers no more slots in a token than its pin quota.
 
-What the daemon knows of each hit-path client (``Reader``):
+What the daemon knows of each hit-path client (``Viewer``):
 - ``synced``: a lower bound on the retirement count of any slot the client may
   hold a view of that is neither pinned nor claimed for it.  ``INF`` while a
   request it sent is handled or failed (C1: its window is closed, so every view
@@ -87,7 +87,7 @@ def reserve_for(slots: int) -> int:
 
 
 @dataclass
-class Reader:
+class Viewer:
     synced: float = 0
     pending: int | None = None        # id of the latest request, until its reply
     before: float = 0                 # ``synced`` when that request came: what its reports may claim
@@ -97,7 +97,7 @@ class Reader:
 class Reuse:
     def __init__(self):
         self.retired = 0                          # count of retirements (the index's header)
-        self.readers: dict[int, Reader] = {}      # hit-path clients
+        self.viewers: dict[int, Viewer] = {}      # hit-path clients
         self.limbo: dict[int, int] = {}           # slot -> its retirement count
         self.since: dict[int, float] = {}         # slot -> when it began to wait
         self.peak = 0
@@ -105,15 +105,15 @@ class Reuse:
     # -- clients ----------------------------------------------------------------
     def attach(self, client: int) -> None:
         """A hit-path client said hello: it has seen every retirement so far."""
-        self.readers[client] = Reader(self.retired)
+        self.viewers[client] = Viewer(self.retired)
 
     def leave(self, client: int) -> None:
-        self.readers.pop(client, None)
+        self.viewers.pop(client, None)
 
     def waiting(self, client: int, rid) -> None:
         """The daemon handles request ``rid`` of ``client``, after its reports: the client
         looks nothing up until that request's reply (C1)."""
-        r = self.readers.get(client)
+        r = self.viewers.get(client)
         if r is not None:
             r.before = r.synced if r.pending is None else r.before
             r.pending, r.synced = rid, INF
@@ -121,7 +121,7 @@ class Reuse:
     def replied(self, client: int, rid, ok: bool) -> None:
         """The reply to request ``rid`` left.  Only the reply to the latest request moves
         the client's sync point, and only a success (a failure keeps its window shut)."""
-        r = self.readers.get(client)
+        r = self.viewers.get(client)
         if r is not None and r.pending == rid:
             r.pending = None
             if ok:
@@ -131,7 +131,7 @@ class Reuse:
         """A ``hits`` message said the client read the retirement count ``count`` after
         taking its reports (applied just before): later lookups see every clear up to it.
         False: not a count this daemon has reached (a garbage report)."""
-        r = self.readers.get(client)
+        r = self.viewers.get(client)
         if r is None:
             return True
         if type(count) is not int or not 0 <= count <= self.retired:
@@ -143,7 +143,7 @@ class Reuse:
     def claimable(self, client: int, slot: int) -> bool:
         """Whether ``client`` could have read ``slot`` in its window: the slot waits for
         reuse, retired after the client's sync point before this message (or is claimed)."""
-        r = self.readers.get(client)
+        r = self.viewers.get(client)
         if r is None:
             return False
         floor = r.before if r.pending is not None else r.synced
@@ -154,15 +154,15 @@ class Reuse:
         could not have read it."""
         if not self.claimable(client, slot):
             return False
-        self.readers[client].claims.add(slot)
+        self.viewers[client].claims.add(slot)
         return True
 
     def claims(self, client: int) -> set[int]:
-        r = self.readers.get(client)
+        r = self.viewers.get(client)
         return r.claims if r is not None else set()
 
     def new_token(self, client: int) -> None:
-        r = self.readers.get(client)
+        r = self.viewers.get(client)
         if r is not None:
             r.claims.clear()
 
@@ -170,7 +170,7 @@ class Reuse:
     def retire(self, slot: int, now: float = 0.0) -> bool:
         """``slot``'s key left the index.  True: reuse it now; False: it waits (``reclaim``)."""
         self.retired += 1
-        if not self.readers or self._free_now([(slot, self.retired)]):     # (none: replay, one client)
+        if not self.viewers or self._free_now([(slot, self.retired)]):     # (none: replay, one client)
             return True
         self.limbo[slot] = self.retired
         self.since[slot] = now
@@ -194,30 +194,30 @@ class Reuse:
         if not old:
             return []
         oldest = min(old)
-        return [c for c, r in self.readers.items() if r.synced < oldest]
+        return [c for c, r in self.viewers.items() if r.synced < oldest]
 
     def coming(self) -> int:
         """Waiting slots no client claims: each is free once the clients' sync points pass
         it (a claimed one waits for its claimant's next token, which may be far)."""
         if not self.limbo:
             return 0
-        claimed = set().union(*(r.claims for r in self.readers.values()))
+        claimed = set().union(*(r.claims for r in self.viewers.values()))
         return len(self.limbo.keys() - claimed)
 
     def could_reuse_now(self) -> bool:
         """Whether a slot retired now would be reusable at once (no client is reading)."""
-        return all(r.synced == INF for r in self.readers.values())
+        return all(r.synced == INF for r in self.viewers.values())
 
     def holders(self) -> list[int]:
         """Clients that keep some waiting slot from reuse (status, and CacheFull's message)."""
         if not self.limbo:
             return []
         oldest = min(self.limbo.values())
-        return [c for c, r in self.readers.items() if r.synced < oldest or r.claims & self.limbo.keys()]
+        return [c for c, r in self.viewers.items() if r.synced < oldest or r.claims & self.limbo.keys()]
 
     def _free_now(self, waiting: list[tuple[int, int]]) -> list[int]:
         floor, claimed = INF, set()
-        for r in self.readers.values():
+        for r in self.viewers.values():
             floor = min(floor, r.synced)
             claimed |= r.claims
         return [s for s, count in waiting if count <= floor and s not in claimed]

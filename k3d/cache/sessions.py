@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import logging
 
-from k3client.errors import NotAttached
-
 log = logging.getLogger("k3d")
 
 REAP_INTERVAL = 0.5      # seconds between liveness checks
@@ -66,7 +64,7 @@ class Session:
         "unbilled",
         "pf_started",
         "pf_waste",
-        "pfu",
+        "unused_predictions",
         "pid",
         "routing",
         "started",
@@ -75,7 +73,7 @@ class Session:
     def __init__(self, routing, client_id, name, pid, started, now, lease_s=0.0):
         self.routing, self.client_id, self.name = routing, client_id, name
         self.pid, self.started = pid, started
-        self.epoch, self.last_seen, self.pfu, self.alive, self.fetches = 0, now, 0, True, 0
+        self.epoch, self.last_seen, self.unused_predictions, self.alive, self.fetches = 0, now, 0, True, 0
         self.hit_path = False      # answers hits itself from the shared index (k3d/cache/reuse.py)
         # The lease told to the client at hello: it heartbeats at a quarter of it,
         # so a reload that shortens the lease applies to new clients only.
@@ -123,14 +121,6 @@ class Sessions:
 
     def get(self, routing: bytes) -> Session | None:
         return self.by_routing.get(routing)
-
-    def require(self, routing: bytes, now: float) -> Session:
-        """The session of ``routing``, its lease renewed; NotAttached without hello."""
-        s = self.by_routing.get(routing)
-        if s is None:
-            raise NotAttached("send hello first (k3client.connect does this); or the daemon dropped this client")
-        s.last_seen = now
-        return s
 
     def attach(self, routing: bytes, name: str, pid, started, now: float, lease_s: float) -> Session:
         s = Session(routing, self._next_client, name, pid, started, now, lease_s)

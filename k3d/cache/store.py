@@ -269,7 +269,7 @@ class Store(PredictionBook, ReportedHits):
         free slot (within ``PRESSURE_S``), so that slots are free when the next miss comes
         (evicted slots wait for reuse first); and as many as a refused fetch wanted.  A
         cache whose working set fits evicts nothing ahead.  Returns how many it evicted."""
-        pressed = now - self.pressed < PRESSURE_S and len(self.reuse.readers) > 1
+        pressed = now - self.pressed < PRESSURE_S and len(self.reuse.viewers) > 1
         target = max(self.want, self.reserve if pressed else 0)
         evicted = 0
         while len(self.free) + self.reuse.coming() < target:

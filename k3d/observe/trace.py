@@ -21,8 +21,9 @@ Fields are separated by single spaces::
   written after every fetch and its ``predict`` line, even when empty: they mark
   where the daemon's predictor ran, so ``k3d replay`` runs it at the same point.
 - The counters on a fetch line are what the daemon counted for that fetch: misses,
-  evictions, keys waited on, keys served by a prediction, and the client's
-  predictions found unused at its last ``begin_token``.
+  evictions, keys waited on, keys served by a prediction (``pf``), and the client's
+  predictions found unused at its last ``begin_token`` (``pfu``, prefetched unused:
+  the short names stay, as columns of a format the shipped traces are written in).
 - Lines without ``c=``/``t=`` (the first trace format: no ``begin`` lines, ids
   comma-joined or space-separated) still parse: one client, and a new token begins
   where the layer does not increase.

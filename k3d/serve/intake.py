@@ -47,7 +47,7 @@ socket's RCVTIMEO, which the server sets to ``IDLE_MS``.  After a refusal (see
 above) it polls the readers' eventfd alone until the pause ends.
 
 Thread: the server thread owns all of it (``charge`` for a read is called from
-``Cache.apply_done``, on the same thread).
+``FetchService.apply_done``, on the same thread).
 """
 
 from __future__ import annotations

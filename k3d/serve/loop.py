@@ -66,7 +66,7 @@ from k3client.errors import (
     ProtocolMismatch,
     UnknownExpert,
 )
-from k3d.cache.fetch import Cache
+from k3d.cache.fetch import FetchService
 from k3d.cache.policy import make as make_policy
 from k3d.cache.predict import DEFAULT as PREDICT_DEFAULT, AutoPrefetch, make as make_predictor
 from k3d.cache.reuse import Reuse, reserve_for
@@ -136,7 +136,7 @@ class Server:
         self.replies = wire.Replies(self.sock, self.gen)
         # requests in turn, each client's CPU charged, a client far over its share held back
         self.intake = Intake(self.sock, self.sessions, self.stats, self.live, self._handle)
-        self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency,
+        self.cache = FetchService(self.store, source, arena, cfg.readers, self.replies, self.latency,
                            self.intake.charge)
         self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
         self.cache.client_predictions = cfg.predict != "off"

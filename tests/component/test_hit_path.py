@@ -53,7 +53,7 @@ def test_a_fetch_answered_at_once_ends_the_clients_wait(server):  # noqa: F811
         a.fetch(0, [1, 2])                        # misses: read, then ready
         a.begin_token()
         a.fetch(0, [1, 2], predicted=[(1, 3)])    # ready keys + a prediction: through the daemon
-        reader = srv.store.reuse.readers[a.client_id]
+        reader = srv.store.reuse.viewers[a.client_id]
         # not "blocked in a request" any more (the server thread marks it just after
         # the reply leaves, so the client may see the reply first)
         poll_for(lambda: reader.synced != float("inf"), 5, lambda: f"still waiting: {reader}", interval=0.01)
@@ -146,7 +146,7 @@ def test_a_client_refused_slots_busy_reads_nothing_until_its_next_request(server
         a.begin_token()
         with pytest.raises(SlotsBusy):
             b.fetch(1, [0])                       # a victim would wait for a's next request
-        assert srv.store.reuse.readers[b.client_id].synced == float("inf")
+        assert srv.store.reuse.viewers[b.client_id].synced == float("inf")
         before = srv.stats.fetches
         ex = b.fetch(0, [2])                      # resident, yet through the daemon: b's window is shut
         assert srv.stats.fetches == before + 1 and bytes(ex[0].memory()) == bytes(a.fetch(0, [2])[0].memory())

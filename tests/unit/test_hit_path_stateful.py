@@ -278,7 +278,7 @@ class HitPathMachine(RuleBasedStateMachine):
           slots=st.lists(st.integers(0, SLOTS - 1), min_size=3, max_size=3), seen=st.integers(0, 40))
     def bogus_reports(self, data, layer, experts, slots, seen):
         """A misbehaving client reports slots it never read and a count it never saw."""
-        if self.bogus is None or self.bogus not in self.store.reuse.readers:
+        if self.bogus is None or self.bogus not in self.store.reuse.viewers:
             self.bogus = self.next_id
             self.next_id += 1
             self.store.reuse.attach(self.bogus)
@@ -387,12 +387,12 @@ def test_a_late_reply_to_a_request_given_up_on_does_not_move_the_sync_point():
         r.waiting(1, 1)
         r.waiting(1, 2)
         r.replied(1, 2, ok=True)
-        at_reply = r.readers[1].synced
+        at_reply = r.viewers[1].synced
         store.make_room(0.0)
         store.want = 1
         store.make_room(0.0)                  # an eviction after request 2's reply
         r.replied(1, 1, ok=True)              # the stale reply
-        assert r.readers[1].synced == at_reply < r.retired
+        assert r.viewers[1].synced == at_reply < r.retired
         assert store.reclaim(0.0) == 0        # client 1 may read the evicted slot
     finally:
         index.close()

@@ -1,6 +1,6 @@
 """The daemon's own predictions: a predictor driven by the fetch stream, through the store.
 
-``AutoPrefetch`` is the one piece both the daemon (``k3d.cache.fetch.Cache``) and
+``AutoPrefetch`` is the one piece both the daemon (``k3d.cache.fetch.FetchService``) and
 ``k3d replay`` (``k3d.replay.engine``) call, with the same arguments at the same
 points, so a replay reproduces the daemon's predictions exactly:
 
