@@ -6,7 +6,8 @@ from .errors import (
     CacheFull,
     DaemonNotRunning,
     DaemonRestarted,
-                     K3Error,
+    K3Error,
+    Mismatch,
     NotAttached,
     PermissionDenied,
     ProtocolMismatch,
@@ -22,7 +23,7 @@ from .protocol import PROTOCOL_VERSION
 
 __all__ = [
     "Client", "Expert", "connect", "TensorSpec", "PROTOCOL_VERSION",
-    "K3Error", "BadRequest", "CacheFull", "DaemonNotRunning", "DaemonRestarted",
+    "K3Error", "Mismatch", "BadRequest", "CacheFull", "DaemonNotRunning", "DaemonRestarted",
     "NotAttached", "PermissionDenied", "ProtocolMismatch", "QuotaExceeded",
     "ReadFailed", "ShuttingDown", "Starting", "Timeout", "UnknownExpert",
 ]

@@ -41,6 +41,7 @@ from k3d.sizes import show_size
 
 from ..reads.plan import readers_for
 from ..sources import SourceError, open_source
+from ..sources.digest import RULE as DIGEST_RULE, for_source as digest_for
 from .notify import Notifier
 from .sizing import arena_warnings
 from .starting import Progress, ProgressPrinter, StartupResponder, describe
@@ -305,6 +306,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         progress.update("sizing the arena", 0, 0)
         chosen = "" if cfg.readers else f" (chosen for {source.kind} reads on {os.cpu_count()} CPUs)"
         cfg = with_readers(cfg, source)
+        source.digest = digest_of(source, cfg, progress, check_stop)
         slots, slot_bytes = size_arena(cfg, source.expert_bytes)
         for warning in arena_warnings(slots, slot_bytes, source.describe()):
             log.warning("%s", warning)
@@ -349,6 +351,23 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         notifier.close()
         if lock is not None:
             lock.release()
+
+
+def digest_of(source, cfg, progress, check_stop) -> dict:
+    """The source's content digest (``k3d.sources.digest``), on ``cfg.readers`` threads.
+
+    A source that cannot be read for it (an origin down at start, EIO) does not stop
+    the start: the digest then carries ``error``, and ``Client.verify`` refuses in one
+    line naming it."""
+    def tick(done, total):
+        check_stop()
+        progress.update("digest of the expert bytes", done, total)
+
+    try:
+        return digest_for(source, cfg.state_dir, cfg.readers, tick)
+    except (SourceError, OSError) as e:
+        log.warning("cannot compute the content digest of %s: %s (clients cannot verify it)", source.path, e)
+        return {"rule": DIGEST_RULE, "error": str(e)}
 
 
 def with_readers(cfg, source):

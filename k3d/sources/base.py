@@ -72,6 +72,7 @@ class Source:
         self.layer_tensor_types: dict[int, dict[str, str]] = {}
         self.family = None            # k3d.sources.families.Family, where the format has one
         self.family_fields: dict = {}   # a pack's record of its source's family (describe's fields)
+        self.digest: dict | None = None   # k3d.sources.digest.for_source's, set once at start-up
 
     @property
     def expert_bytes(self) -> int:
@@ -119,6 +120,8 @@ class Source:
              "family_rule": f"{self.family.rule.id} ({self.family.how})" if self.family else None,
              "top_k": self.family.top_k if self.family else None}
         d.update(self.family_fields)
+        if self.digest is not None:
+            d["digest"] = self.digest
         if not self.uniform:
             d["layouts"] = self.layout_groups()
         return d
