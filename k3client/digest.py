@@ -104,17 +104,34 @@ def first_difference(served: dict, local: dict) -> str | None:
         return f"digest rule {served.get('rule')!r} is not this client's {local.get('rule')!r}"
     theirs = {(p[0], p[1]): p for p in served.get("parts") or []}
     mine = {(p[0], p[1]): p for p in local.get("parts") or []}
-    for key in sorted(set(theirs) | set(mine)):
-        a, b = theirs.get(key), mine.get(key)
+    layers_a, layers_b = sorted({k[0] for k in theirs}), sorted({k[0] for k in mine})
+    if layers_a != layers_b:
+        return f"expert layers {_span(layers_a)} served, {_span(layers_b)} locally"
+    for layer in layers_a:
+        names_a = sorted(n for l, n in theirs if l == layer)
+        names_b = sorted(n for l, n in mine if l == layer)
+        if names_a != names_b:
+            return f"layer {layer} has expert tensors [{', '.join(names_a)}] served, [{', '.join(names_b)}] locally"
+    for key in sorted(theirs):
+        a, b = theirs[key], mine[key]
         layer, name = key
-        if a is None:
-            return f"layer {layer} tensor {name} is not served"
-        if b is None:
-            return f"layer {layer} tensor {name} is served but not in the local checkpoint"
         if (a[2], list(a[3])) != (b[2], list(b[3])):
-            return f"layer {layer} tensor {name} is {a[2]}{list(a[3])} served, {b[2]}{list(b[3])} locally"
+            return f"layer {layer} tensor {name} is {a[2]} {list(a[3])} served, {b[2]} {list(b[3])} locally"
         if a[4] != b[4]:
-            return f"layer {layer} tensor {name} has {a[4]} experts served, {b[4]} locally"
+            return f"layer {layer} tensor {name}: {a[4]} experts per layer served, {b[4]} per layer locally"
         if a[5] != b[5]:
-            return f"layer {layer} tensor {name} differs in its bytes (sampled)"
+            return (f"layer {layer} tensor {name} holds other bytes (sampled; the same layout with other "
+                    "values, e.g. a fine-tune)")
     return "the parts agree but the digests do not"
+
+
+def _span(values) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    out, vals, i = [], sorted(values), 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        out.append(f"{vals[i]}-{vals[j]}" if j > i else f"{vals[i]}")
+        i = j + 1
+    return ", ".join(out) or "none"
