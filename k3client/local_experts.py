@@ -21,8 +21,10 @@ layout names) guides the names, so one rule serves every family:
 - k3d packs (magic ``K3DPACK``): the pack header's keys and layouts.
 
 ``digest(path, model, layout_of)`` then reads the rule's samples
-(``k3client.digest``) with ``pread`` on a small thread pool and assembles the
-digest.  ``Unsupported`` is a local file this module cannot read (one line).
+(``k3client.digest``: at most 32 KiB a tensor) with ``pread`` on a small thread
+pool, without readahead, drops those pages from the page cache again
+(``POSIX_FADV_DONTNEED``: the process that verifies holds no expert page), and
+assembles the digest.  ``Unsupported`` is a local file this module cannot read (one line).
 
 Pure functions and a private pool; no shared state.
 """
@@ -45,6 +47,7 @@ STACKED = re.compile(r"(?:^|\.)experts\.(.+)\Z")
 GGUF_STACKED = re.compile(r"blk\.(\d+)\.(.+)\Z")
 GGUF_LEGACY = re.compile(r"blk\.(\d+)\.(ffn_[A-Za-z0-9_]+)\.(\d+)\.([A-Za-z0-9_]+)\Z")
 PACK_MAGIC = b"K3DPACK\n"
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 class Unsupported(Exception):
@@ -85,8 +88,7 @@ def locate(path: str, model: dict, layout_of) -> Found:
     if os.path.isdir(path):
         files, owner = _shards(path)
         return _safetensors(files, owner, served, n_experts, by_name)
-    with open(path, "rb") as f:
-        head = f.read(8)
+    head = _pread_head(path, 8, 0)
     if head[:4] == b"GGUF":
         return _gguf(path, served, n_experts)
     if head == PACK_MAGIC:
@@ -122,18 +124,28 @@ def _index(index: str):
     return sorted(set(owner.values())), owner
 
 
+def _pread_head(path: str, n: int, offset: int) -> bytes:
+    """Header bytes by ``pread`` without readahead: a readahead window would leave a mark whose
+    later hit sets off readahead of expert pages even on a RANDOM descriptor."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return os.pread(fd, n, offset)
+    finally:
+        os.close(fd)
+
+
 def _header(path: str) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise Unsupported(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise Unsupported(f"{path}: safetensors header of {n} bytes (corrupt?)")
-        try:
-            hdr = json.loads(f.read(n))
-        except ValueError as e:
-            raise Unsupported(f"{path}: unreadable safetensors header ({e})") from None
+    raw = _pread_head(path, 8, 0)
+    if len(raw) != 8:
+        raise Unsupported(f"{path}: not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > 100 << 20:
+        raise Unsupported(f"{path}: safetensors header of {n} bytes (corrupt?)")
+    try:
+        hdr = json.loads(_pread_head(path, n, 8))
+    except ValueError as e:
+        raise Unsupported(f"{path}: unreadable safetensors header ({e})") from None
     hdr.pop("__metadata__", None)
     return hdr, 8 + n
 
@@ -222,13 +234,11 @@ def _gguf_add(out: Found, served, layer, x, name, piece: Piece, t) -> None:
 
 
 def _pack(path: str) -> Found:
-    with open(path, "rb") as f:
-        f.seek(8)
-        (n,) = struct.unpack("<Q", f.read(8))
-        try:
-            h = json.loads(f.read(n))
-        except ValueError as e:
-            raise Unsupported(f"{path}: unreadable k3d pack header ({e})") from None
+    (n,) = struct.unpack("<Q", _pread_head(path, 8, 8))
+    try:
+        h = json.loads(_pread_head(path, n, 16))
+    except ValueError as e:
+        raise Unsupported(f"{path}: unreadable k3d pack header ({e})") from None
     layouts = {}
     for layers, wire, *_ in h.get("layouts") or []:
         for layer in layers:
@@ -244,9 +254,13 @@ def _pack(path: str) -> Found:
 def _hashes(found: Found, key, fds) -> dict[str, bytes]:
     out = {}
     for name, p in found.pieces[key].items():
-        chunks = [os.pread(fds[p.file], n, p.offset + s) for s, n in sample_ranges(p.nbytes)]
-        if sum(map(len, chunks)) != sum(n for _, n in sample_ranges(p.nbytes)):
+        fd, ranges = fds[p.file], sample_ranges(p.nbytes)
+        chunks = [os.pread(fd, n, p.offset + s) for s, n in ranges]
+        if sum(map(len, chunks)) != sum(n for _, n in ranges):
             raise Unsupported(f"{p.file}: shorter than its header says (truncated?)")
+        for s, n in ranges:     # the samples leave the page cache again: the daemon holds the experts
+            lo = (p.offset + s) // PAGE * PAGE          # whole pages: DONTNEED keeps partial ones
+            os.posix_fadvise(fd, lo, -(-(p.offset + s + n - lo) // PAGE) * PAGE, os.POSIX_FADV_DONTNEED)
         out[name] = tensor_hash(p.nbytes, chunks)
     return out
 
@@ -258,6 +272,7 @@ def digest(path: str, model: dict, layout_of, threads: int | None = None) -> dic
     try:
         for p in {p.file for per in found.pieces.values() for p in per.values()}:
             fds[p] = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+            os.posix_fadvise(fds[p], 0, 0, os.POSIX_FADV_RANDOM)     # the samples only, no readahead
         keys = sorted(found.pieces)
         with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
             hashes = dict(zip(keys, pool.map(lambda k: _hashes(found, k, fds), keys)))

@@ -7,9 +7,10 @@ the slot.  So every kind of source (safetensors, GGUF, packed, HTTP, S3) gives
 the digest of the bytes it serves, and a pack gives its source's digest.  The
 reads of one expert are merged where file-contiguous (remote: also across gaps
 of at most ``REMOTE_GAP`` bytes, one request instead of several) and run on a
-thread pool of the reader count; local files are read with ``pread`` on the
-source's own (buffered) descriptors, remote ones with the source's retrying
-``fetch_into`` (the disk tier is bypassed: it holds whole experts only).
+thread pool of the reader count; local files are read with ``pread`` on
+descriptors of their own (the very files the source opened, readahead off, the
+pages dropped after: the arena is the cache), remote ones with the source's
+retrying ``fetch_into`` (the disk tier is bypassed: it holds whole experts only).
 
 Cache: ``<state_dir>/digest-<key>.json``, ``key`` a hash of the files' identity
 (local: path, st_dev, st_ino, st_size, st_mtime_ns of the open descriptor;
@@ -35,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from k3client.digest import RULE, assemble, sample_ranges, tensor_hash
 
-from .base import SourceError, read_fully
+from .base import PAGE, SourceError, read_fully
 
 log = logging.getLogger("k3d")
 
@@ -108,7 +109,7 @@ def _pieces(extents, start: int, length: int, dest: int):
     return out
 
 
-def _expert_hashes(source, key, remote: bool) -> tuple[dict[str, bytes], int]:
+def _expert_hashes(source, key, fds) -> tuple[dict[str, bytes], int]:
     """{name: tensor_hash} of one expert, and the bytes read for it."""
     extents = source.keys[key]
     layout = source.layout_of(key[0])
@@ -121,7 +122,7 @@ def _expert_hashes(source, key, remote: bool) -> tuple[dict[str, bytes], int]:
             size += n
     buf = bytearray(size)
     view = memoryview(buf)
-    gap = REMOTE_GAP if remote else 0
+    gap = REMOTE_GAP if fds is None else 0
     ranges.sort()
     nread, i = 0, 0
     while i < len(ranges):
@@ -132,10 +133,10 @@ def _expert_hashes(source, key, remote: bool) -> tuple[dict[str, bytes], int]:
             j += 1
         run = ranges[i:j]
         if len(run) == 1:
-            _read(source, fi, off, [view[run[0][2]:run[0][2] + run[0][3]]], remote)
+            _read(source, fi, off, [view[run[0][2]:run[0][2] + run[0][3]]], fds)
         else:
             tmp = bytearray(end - off)
-            _read(source, fi, off, [memoryview(tmp)], remote)
+            _read(source, fi, off, [memoryview(tmp)], fds)
             for _, o, d, n in run:
                 view[d:d + n] = tmp[o - off:o - off + n]
         nread += end - off
@@ -150,34 +151,59 @@ def _expert_hashes(source, key, remote: bool) -> tuple[dict[str, bytes], int]:
     return out, nread
 
 
-def _read(source, fi: int, off: int, bufs, remote: bool) -> None:
-    if remote:
+def _read(source, fi: int, off: int, bufs, fds) -> None:
+    if fds is None:
         source.fetch_into(fi, off, bufs)
-    else:
-        read_fully(source.fds[fi], bufs, off, source.files[fi])
+        return
+    n = read_fully(fds[fi], bufs, off, source.files[fi])
+    lo = off // PAGE * PAGE             # whole pages: DONTNEED keeps partial ones
+    os.posix_fadvise(fds[fi], lo, -(-(off + n - lo) // PAGE) * PAGE, os.POSIX_FADV_DONTNEED)
+
+
+def _open_local(source) -> list[int]:
+    """Own descriptors on the source's files, readahead off (a sampled block must not pull in
+    its neighbours), checked to be the very files the source opened."""
+    fds = []
+    try:
+        for path, sfd in zip(source.files, source.fds):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fds.append(fd)
+            a, b = os.fstat(fd), os.fstat(sfd)
+            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+                raise SourceError(f"{path}: replaced since k3d opened it; start again")
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
 
 
 def compute(source, threads: int, progress=None) -> tuple[dict, int]:
     """The digest of ``source`` (``k3client.digest.assemble``'s dict) and the bytes read.
 
     ``progress(done, total)`` is called on the calling thread as experts finish."""
-    remote = not source.fds
+    fds = _open_local(source) if source.fds else None       # None: a remote source, read by fetch_into
     layers = sorted({l for l, _ in source.keys})
     specs = {l: [(s.name, s.dtype, s.shape) for s in source.layout_of(l)] for l in layers}
     hashes, nread = {}, 0
     keys = sorted(source.keys)
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="k3d-digest") as pool:
-        futures = {pool.submit(_expert_hashes, source, k, remote): k for k in keys}
-        try:
-            for n, fut in enumerate(as_completed(futures), 1):
-                hashes[futures[fut]], got = fut.result()
-                nread += got
-                if progress is not None and (n % 256 == 0 or n == len(keys)):
-                    progress(n, len(keys))
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="k3d-digest") as pool:
+            futures = {pool.submit(_expert_hashes, source, k, fds): k for k in keys}
+            try:
+                for n, fut in enumerate(as_completed(futures), 1):
+                    hashes[futures[fut]], got = fut.result()
+                    nread += got
+                    if progress is not None and (n % 256 == 0 or n == len(keys)):
+                        progress(n, len(keys))
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    finally:
+        for fd in fds or []:
+            os.close(fd)
     return assemble(specs, hashes), nread
 
 
