@@ -48,6 +48,8 @@ GGUF_STACKED = re.compile(r"blk\.(\d+)\.(.+)\Z")
 GGUF_LEGACY = re.compile(r"blk\.(\d+)\.(ffn_[A-Za-z0-9_]+)\.(\d+)\.([A-Za-z0-9_]+)\Z")
 PACK_MAGIC = b"K3DPACK\n"
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# scattered 4 KiB reads are latency-bound: many in flight (bench/digest_cost.py, "client verify")
+THREADS = 16
 
 
 class Unsupported(Exception):
@@ -274,7 +276,7 @@ def digest(path: str, model: dict, layout_of, threads: int | None = None) -> dic
             fds[p] = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
             os.posix_fadvise(fds[p], 0, 0, os.POSIX_FADV_RANDOM)     # the samples only, no readahead
         keys = sorted(found.pieces)
-        with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(max_workers=threads or THREADS) as pool:
             hashes = dict(zip(keys, pool.map(lambda k: _hashes(found, k, fds), keys)))
     finally:
         for fd in fds.values():

@@ -41,7 +41,7 @@ from k3d.sizes import show_size
 
 from ..reads.plan import readers_for
 from ..sources import SourceError, open_source
-from ..sources.digest import RULE as DIGEST_RULE, for_source as digest_for
+from ..sources.digest import RULE as DIGEST_RULE, for_source as digest_for, threads_for as digest_threads
 from .notify import Notifier
 from .sizing import arena_warnings
 from .starting import Progress, ProgressPrinter, StartupResponder, describe
@@ -354,7 +354,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
 
 
 def digest_of(source, cfg, progress, check_stop) -> dict:
-    """The source's content digest (``k3d.sources.digest``), on ``cfg.readers`` threads.
+    """The source's content digest (``k3d.sources.digest``), on ``digest_threads`` threads.
 
     A source that cannot be read for it (an origin down at start, EIO) does not stop
     the start: the digest then carries ``error``, and ``Client.verify`` refuses in one
@@ -364,7 +364,7 @@ def digest_of(source, cfg, progress, check_stop) -> dict:
         progress.update("digest of the expert bytes", done, total)
 
     try:
-        return digest_for(source, cfg.state_dir, cfg.readers, tick)
+        return digest_for(source, cfg.state_dir, digest_threads(source, cfg.readers), tick)
     except (SourceError, OSError) as e:
         log.warning("cannot compute the content digest of %s: %s (clients cannot verify it)", source.path, e)
         return {"rule": DIGEST_RULE, "error": str(e)}

@@ -7,7 +7,8 @@ the slot.  So every kind of source (safetensors, GGUF, packed, HTTP, S3) gives
 the digest of the bytes it serves, and a pack gives its source's digest.  The
 reads of one expert are merged where file-contiguous (remote: also across gaps
 of at most ``REMOTE_GAP`` bytes, one request instead of several) and run on a
-thread pool of the reader count; local files are read with ``pread`` on
+thread pool (``threads_for``: the reader count, at least ``LOCAL_THREADS`` for
+local files, whose scattered 4 KiB reads are latency-bound); local files are read with ``pread`` on
 descriptors of their own (the very files the source opened, readahead off, the
 pages dropped after: the arena is the cache), remote ones with the source's
 retrying ``fetch_into`` (the disk tier is bypassed: it holds whole experts only).
@@ -42,6 +43,10 @@ log = logging.getLogger("k3d")
 
 FORMAT, VERSION = "k3d-digest-cache", 1
 REMOTE_GAP = 256 << 10          # a remote request per gap this size or larger; smaller gaps are read through
+# Local sampling is scattered 4 KiB reads: latency-bound, not CPU- or bandwidth-bound, so it
+# wants more reads in flight than the reader count (bench/digest_cost.py, 2-core VM, 1.2 GB:
+# 4 threads 0.37x the sequential full read's time, 16 threads 0.08x).
+LOCAL_THREADS = 16
 
 
 def identity(source) -> list:
@@ -207,10 +212,16 @@ def compute(source, threads: int, progress=None) -> tuple[dict, int]:
     return assemble(specs, hashes), nread
 
 
+def threads_for(source, readers: int) -> int:
+    """Digest threads: the reader count; for local files at least ``LOCAL_THREADS``."""
+    return max(readers, LOCAL_THREADS) if source.fds else readers
+
+
 def for_source(source, state_dir: str, threads: int, progress=None) -> dict:
     """The source's digest, from the cache in ``state_dir`` when the files are the same,
-    else computed (and cached); logs time and bytes.  Never raises for a cache it cannot
-    use or write (a log line); a source it cannot read raises (SourceError, OSError)."""
+    else computed (and cached) on ``threads`` threads; logs time and bytes.  Never raises
+    for a cache it cannot use or write (a log line); a source it cannot read raises
+    (SourceError, OSError)."""
     t0 = time.monotonic()
     ident = identity(source)
     path = cache_path(state_dir, ident) if state_dir else ""
