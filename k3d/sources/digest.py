@@ -18,8 +18,10 @@ Cache: ``<state_dir>/digest-<key>.json``, ``key`` a hash of the files' identity
 remote: URL, size and validator — ETag or Last-Modified) and of the layout the
 source found (kind, keys, layouts), so a restart on the same files reads
 nothing and a changed file (or ``--pattern``) computes anew.  Writes are atomic
-(temporary file + rename).  Files other than ``digest-*.json`` are not touched
-here; the warm-restart prune (``k3d.cache.warm``) leaves these alone.
+(temporary file + rename).  ``prune`` (after a new digest is saved) deletes only
+the cached digests of local checkpoints whose files are gone or changed, which no
+start can use again, and crashed saves' temporary files; it touches no other
+file (warm-restart state is ``k3d.cache.warm``'s, whose prune leaves these alone).
 
 Thread: ``for_source`` runs on the main thread at start-up, before the server
 exists; its pool threads only read the (read-only) source.
@@ -217,6 +219,47 @@ def threads_for(source, readers: int) -> int:
     return max(readers, LOCAL_THREADS) if source.fds else readers
 
 
+def prune(state_dir: str, keep: str) -> list[str]:
+    """Delete the cached digests of local checkpoints that are gone or changed (a file missing, or
+    another inode, size or mtime: that digest can never be used again), and temporary files of
+    saves that crashed over an hour ago; never ``keep``, never a remote source's.  Returns the
+    paths deleted."""
+    gone, now = [], time.time()
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return gone
+    for name in names:
+        path = os.path.join(state_dir, name)
+        try:
+            if name.startswith(".digest-") and name.endswith(".tmp"):
+                if now - os.stat(path).st_mtime > 3600:
+                    gone.append(path)
+                continue
+            if not (name.startswith("digest-") and name.endswith(".json")) or path == keep:
+                continue
+            with open(path) as f:
+                files = json.load(f)["identity"][2]
+            if any(len(f) == 5 and not _same_file(*f) for f in files):
+                gone.append(path)
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            continue                  # another daemon's save in flight, or not ours to judge
+    for path in gone:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return gone
+
+
+def _same_file(path, dev, ino, size, mtime_ns) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (dev, ino, size, mtime_ns)
+
+
 def for_source(source, state_dir: str, threads: int, progress=None) -> dict:
     """The source's digest, from the cache in ``state_dir`` when the files are the same,
     else computed (and cached) on ``threads`` threads; logs time and bytes.  Never raises
@@ -236,6 +279,8 @@ def for_source(source, state_dir: str, threads: int, progress=None) -> dict:
     if path:
         try:
             save_cached(path, ident, digest)
+            for old in prune(state_dir, path):
+                log.info("digest cache: removed %s (its checkpoint's files are gone or changed)", old)
         except OSError as e:
             log.warning("cannot keep the digest in %s: %s (the next start computes it again)", path, e)
     return {**digest, "cached": False, "bytes_read": nread, "seconds": round(secs, 3)}

@@ -51,7 +51,15 @@ def test_safetensors_digest_is_the_local_one_read_once_and_bounded(ck, tmp_path)
         assert again["cached"] and again["bytes_read"] == 0 and again["hex"] == d["hex"]
     finally:
         src.close()
-    assert [n for n in os.listdir(state) if n.startswith("digest-")]
+    kept = [n for n in os.listdir(state) if n.startswith("digest-")]
+    assert len(kept) == 1
+    other = write_checkpoint(str(tmp_path / "other"), layers=2, experts=4, shards=1, seed=8)
+    src = open_source(other, DEFAULT_PATTERN)       # another checkpoint's start keeps this one's digest
+    try:
+        for_source(src, state, threads=2)
+    finally:
+        src.close()
+    assert set(kept) < set(os.listdir(state))
 
 
 def test_a_changed_file_is_computed_again(tmp_path):
@@ -73,6 +81,8 @@ def test_a_changed_file_is_computed_again(tmp_path):
     try:
         after = for_source(src, state, threads=2)
         assert not after["cached"] and after["hex"] != before["hex"]
+        # the old file's digest can never be used again: pruned; the new one kept
+        assert len([n for n in os.listdir(state) if n.startswith("digest-")]) == 1
         assert local(src, path)["hex"] == after["hex"]
         assert first_difference(before, after).startswith("layer 1 tensor ")
     finally:

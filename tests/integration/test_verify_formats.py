@@ -1,0 +1,43 @@
+"""``Client.verify`` against a real ``k3d start`` serving a pack and a GGUF file.
+
+The pack is made from a safetensors checkpoint by ``k3d pack``: verify accepts the
+pack and the directory it was made from, and refuses a checkpoint of the same
+layout with other values in one line.  A GGUF file written by the reference writer:
+verify accepts it, refuses another seed's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import k3client
+from helpers import k3d
+from k3d.demo.synthetic import write_checkpoint, write_synthetic_gguf
+
+
+def test_pack_daemon_accepts_the_pack_and_its_source_refuses_other_values(tmp_path, start_daemon):
+    src = write_checkpoint(str(tmp_path / "ck"), layers=2, experts=4, shards=2, seed=7)
+    other = write_checkpoint(str(tmp_path / "other"), layers=2, experts=4, shards=2, seed=8)
+    pack = str(tmp_path / "ck.k3pack")
+    r = k3d("pack", src, pack)
+    assert r.returncode == 0, r.stderr
+    d = start_daemon(pack, "--arena", "8MiB")
+    with k3client.connect(d.endpoint, name="v") as c:
+        want = c.model["digest"]["hex"]
+        assert c.verify(pack)["hex"] == want
+        assert c.verify(src)["hex"] == want
+        with pytest.raises(k3client.Mismatch) as e:
+            c.verify(other)
+    msg = str(e.value)
+    assert "\n" not in msg and pack in msg and other in msg and "holds other bytes" in msg
+
+
+def test_gguf_daemon_accepts_its_file_refuses_another(tmp_path, start_daemon):
+    pytest.importorskip("gguf")
+    a = write_synthetic_gguf(str(tmp_path / "a.gguf"), layers=2, experts=4, seed=3)
+    b = write_synthetic_gguf(str(tmp_path / "b.gguf"), layers=2, experts=4, seed=4)
+    d = start_daemon(a, "--arena", "8MiB")
+    with k3client.connect(d.endpoint, name="v") as c:
+        c.verify(a)
+        with pytest.raises(k3client.Mismatch, match="holds other bytes"):
+            c.verify(b)
