@@ -10,11 +10,13 @@ layout names) guides the names, so one rule serves every family:
   ``model.safetensors`` or ``*.safetensors``; or one file): a key under
   ``layers.{L}.`` / ``blocks.{L}.`` is per expert when it ends
   ``.experts.{E}.{name}``, and stacked (expert index outermost; DBRX's ``[E*I, H]``
-  too) when it ends ``.{name}`` for a name the daemon serves in layer L, or
-  ``.experts.{name}``; expert e of a stacked tensor is its e-th ``1/E`` slice.
-  Expert keys the daemon does not serve are kept (as parts the daemon lacks), so
-  a checkpoint with more is told apart too.  The index's ``weight_map`` decides
-  which shard holds a tensor.
+  too) when the daemon's family is a stacked one and the key ends ``.{name}`` for
+  a name it serves in layer L (of several such keys: the one whose ``1/E`` slice
+  has the served size, not under attention, not shared, under ``.experts.``);
+  expert e of a stacked tensor is its e-th ``1/E`` slice.  Per-expert keys the
+  daemon does not serve are kept (as parts the daemon lacks), so a checkpoint
+  with more is told apart too.  The index's ``weight_map`` decides which shard
+  holds a tensor.
 - GGUF (magic ``GGUF``; read with the ``gguf`` package): ``blk.{L}.{name}`` stacked
   over ``ne[-1]`` experts, and older per-expert ``blk.{L}.{stem}.{E}.{suffix}``;
   dtype and shape are the daemon's where the bytes per expert agree.
@@ -43,7 +45,6 @@ from .digest import assemble, sample_ranges, tensor_hash
 INDEX = "model.safetensors.index.json"
 LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.(.+)\Z")
 PER_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.(.+)\Z")
-STACKED = re.compile(r"(?:^|\.)experts\.(.+)\Z")
 GGUF_STACKED = re.compile(r"blk\.(\d+)\.(.+)\Z")
 GGUF_LEGACY = re.compile(r"blk\.(\d+)\.(ffn_[A-Za-z0-9_]+)\.(\d+)\.([A-Za-z0-9_]+)\Z")
 PACK_MAGIC = b"K3DPACK\n"
@@ -153,17 +154,15 @@ def _header(path: str) -> tuple[dict, int]:
 
 
 def _stacked_name(rest: str, names, by_name: bool) -> str | None:
-    """The daemon's name a stacked key ends with (the longest), else what follows ``experts.``."""
+    """The daemon's name a stacked key ends with (the longest)."""
     hits = [n for n in names if rest == n or rest.endswith("." + n)] if by_name else []
-    if hits:
-        return max(hits, key=len)
-    m = STACKED.search(rest)
-    return m.group(1) if m else None
+    return max(hits, key=len) if hits else None
 
 
 def _rank(rest: str) -> tuple:
-    """Of two stacked keys ending in one served name, the routed experts' (not a shared MLP's)."""
-    return (".experts." in "." + rest, "shared" not in rest)
+    """Of two stacked keys ending in one served name, the routed MLP experts' (not JetMoE's
+    attention experts', not a shared MLP's)."""
+    return ("attn" not in rest and "attention" not in rest, "shared" not in rest, ".experts." in "." + rest)
 
 
 def _safetensors(files, owner, served, n_experts, by_name: bool) -> Found:
@@ -187,9 +186,8 @@ def _safetensors(files, owner, served, n_experts, by_name: bool) -> Found:
             if name is None or not shape or not n_experts or shape[0] % n_experts:
                 continue
             spec = served.get(layer, {}).get(name)
-            cand = (spec is None or spec.nbytes == (e - b) // n_experts, *_rank(rest), path, start + b, e - b,
-                    dtype, shape)
-            if (layer, name) not in stacked or cand[:3] > stacked[(layer, name)][:3]:
+            cand = (spec.nbytes == (e - b) // n_experts, *_rank(rest), path, start + b, e - b, dtype, shape)
+            if (layer, name) not in stacked or cand[:4] > stacked[(layer, name)][:4]:
                 stacked[(layer, name)] = cand
     for (layer, name), (*_, path, begin, nbytes, dtype, shape) in stacked.items():
         slab = nbytes // n_experts

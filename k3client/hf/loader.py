@@ -10,7 +10,8 @@ How loading works (transformers 5, safetensors checkpoints):
    (``rename_source_key``, the function transformers itself uses) and drops the
    keys that land in an experts module.  Only the headers are parsed and the
    other tensors are read by byte range without readahead (``checkpoint``), so
-   no byte or page of an expert tensor is read;
+   no byte of an expert tensor is loaded (step 3's verify reads its samples,
+   at most 32 KiB a tensor, and drops their pages again);
 3. before anything else is loaded, the daemon's layers, experts and layouts are
    compared with the checkpoint's headers (``fingerprint.check``): another
    checkpoint is refused in one line.  Before that, right after connecting and

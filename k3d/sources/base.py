@@ -19,6 +19,10 @@ size.  Sources that know a single layout set only ``layout`` (``layouts`` empty)
 Family: ``family`` (name, rule, how it was matched, top-k) from
 ``k3d.sources.families``, or None for formats that carry no family (GGUF, packs).
 
+Digest: ``digest`` is the content digest of what the source serves
+(``k3d.sources.digest``: layout and sampled bytes of every expert tensor), set
+once by the daemon at start-up before clients attach; ``describe`` includes it.
+
 Invariants a subclass keeps: an expert's extents fill its slot's layout
 ranges (one extent per non-empty tensor; a packed expert is one extent of its
 whole stride, zero padding included) and never reach past ``expert_bytes``
