@@ -306,7 +306,6 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         progress.update("sizing the arena", 0, 0)
         chosen = "" if cfg.readers else f" (chosen for {source.kind} reads on {os.cpu_count()} CPUs)"
         cfg = with_readers(cfg, source)
-        source.digest = digest_of(source, cfg, progress, check_stop)
         slots, slot_bytes = size_arena(cfg, source.expert_bytes)
         for warning in arena_warnings(slots, slot_bytes, source.describe()):
             log.warning("%s", warning)
@@ -314,6 +313,8 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
                  source.path, len(source.keys), source.expert_bytes, slots, slot_bytes, cfg.readers, chosen)
         arena = build_arena(cfg, slots, slot_bytes, progress, notifier, check_stop,
                             lambda: board.publish(responder.status()))
+        # after every check a bad start fails (its one line stays the only one), before any client
+        source.digest = digest_of(source, cfg, progress, check_stop)
         try:
             server = Server(cfg, source, arena, arena_sock, notifier, board, sock=responder.hand_over())
         except zmq.ZMQError as e:
