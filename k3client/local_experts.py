@@ -17,6 +17,8 @@ layout names) guides the names, so one rule serves every family:
   daemon does not serve are kept (as parts the daemon lacks), so a checkpoint
   with more is told apart too.  The index's ``weight_map`` decides which shard
   holds a tensor.
+  A daemon started with ``--pattern P`` says so (``family_rule``): P is then the
+  one rule, as the daemon applies it.
 - GGUF (magic ``GGUF``; read with the ``gguf`` package): ``blk.{L}.{name}`` stacked
   over ``ne[-1]`` experts, and older per-expert ``blk.{L}.{stem}.{E}.{suffix}``;
   dtype and shape are the daemon's where the bytes per expert agree.
@@ -88,9 +90,10 @@ def locate(path: str, model: dict, layout_of) -> Found:
     # per-expert families (rule ``experts.*``) have no stacked tensors: a shared expert's
     # ``...shared_experts.gate_proj.weight`` must not be taken for one
     by_name = not str(model.get("family_rule") or "").startswith("experts.")
+    pattern = user_pattern(model)
     if os.path.isdir(path):
         files, owner = _shards(path)
-        return _safetensors(files, owner, served, n_experts, by_name)
+        return _safetensors(files, owner, served, n_experts, by_name, pattern)
     head = _pread_head(path, 8, 0)
     if head[:4] == b"GGUF":
         return _gguf(path, served, n_experts)
@@ -98,9 +101,9 @@ def locate(path: str, model: dict, layout_of) -> Found:
         return _pack(path)
     if path.endswith(".json"):
         files, owner = _index(path)
-        return _safetensors(files, owner, served, n_experts, by_name)
+        return _safetensors(files, owner, served, n_experts, by_name, pattern)
     if path.endswith(".safetensors"):
-        return _safetensors([path], None, served, n_experts, by_name)
+        return _safetensors([path], None, served, n_experts, by_name, pattern)
     raise Unsupported(f"{path}: not a safetensors checkpoint, GGUF file or k3d pack; k3client cannot compare it")
 
 
@@ -165,7 +168,18 @@ def _rank(rest: str) -> tuple:
     return ("attn" not in rest and "attention" not in rest, "shared" not in rest, ".experts." in "." + rest)
 
 
-def _safetensors(files, owner, served, n_experts, by_name: bool) -> Found:
+def user_pattern(model: dict) -> re.Pattern | None:
+    """The daemon's ``--pattern`` (its ``family_rule`` says ``pattern (--pattern P)``) as a regex."""
+    rule = str(model.get("family_rule") or "")
+    if not (rule.startswith("pattern (--pattern ") and rule.endswith(")")):
+        return None
+    rx = re.escape(rule[len("pattern (--pattern "):-1])
+    for field, group in (("layer", r"(?P<layer>\d+)"), ("expert", r"(?P<expert>\d+)"), ("name", "(?P<name>.+)")):
+        rx = rx.replace(re.escape("{" + field + "}"), group)
+    return re.compile(rx + r"\Z")
+
+
+def _safetensors(files, owner, served, n_experts, by_name: bool, pattern=None) -> Found:
     out = Found()
     stacked: dict[tuple[int, str], tuple] = {}
     for path in files:
@@ -173,6 +187,13 @@ def _safetensors(files, owner, served, n_experts, by_name: bool) -> Found:
         for key, info in header.items():
             if owner is not None and owner.get(key, path) != path:
                 continue                      # a stale copy the index does not use
+            if pattern is not None:           # the daemon's own rule, nothing guessed
+                m = pattern.match(key)
+                if m:
+                    b, e = info["data_offsets"]
+                    out.add(int(m["layer"]), int(m["expert"]), m["name"], info["dtype"], info["shape"],
+                            Piece(path, start + b, e - b))
+                continue
             m = LAYER.search(key)
             if not m:
                 continue

@@ -157,3 +157,19 @@ def test_s3_source_has_the_local_digest(ck):
             assert for_source(src, "", threads=2)["hex"] == local(src, path)["hex"]
         finally:
             src.close()
+
+
+def test_a_user_pattern_is_the_clients_rule_too(tmp_path):
+    """``--pattern`` names no family the client could guess: the daemon's pattern is followed."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(5)
+    path = str(tmp_path / "odd.safetensors")
+    save_file({f"net.{l}.ffn.{e}.{n}": rng.standard_normal((64, 96)).astype(np.float16)
+               for l in range(2) for e in range(3) for n in ("wi", "wo")}, path)
+    src = open_source(path, "net.{layer}.ffn.{expert}.{name}")
+    try:
+        assert local(src, path)["hex"] == for_source(src, "", threads=2)["hex"]
+    finally:
+        src.close()
