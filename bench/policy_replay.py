@@ -1,6 +1,6 @@
-"""Policy figures for README: LRU, the default (cycle), the default with the daemon's
-own predictor (``coact``: no client predictions in these traces) and Belady's OPT on
-real and generated routing, plus replay speed on a ~10^6-access trace and the
+"""Policy figures for the docs (guides/sizing.md, guides/predictions.md): LRU, the default
+(cycle), the default with the daemon's own predictor (``coact``: no client predictions in
+these traces) and Belady's OPT on real and generated routing, plus replay speed on a ~10^6-access trace and the
 predictor's cost per fetch.
 
 Generated traces come from ``k3d.demo.routing.SyntheticRouter`` with other statistics

@@ -17,6 +17,7 @@ from .errors import (
     Starting,
     Timeout,
     UnknownExpert,
+    Untrusted,
 )
 from .layout import TensorSpec
 from .protocol import PROTOCOL_VERSION
@@ -25,5 +26,5 @@ __all__ = [
     "Client", "Expert", "connect", "TensorSpec", "PROTOCOL_VERSION",
     "K3Error", "Mismatch", "BadRequest", "CacheFull", "DaemonNotRunning", "DaemonRestarted",
     "NotAttached", "PermissionDenied", "ProtocolMismatch", "QuotaExceeded",
-    "ReadFailed", "ShuttingDown", "Starting", "Timeout", "UnknownExpert",
+    "ReadFailed", "ShuttingDown", "Starting", "Timeout", "UnknownExpert", "Untrusted",
 ]

@@ -47,6 +47,7 @@ class Channel:
         self.endpoint = endpoint
         self.gen = None              # the daemon's generation, once its hello reply names it
         self.pidfd = None            # the daemon process, once known (ipc only)
+        self.peer = None             # its (uid, gid, pid) from the hello reply (ipc only)
         self._ids = itertools.count(1)
         self._ino = socket_inode(endpoint)
         self._sock = ctx.socket(zmq.DEALER)
@@ -116,9 +117,10 @@ class Channel:
             return reply
 
     def _watch_daemon(self, frame) -> None:
-        """pidfd on the daemon (pid from the reply's ipc peer credentials)."""
+        """``peer`` and a pidfd on the daemon, from the reply's ipc peer credentials."""
         try:
-            pid = int(frame.get("Peer-Address").split(":")[3])
+            uid, gid, pid = (int(x) for x in frame.get("Peer-Address").split(":")[1:])
+            self.peer = (uid, gid, pid)
             self.pidfd = os.pidfd_open(pid)
         except (zmq.ZMQError, AttributeError, IndexError, ValueError, OSError):
             return   # tcp or an old kernel: the socket-inode check still works

@@ -12,16 +12,22 @@ goes to the daemon, with all its keys (as does one with predictions of experts
 not resident).  Predictions of resident keys send nothing.  Where the CPU lacks the ordering the index
 needs, or with ``K3D_HIT_PATH=daemon``, every fetch is a round trip.
 
-Caller's obligations: a view returned by ``Expert.array``/``Expert.tensor`` is
-valid until this client's next ``begin_token()`` or ``close()``: the daemon
-keeps the slot pinned, or, for a hit the client answered itself, does not reuse
-the slot while the client may read it (``k3d/cache/reuse.py``).  One bound more
-for those: such a view is valid for at most ``lease_s`` (10 s by default) after
-the client's request before it (``begin_token`` is one); the client answers hits
-itself only in the first half of that window, so a view always has at least
-``lease_s / 2``.  Views are read-only; the mapping is
-PROT_READ and the memfd is sealed, so a write through a numpy view raises
-``ValueError`` and a write through a torch view faults the process.
+The guarantee: a view returned by ``Expert.array``/``Expert.tensor``/``stacked``,
+however it was answered, keeps its bytes until this client's next
+``begin_token()`` or ``close()``, with no time bound while the process lives and
+whatever happened in between (a request that timed out or was interrupted, an
+error reply, a restart of the daemon).  The daemon keeps the slot pinned, or, for
+a hit the client answered itself, does not reuse it while the client may read it
+(``k3d/cache/reuse.py``, which states the client's obligations; ``hits.py`` and
+this module meet them).  A process that exits, or stops heartbeating for
+``lease_s``, loses its pins.  Views are read-only; the mapping is PROT_READ and
+the memfd is sealed, so a write through a numpy view raises ``ValueError`` and a
+write through a torch view faults the process.
+
+The request socket is used under ``_io`` by this client's thread and by its
+lease thread (which sends the hit reports and the index count it has seen while
+the client computes: ``LocalHits.sync``); reports are taken and sent in one
+step under it, so they reach the daemon in the order they were answered.
 
 Daemon restarts: every reply carries the daemon's generation ``gen``.  The
 client's connection (``channel.py``) notices a restart when a reply's ``gen``
@@ -34,6 +40,9 @@ that named its slot; after a re-attach it raises ``DaemonRestarted`` instead
 of building a view, so nothing ever reads a slot number of the old arena in
 the new one.  Views made before the restart keep the old mapping (the kernel
 keeps that memfd alive while it is mapped), so their bytes stay correct.
+
+Trust: each (re-)attach verifies what answers before any view is built (peer
+uid, socket directories, memfd seals: ``trust.py``), else ``Untrusted``.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from .hits import REPORT_FLUSH, LocalHits, hit_path_mode
 from .layout import TensorSpec, layouts_from_wire
 from .lease import end_heartbeat, heartbeat
 from .protocol import items, key_int, key_pairs
+from .trust import Trust
 from .views import Expert
 
 _INTS = frozenset((int,))
@@ -66,8 +76,10 @@ class Client:
 
     def __init__(self, endpoint: str | None = None, name: str | None = None,
                  timeout: float = 120.0, connect_timeout: float = 5.0,
-                 reconnect_timeout: float = 30.0, wait: float = 0.0, hit_path: str | None = None):
+                 reconnect_timeout: float = 30.0, wait: float = 0.0, hit_path: str | None = None,
+                 daemon_group: str | int | None = None):
         self.endpoint = resolve_endpoint(endpoint, os.environ)
+        self.trust = Trust.of(daemon_group, os.environ)     # who may be the daemon (trust.py)
         self.hit_path, self.hit_path_why = hit_path_mode(hit_path, os.environ)
         self._hits: LocalHits | None = None     # the shared index, while attached with the hit path
         self._views: dict = {}          # (slot, layer or -1, tensor) -> view (views.py)
@@ -84,6 +96,7 @@ class Client:
         self._pending: int | None = None     # id of a begin_token(wait=False) whose reply is not read
         self._hb_stop = threading.Event()
         self._hb_wake = threading.Event()    # set: beat now (a new lease, or stop)
+        self._io = threading.RLock()         # the request socket (module docstring)
         self._closed = False
         self._hb_thread = None
         try:
@@ -127,13 +140,13 @@ class Client:
                 f"k3d daemon not running at {self.endpoint}: no socket {path} (start it with `k3d start`)")
         self._chan = Channel(self._ctx, self.endpoint)
         self.gen = None
-        t_hello = time.monotonic()
         try:
             h = self._chan.request("hello", connect_timeout, name=self.name, pid=os.getpid(),
                                    hit_path=self.hit_path == "client")
         except errors.Timeout:
             raise errors.DaemonNotRunning(
                 f"k3d daemon not running at {self.endpoint}: no answer in {connect_timeout:g}s") from None
+        arena_socket = self.trust.hello_peer(self._chan.peer, self.endpoint, h["arena_socket"])
         layout = [TensorSpec.from_wire(w) for w in h["layout"]]
         layouts = layouts_from_wire(h["model"].get("layouts"))
         if self.layout is not None and (layout != self.layout or h["expert_bytes"] != self.expert_bytes
@@ -155,18 +168,20 @@ class Client:
         self.slot_bytes = h["slot_bytes"]
         self.expert_bytes = h["expert_bytes"]
         self.lease_s = h["lease_s"]
+        self.pin_quota = h.get("pin_quota", 0)
         self._hb_wake.set()         # a (re)attach: beat now, at this daemon's lease from here on
-        self._attach_arena(h["arena_socket"], h["arena_bytes"], h["index_bytes"], t_hello)
+        self._attach_arena(arena_socket, h["arena_bytes"], h["index_bytes"])
 
     def _disconnect(self) -> None:
-        self._pending = None             # its reply would come on the channel closed here
-        if self._chan is not None:
-            self._chan.close()
-            self._chan = None
-        self._views.clear()
-        if self._hits is not None:        # its reports were for the daemon that went away
-            self._hits.close()
-            self._hits = None
+        with self._io:
+            self._pending = None             # its reply would come on the channel closed here
+            if self._chan is not None:
+                self._chan.close()
+                self._chan = None
+            self._views.clear()
+            if self._hits is not None:        # its reports were for the daemon that went away
+                self._hits.close()
+                self._hits = None
         if self._mm is not None:
             try:
                 self._mm.close()
@@ -192,7 +207,7 @@ class Client:
             try:
                 self._connect(min(left, 2.0))
                 break
-            except _LayoutChanged:
+            except (_LayoutChanged, errors.Untrusted):   # no arena, no channel: nothing to read
                 self._disconnect()
                 self.gen = None
                 raise
@@ -203,21 +218,23 @@ class Client:
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         self.restarts += 1
 
-    def _attach_arena(self, path: str, size: int, index_size: int, t_hello: float):
-        self._mm, index_fd = handout.receive(path, size, self.gen)
+    def _attach_arena(self, path: str, size: int, index_size: int):
+        self._mm, index_fd = handout.receive(path, size, self.gen, self.trust, (self._chan.peer or (0, 0, None))[2])
         if index_fd is None:
             return
         try:
             if self.hit_path == "client" and self._hits is None:
-                self._hits = LocalHits(index_fd, index_size, self.lease_s, t_hello, self._chan.pidfd)
+                self._hits = LocalHits(index_fd, index_size, self._chan.pidfd, self.pin_quota)
         except (OSError, ValueError) as e:
             self.hit_path, self.hit_path_why = "daemon", f"cannot map the shared index: {e}"
         finally:
             os.close(index_fd)
 
     def _call(self, op: str, **fields):
-        """``Channel.request``, re-attaching and re-issuing it across daemon restarts (without the
-        hit reports meant for the daemon that went away); ``SlotsBusy`` is retried."""
+        """``Channel.request`` with this client's hit reports, re-attaching and re-issuing it
+        across daemon restarts (without the reports meant for the daemon that went away);
+        ``SlotsBusy`` is retried.  The hit path's window is shut from the send until the
+        reply, and stays shut if anything goes wrong (``hits.py``)."""
         if self._closed:
             raise errors.K3Error(f"{op}: this client is closed; call k3client.connect() again")
         self.settle()
@@ -226,27 +243,51 @@ class Client:
         while True:
             if self._chan is None:
                 self._reattach("not attached")
-                fields.pop("hits", None)
                 continue
-            if self._hits is not None:       # the hit path's window counts from this request
-                self._hits.t_req = time.monotonic()
+            hits = self._hits
+            fields.pop("hits", None)          # a retry's were applied with the first try
             try:
-                return self._chan.request(op, self.timeout, **fields)
+                with self._io:
+                    if hits is not None:
+                        hits.open = False
+                        fields.update(hits.take())
+                    reply = self._chan.request(op, self.timeout, **fields)
             except Gone as e:
                 self._reattach(str(e))
-                fields.pop("hits", None)
+                continue
             except errors.SlotsBusy:
                 # Evicted slots wait until other clients' views of them end (their next
-                # request, at most their lease): the daemon makes room meanwhile.  Until
-                # this client's next request it answers no hit itself: the daemon counts
-                # on that to reuse slots under the others' retries (k3d/cache/reuse.py).
+                # message): the daemon makes room meanwhile.
                 if time.monotonic() + pause > deadline:
-                    if self._hits is not None:
-                        self._hits.t_req = float("-inf")
+                    if hits is not None:
+                        hits.failed()
                     raise
-                fields.pop("hits", None)          # applied with the first try
                 time.sleep(pause)
                 pause = min(0.05, pause * 2)
+                continue
+            except BaseException:             # Timeout, an error reply, KeyboardInterrupt, ...
+                if hits is not None:
+                    hits.failed()
+                raise
+            if hits is not None and hits is self._hits:
+                hits.open = True
+            return reply
+
+    def _lease_sync(self) -> None:
+        """On the lease thread: send the hit reports and the index count seen (``LocalHits.sync``)
+        unless the client's thread is using the request socket (its message carries them)."""
+        hits, chan = self._hits, self._chan
+        if hits is None or chan is None or not self._io.acquire(blocking=False):
+            return
+        try:
+            if self._hits is hits and self._chan is chan:
+                fields = hits.sync()
+                if fields:
+                    chan.send("hits", **fields)
+        except zmq.ZMQError:
+            pass                              # a closing socket: the client's thread carries on
+        finally:
+            self._io.release()
 
     # -- public API ---------------------------------------------------------
     @property
@@ -273,11 +314,17 @@ class Client:
         ``begin_token``'s; what it saves is the wait, overlapped with the caller's work
         until its next call.  A restart found then re-attaches and begins the epoch there."""
         self.settle()
+        hits = self._hits
+        if hits is not None:
+            hits.new_token()             # the caller's views of the ending token end here
         if wait or self._chan is None or self._closed:
-            return self._call("begin_token", **self._reports())["epoch"]
-        if self._hits is not None:       # the hit path's window counts from this request
-            self._hits.t_req = time.monotonic()
-        self._pending = self._chan.post("begin_token", **self._reports())
+            return self._call("begin_token")["epoch"]
+        with self._io:
+            fields = {}
+            if hits is not None:         # shut until settle() reads the reply
+                hits.open = False
+                fields = hits.take()
+            self._pending = self._chan.post("begin_token", **fields)
         return None
 
     def settle(self) -> None:
@@ -285,11 +332,20 @@ class Client:
         rid, self._pending = self._pending, None
         if rid is None or self._chan is None:
             return
+        hits = self._hits
         try:
-            self._chan.wait(rid, "begin_token", self.timeout)
+            with self._io:
+                self._chan.wait(rid, "begin_token", self.timeout)
         except Gone as e:
             self._reattach(str(e))
             self._call("begin_token")       # the epoch begins on the daemon attached now
+            return
+        except BaseException:
+            if hits is not None:
+                hits.failed()
+            raise
+        if hits is not None and hits is self._hits:
+            hits.open = True
 
     def fetch(self, layer: int, experts, predicted=None) -> list[Expert]:
         """Experts of ``layer`` in request order, once all are in the arena.
@@ -316,16 +372,16 @@ class Client:
             slots = None if preds else hits.answer(layer, experts)
             if slots is not None:
                 if hits.reported >= REPORT_FLUSH:
-                    self._chan.send("hits", **hits.take())
+                    with self._io:
+                        fields = hits.take()
+                        if fields:
+                            self._chan.send("hits", **fields)
                 return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
-        fields = {"keys": [[layer, e] for e in experts], **self._reports()}
+        fields = {"keys": [[layer, e] for e in experts]}
         if preds:
             fields["predicted"] = preds
         slots = self._call("fetch", **fields)["slots"]
         return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
-
-    def _reports(self) -> dict:
-        return self._hits.take() if self._hits is not None else {}
 
     def layer_resident(self, layer: int, n: int) -> bool:
         """Whether the shared index shows experts 0..n-1 of ``layer`` all resident (or being
@@ -341,11 +397,10 @@ class Client:
             keys = self._hits.not_resident(keys)
             if not keys:
                 return 0
-        return self._call("predict", keys=keys, **self._reports())["queued"]
+        return self._call("predict", keys=keys)["queued"]
 
     def status(self) -> dict:
-        r = self._call("status", **self._reports())
-        return r["status"]
+        return self._call("status")["status"]
 
     def verify(self, path: str) -> dict:
         """Raise ``Mismatch`` (one line) unless the checkpoint at ``path`` holds the experts
@@ -362,7 +417,8 @@ class Client:
         self._pending = None             # bye's wait skips that reply
         if self._chan is not None:
             try:
-                self._chan.request("bye", 1.0, **self._reports())
+                with self._io:
+                    self._chan.request("bye", 1.0, **(self._hits.take() if self._hits is not None else {}))
             except errors.K3Error:
                 pass
         self._teardown()
@@ -397,9 +453,12 @@ def connect(endpoint: str | None = None, name: str | None = None, **kw) -> Clien
     - ``hit_path`` (``K3D_HIT_PATH``, default ``"client"``): ``"client"`` answers fetches of
       resident experts from the shared index without a message; ``"daemon"`` sends every
       fetch to the daemon (forced where the CPU lacks the ordering the index needs).
+    - ``daemon_group`` (``K3D_DAEMON_GROUP``): the daemon may run as a member of this group
+      (a name or gid), besides this user and root; needed for a daemon of another user.
 
     Raises ``DaemonNotRunning`` (nothing listens), ``Starting`` (still starting, after ``wait``),
-    ``PermissionDenied`` (not the daemon's
-    user or group), ``ProtocolMismatch`` (k3client and k3d versions differ)."""
+    ``PermissionDenied`` (not the daemon's user or group), ``Untrusted`` (what answers is not
+    shown to be a daemon of a trusted user, with sealed memory: ``k3client/trust.py``),
+    ``ProtocolMismatch`` (k3client and k3d versions differ)."""
     return Client(endpoint=endpoint, name=name, **kw)
 

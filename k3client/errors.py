@@ -18,22 +18,32 @@ class K3Error(Exception):
 
 
 class DaemonNotRunning(K3Error):
+    """Nothing answers at the endpoint (no socket, no reply to hello, or re-attaching after a restart timed out)."""
+
     code = "not_running"
 
 
 class ProtocolMismatch(K3Error):
+    """The client and the daemon speak different protocol versions: install the same k3d for both."""
+
     code = "version_mismatch"
 
 
 class BadRequest(K3Error):
+    """The request is malformed: keys that are not integers, a fetch of zero keys, a bad field."""
+
     code = "bad_request"
 
 
 class UnknownExpert(K3Error):
+    """A layer or expert the daemon does not serve; the message names the ranges it does."""
+
     code = "unknown_expert"
 
 
 class CacheFull(K3Error):
+    """Every slot is pinned: the fetch cannot be placed (more slots, fewer clients, or ``--pin-quota``)."""
+
     code = "cache_full"
 
 
@@ -44,30 +54,51 @@ class SlotsBusy(K3Error):
 
 
 class QuotaExceeded(K3Error):
+    """This client pinned more than ``--pin-quota`` slots in one token."""
+
     code = "quota_exceeded"
 
 
 class ReadFailed(K3Error):
+    """The source failed for an expert (disk error, corrupt packed expert, origin down); the next fetch retries."""
+
     code = "read_failed"
 
 
 class NotAttached(K3Error):
+    """A request before ``hello``, or from a client the daemon dropped (dead, silent past its lease)."""
+
     code = "not_attached"
 
 
 class ShuttingDown(K3Error):
+    """The daemon is stopping; the client re-attaches to the next one within ``reconnect_timeout``."""
+
     code = "shutting_down"
 
 
 class DaemonRestarted(K3Error):
+    """The daemon restarted: an ``Expert`` of the old one, a changed layout, or ``reconnect_timeout=0``."""
+
     code = "daemon_restarted"
 
 
 class PermissionDenied(K3Error):
+    """This process may not use the daemon: it is not the daemon's user, root, or in its group."""
+
     code = "permission_denied"
 
 
+class Untrusted(K3Error):
+    """What answers at the endpoint is not shown to be the daemon (``k3client/trust.py``):
+    a stranger's socket, directory or process, or an arena another process could change.
+    Raised before any view is built; the message names what failed."""
+    code = "untrusted"
+
+
 class Timeout(K3Error):
+    """A reply took longer than the client's ``timeout`` (a very cold origin, a stalled daemon)."""
+
     code = "timeout"
 
 
@@ -88,7 +119,7 @@ _BY_CODE = {
     for cls in (
         K3Error, DaemonNotRunning, ProtocolMismatch, BadRequest, UnknownExpert,
         CacheFull, SlotsBusy, QuotaExceeded, ReadFailed, NotAttached, ShuttingDown,
-        DaemonRestarted, PermissionDenied, Timeout, Starting,
+        DaemonRestarted, PermissionDenied, Timeout, Starting, Untrusted,
     )
 }
 

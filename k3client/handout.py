@@ -10,6 +10,11 @@ closed and nothing is mapped.  The mapping covers the memfd's whole length: a
 hugetlb arena is rounded up to whole huge pages, and a mapping of a length
 that is not a multiple of them could never be unmapped.
 
+Trust (``trust.py``): the listening process's SO_PEERCRED is checked before
+anything is received (a trusted uid and, over ipc, the pid that answered
+``hello``), and both fds must be sealed memfds before anything is mapped: a
+failure is ``Untrusted``.
+
 Called by ``Client`` on its own thread, at each (re-)attach.
 """
 
@@ -18,19 +23,31 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import struct
 
 from . import errors
 from .protocol import unpack
+from .trust import Trust
 
 
-def receive(path: str, size: int, gen: int) -> tuple[mmap.mmap, int | None]:
+def receive(path: str, size: int, gen: int, trust: Trust, pid: int | None = None) -> tuple[mmap.mmap, int | None]:
     """(the arena ``path`` hands out, mapped read-only; the shared index's fd, or None if
     none came).  ``size``: the arena's bytes as ``hello`` said; ``gen``: its generation
-    (another one: the daemon restarted in between, ``DaemonRestarted``)."""
+    (another one: the daemon restarted in between, ``DaemonRestarted``); ``pid``: the
+    process that answered ``hello`` (None over tcp), which must be the one serving ``path``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.settimeout(5.0)
         try:
             s.connect(path)
+            peer_pid, uid, gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                  struct.calcsize("3i")))
+        except OSError as e:
+            raise errors.DaemonNotRunning(f"cannot attach the arena at {path}: {e}") from None
+        trust.peer((uid, gid, peer_pid), f"the process serving the arena at {path}")
+        if pid is not None and peer_pid != pid:
+            raise errors.Untrusted(f"the arena at {path} is served by pid {peer_pid}, but pid {pid} answered hello: "
+                                   "not one k3d daemon")
+        try:
             msg, fds, _, _ = socket.recv_fds(s, 4096, 2)
         except OSError as e:
             raise errors.DaemonNotRunning(f"cannot attach the arena at {path}: {e}") from None
@@ -39,6 +56,9 @@ def receive(path: str, size: int, gen: int) -> tuple[mmap.mmap, int | None]:
             f"the daemon refused to hand out the arena at {path}: {msg.decode(errors='replace')}")
     fd, index_fd = fds[0], (fds[1] if len(fds) > 1 else None)    # (recv_fds gives at most 2)
     try:
+        trust.sealed(fd, f"the arena handed out at {path}")
+        if index_fd is not None:
+            trust.sealed(index_fd, f"the shared index handed out at {path}")
         meta = unpack(msg)
         if meta["gen"] != gen:
             raise errors.DaemonRestarted("the daemon restarted while attaching; connect again")

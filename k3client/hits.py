@@ -2,24 +2,38 @@
 
 ``LocalHits`` holds the client's read-only ``IndexReader`` and the reports of
 the fetches it answered itself, which go to the daemon, in order, with the
-client's next message (``take``), so that the daemon's policy and counters hear
-every access.
+client's next message on its request socket (``take``), so that the daemon's
+policy and counters hear every access, and so that the slots it read are pinned
+(or claimed) for it before the daemon may reuse them (``k3d/cache/reuse.py``).
 
-The window: a fetch is answered here only while ``now < t_req + lease / 2``,
-``t_req`` being when the client sent the last request it waited for; closed
-(``-inf``) from a fetch the daemon answered ``SlotsBusy`` (retried in vain) until
-the next request: the daemon reuses slots meanwhile as if the client read nothing.  The daemon
-keeps a slot this client may read from reuse until its next request or until
-``lease`` after that reply (``k3d/cache/reuse.py``), so every view answered here
-is good for at least ``lease / 2``, and until the next ``begin_token`` in a
-client that makes a request per token.
+The window (the client's obligations C1-C3 there): a fetch is answered here only
+while ``open``.  ``Client`` closes it before it sends a request and opens it
+only when that request's reply has arrived; an exception on the way
+(``Timeout``, ``KeyboardInterrupt``, an error reply, a re-attach) leaves it
+closed until a later request succeeds.  While it is closed every view the
+client holds was reported, so the daemon has pinned or claimed it; while it is
+open the daemon reuses nothing retired after the count it had when it sent that
+reply, until the client's next message.  Views therefore need no time bound:
+one holds its bytes until the client's next ``begin_token()`` or ``close()``.
 
-Thread: the owning ``Client``'s thread.
+A client that computes for long holds the daemon's reuse back; its lease thread
+sends the reports and ``seen`` (``sync``) on the request socket, so that within a
+heartbeat only the slots it read stay held.  With a pin quota (told at hello) the
+client answers here no more distinct slots per token than the quota; after a
+failed request in a token it answers none until the next token (a fetch it gave
+up on may still pin slots it does not know of).
+
+Threads: ``answer``, ``take`` and ``new_token`` run on the owning ``Client``'s
+thread; ``sync`` on its lease thread.  ``lock`` makes a lookup and the record of
+its slots one step against ``sync``'s take-and-read: else a lookup made before
+``sync`` read the count could be reported after it, and the daemon could reuse
+its slot meanwhile.
 """
 
 from __future__ import annotations
 
 import select
+import threading
 import time
 
 from . import errors
@@ -42,39 +56,61 @@ def hit_path_mode(choice, environ) -> tuple[str, str]:
 
 
 class LocalHits:
-    def __init__(self, fd: int, size: int, lease_s: float, t_req: float, pidfd: int | None):
-        """``t_req``: when the client sent the hello that attached it (its first request);
-        ``pidfd``: the daemon process (None over tcp): a fetch is not answered here once
-        it exited, so the client's next request notices the restart."""
+    def __init__(self, fd: int, size: int, pidfd: int | None, quota: int = 0):
+        """Made when the hello reply has arrived: the window opens with it.  ``pidfd``: the
+        daemon process (None over tcp): a fetch is not answered here once it exited, so
+        the client's next request notices the restart.  ``quota``: the pin quota told at
+        hello (0: none)."""
         self.index = IndexReader(fd, size)
+        self.lock = threading.Lock()
         self._exited = None
         self._checked = 0.0              # when the pidfd was last asked
         if pidfd is not None:
             self._exited = select.poll()
             self._exited.register(pidfd, select.POLLIN)
-        self.window = lease_s / 2
         self.reports: list = []          # [layer, experts, slots], in the order they were answered
         self.reported = 0
-        self.t_req = t_req
+        self.open = True                 # the window (module docstring)
+        self.quota = quota
+        self.token_slots: set[int] = set()    # with a quota: slots answered for this token
+        self.synced = 0                  # the retirement count last sent as ``seen``
         self._full: dict[int, int] = {}  # layer -> retired count when all its experts were seen resident
 
     def answer(self, layer: int, experts: list[int]) -> list[int] | None:
         """The slots of ``experts`` if each is READY in the index (the fetch is recorded
         for the daemon), else None: the daemon answers."""
-        now = time.monotonic()
-        if not experts or now >= self.t_req + self.window or len(set(experts)) != len(experts):
+        if not self.open or not experts or len(set(experts)) != len(experts):
             return None
-        if self._exited is not None and now >= self._checked + PIDFD_EVERY_S:
-            # A killed daemon's arena and index stay mapped and correct; asking the
-            # kernel every few ms is enough to send the next fetch to its successor.
-            if self._exited.poll(0):
+        if self._exited is not None:
+            now = time.monotonic()
+            if now >= self._checked + PIDFD_EVERY_S:
+                # A killed daemon's arena and index stay mapped and correct; asking the
+                # kernel every few ms is enough to send the next fetch to its successor.
+                if self._exited.poll(0):
+                    return None
+                self._checked = now
+        with self.lock:
+            slots = self.index.ready_slots(layer, experts)
+            if slots is None:
                 return None
-            self._checked = now
-        slots = self.index.ready_slots(layer, experts)
-        if slots is not None:
+            if self.quota:
+                new = self.token_slots.union(slots)
+                if len(new) > self.quota:
+                    return None          # the daemon answers: within its quota, or QuotaExceeded
+                self.token_slots = new
             self.reports.append([layer, experts, slots])
             self.reported += len(experts)
         return slots
+
+    def failed(self) -> None:
+        """A request failed (its window stays shut); with a quota, this token's count is
+        no longer known: answer nothing here until the next token."""
+        self.open = False
+        if self.quota:
+            self.token_slots = set(range(self.quota + 1))
+
+    def new_token(self) -> None:
+        self.token_slots = set()
 
     def not_resident(self, keys: list[list[int]]) -> list[list[int]]:
         """``keys`` the index does not show resident (being read or READY): the ones worth
@@ -101,12 +137,31 @@ class LocalHits:
         return False
 
     def take(self) -> dict:
-        """The reports as a message field (``{}`` when there are none), now handed over."""
-        if not self.reports:
-            return {}
-        out, self.reports, self.reported = self.reports, [], 0
+        """The reports as a message field (``{}`` when there are none), now handed over.
+        The caller sends them next on the request socket, before any other message."""
+        with self.lock:
+            if not self.reports:
+                return {}
+            out, self.reports, self.reported = self.reports, [], 0
         return {"hits": out}
 
+    def sync(self) -> dict | None:
+        """The lease thread's message fields: the reports so far and ``seen``, the
+        retirement count read after taking them (under ``lock``: no lookup falls between
+        the two); None when nothing was retired since the last ``seen`` and nothing is
+        reported (the daemon's bound on this client is already as high)."""
+        with self.lock:
+            if self.index.closed_here:
+                return None
+            seen = self.index.retired()
+            if seen == self.synced and not self.reports:
+                return None
+            out, self.reports, self.reported = self.reports, [], 0
+        self.synced = seen
+        return {"hits": out, "seen": seen} if out else {"seen": seen}
+
     def close(self) -> None:
-        self.reports, self.reported = [], 0
-        self.index.close()
+        with self.lock:
+            self.reports, self.reported = [], 0
+            self.open = False
+            self.index.close()

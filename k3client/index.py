@@ -129,6 +129,11 @@ class IndexReader:
             slots.append(word >> 2)
         return slots
 
+    @property
+    def closed_here(self) -> bool:
+        """This reader was closed (its client detached)."""
+        return self._words is None
+
     def close(self) -> None:
         if self._words is not None:
             self._words.release()

@@ -1,8 +1,12 @@
-"""The lease thread: heartbeats that keep a live client's pins.
+"""The lease thread: heartbeats that keep a live client's pins, and its hit reports while it computes.
 
-Thread: runs on its own private thread with its own DEALER socket (a ``Client``'s
-socket is not thread-safe); it holds only a weak reference to the client, so a
-dropped client ends it.  Started and stopped by ``Client``.
+Thread: runs on its own private thread with its own DEALER socket for the
+heartbeats (they must get through while the client's thread waits on a long
+fetch); the hit reports go on the client's request socket, under the client's
+``_io`` lock and only when the client's thread is not using it
+(``Client._lease_sync``), so they stay in order with its requests.  It holds only
+a weak reference to the client, so a dropped client ends it.  Started and
+stopped by ``Client``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ def heartbeat(client_ref, ctx, endpoint: str, period: float, stop: threading.Eve
             # gen: a heartbeat queued across a restart must not renew a stranger
             client_id, gen = client._lease
             period = max(0.2, client.lease_s / 4)
+            # The hit reports and the index count seen, on the client's own request
+            # socket: a client computing for long then holds back only the slots it read.
+            client._lease_sync()
             del client
             try:
                 s.send(pack({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 0,

@@ -113,6 +113,7 @@ class Expert:
         """One torch view of tensors that lie back to back in the slot (same dtype, same
         trailing shape), concatenated along dim 0; None when they do not.  No copy; cached
         like ``tensor``.  Do not write to it."""
+        self._mapping()                            # first: a cached view may be of a later attachment's slot
         key = ("torch-stacked", *self._key("\0".join(names)))
         views = self._client._views
         v = views.get(key)

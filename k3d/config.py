@@ -16,8 +16,10 @@ thread may read one.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
+import socket
 import tomllib
 from dataclasses import dataclass
 
@@ -90,7 +92,8 @@ class Config:
                                       # else $XDG_STATE_HOME/k3d, else ~/.local/state/k3d; "none": off
     state_every_s: float = 60.0       # seconds between saves of the statistics (and one at shutdown)
     warm_slots: float = 1.0           # share of the arena pre-loaded from the saved hot set at start
-    metrics: str | None = None        # HOST:PORT for Prometheus /metrics; off by default
+    metrics: str | None = None        # HOST:PORT for Prometheus /metrics (:PORT: 127.0.0.1); off by default
+    allow_remote_tcp: bool = False    # a tcp endpoint may listen beyond loopback (no credentials there)
 
 
 def _size(value) -> int:
@@ -205,6 +208,34 @@ def _endpoint(value) -> str:
     raise ValueError("use ipc:///path/k3d.sock or tcp://host:port")
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (an address, a name) is this machine's loopback only: names count
+    when every address they resolve to is loopback (``*`` and interface names are not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    return all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def _check_remote(endpoint: str, allowed: bool) -> None:
+    """A tcp endpoint beyond loopback only when the user accepted the risk."""
+    m = re.fullmatch(r"tcp://\[?(.*?)\]?:[0-9]+", endpoint)
+    if m is None or allowed or _loopback(m.group(1)):
+        return
+    raise ConfigError(
+        f"endpoint {endpoint} listens beyond this machine ({m.group(1)} is not a loopback address): tcp peers "
+        "carry no credentials, so anyone who reaches the port could attach, and a remote client gains nothing "
+        "(the arena is shared memory on this machine); use tcp://127.0.0.1:PORT or an ipc endpoint, or pass "
+        "--allow-remote-tcp (allow_remote_tcp = true) to accept the risk")
+
+
 # Field -> converter; every other field is a string.
 _CONVERTERS = {
     "arena": _size,
@@ -228,6 +259,7 @@ _CONVERTERS = {
     "warm_slots": _share,
     "thp": _bool,
     "metrics": _hostport,
+    "allow_remote_tcp": _bool,
 }
 
 
@@ -282,6 +314,7 @@ def resolve(cli: dict, env, config_file: str | None = None) -> Config:
         values.pop("slots", None)
     # CLI, env and file are merged above; the default is the rule clients share.
     values["endpoint"] = values.get("endpoint") or _convert("endpoint", default_endpoint(env), "default endpoint")
+    _check_remote(values["endpoint"], values.get("allow_remote_tcp", False))
     if values.get("disk_cache"):
         values["disk_cache"] = os.path.abspath(values["disk_cache"])
     if values.get("trace"):

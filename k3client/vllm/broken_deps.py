@@ -13,8 +13,9 @@ which load, and nothing is removed.
     python -m k3client.vllm.broken_deps            # one line per package that cannot load; exit 1 if any
     python -m k3client.vllm.broken_deps --remove   # ... and ``pip uninstall -y`` those
 
-Each package is imported in a fresh Python (``sys.executable``), so a failed
-import leaves nothing behind in the caller.  Packages that are not installed are
+Each package is imported in a fresh Python (``sys.executable -P``, so a folder of
+the same name in the current directory is not taken for it), so a failed import
+leaves nothing behind in the caller.  Packages that are not installed are
 skipped.  Only the three names above are ever removed.
 """
 
@@ -38,7 +39,7 @@ def installed(name: str) -> bool:
 
 def load_error(module: str, env: dict | None = None, timeout: float = 300) -> str | None:
     """The last line of what ``import module`` prints when it fails in a fresh Python, else None."""
-    r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-P", "-c", f"import {module}"], capture_output=True, text=True, env=env,
                        timeout=timeout, check=False)
     if r.returncode == 0:
         return None
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
         return 0
     if not a.remove:
         return 1
-    return subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", *bad], check=False).returncode
+    return subprocess.run([sys.executable, "-P", "-m", "pip", "uninstall", "-y", *bad], check=False).returncode
 
 
 if __name__ == "__main__":

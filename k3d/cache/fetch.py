@@ -34,6 +34,17 @@ The loop validates a request and makes one call here, with the client's session:
 - ``shut_down``: cancel queued reads, wait for running ones, answer every
   parked fetch.
 
+Source files changed while served (``watch``, a ``k3d.sources.identity.FileWatch``;
+None for remote sources, which pin their origin's ETag instead): every finished
+load's files are checked after its last part reported and before its slot goes
+READY (once per file per ``apply_done`` pass, after the pass has collected its
+loads; the descriptors: a replaced path is the watch's once-a-second check), so a
+read that a write reached fails instead of being served; a fetch
+that needs a read from a changed file fails at once, and predicted or warm-restart
+reads of it are not started.  Experts already resident stay: each was checked
+after its whole read, so it holds the old file's bytes, all of them.  ``settle``
+checks every file once a second, so the change is logged without a read.
+
 Prediction throttle (with a pin quota): a client has at most that many
 predictions outstanding, and a client whose predictions go almost all unused
 (moving share > ``WASTE_LIMIT``) may start one read per token: a flood of
@@ -53,12 +64,14 @@ import logging
 import time
 from time import thread_time_ns
 
+from k3client.errors import ReadFailed
 from k3d.cache.parked import Parked, checked_slots
 from k3d.cache.sessions import Session
 from k3d.cache.store import PRESSURE_S, Store
 from k3d.observe.latency import FetchLatency, classify
 from k3d.observe.stats import Throughput
 from k3d.reads.loads import Load, Loads
+from k3d.sources.identity import FileWatch
 
 log = logging.getLogger("k3d")
 
@@ -75,6 +88,9 @@ class Cache:
         self.recent = Throughput()
         self.reads = Loads(readers, source, arena)
         self.parked = Parked(store, replies, source.path, latency)
+        self.source = source
+        self.watch = FileWatch.of(source, time.monotonic())
+        self._key_files: dict[tuple[int, int], tuple[int, ...]] = {}
         self.client_predictions = True   # False: --predict off
         self.auto = None                 # AutoPrefetch: the daemon's own predictions (--predict auto)
 
@@ -87,6 +103,12 @@ class Cache:
         if hits:
             self.report(s, hits, now)
         store = self.store
+        if self.watch is not None and self.watch.changed:
+            for key in keys:
+                if key not in store.key_slot and key in self.source.keys:
+                    msg = self._changed(key)
+                    if msg:
+                        raise ReadFailed(f"expert (layer {key[0]}, expert {key[1]}): {msg}")
         plan = store.fetch(s.holder, keys, now)
         if plan.new_loads:
             self._start(plan.new_loads, urgent=True, owner=s.client_id)
@@ -111,7 +133,7 @@ class Cache:
         (``Store.report_all``); returns the pins that ending it would have released."""
         if not hits:
             return 0
-        used, skipped = self.store.report_all(s.holder, hits, pin=not ends_epoch)
+        used, skipped = self.store.report_all(s.holder, hits, pin=not ends_epoch, quota=s.pin_quota)
         s.fetches += len(hits)
         if self.live.trace is not None:
             for (keys, _), prefetched in zip(hits, used):
@@ -170,6 +192,8 @@ class Cache:
     def settle(self, now: float) -> None:
         """After a request: free what no client can read any more, and make room ahead."""
         store = self.store
+        if self.watch is not None:
+            self.watch.due(now)
         if store.reuse.limbo:
             store.reclaim(now)
         if store.want or now - store.pressed < PRESSURE_S:
@@ -221,7 +245,29 @@ class Cache:
 
     def _start(self, slots: list[int], urgent: bool, owner: int | None = None) -> None:
         key_of = self.store.slot_key
+        if self.watch is not None and self.watch.changed:
+            # a predicted or warm-restart read of a changed file: never started (no
+            # fetch waits on it yet; a fetch that needs it fails in ``fetch``)
+            kept = []
+            for slot in slots:
+                msg = self._changed(key_of[slot])
+                if msg:
+                    self.store.complete(slot, msg, counted=False)
+                else:
+                    kept.append(slot)
+            slots = kept
         self.reads.start([(slot, key_of[slot]) for slot in slots], urgent, owner)
+
+    def _files(self, key) -> tuple[int, ...]:
+        files = self._key_files.get(key)
+        if files is None:
+            files = self._key_files[key] = tuple(sorted({e.file for e in self.source.keys[key]}))
+        return files
+
+    def _changed(self, key) -> str | None:
+        """The message of the first changed file ``key`` is read from (None: none changed)."""
+        changed = self.watch.changed
+        return next((changed[f] for f in self._files(key) if f in changed), None)
 
     # -- completion ------------------------------------------------------------
     def apply_done(self, draining: bool = False) -> None:
@@ -230,6 +276,7 @@ class Cache:
         if not self.reads.has_reports():
             return
         now = time.monotonic()
+        finished = []
         for d, load in self.reads.reported():
             self.stats.bytes_read += d.nbytes
             self.stats.read_seconds += d.seconds
@@ -237,12 +284,23 @@ class Cache:
             if d.owner is not None and self.charge is not None:
                 self.charge(d.owner, d.cpu)
             if load is not None:
-                self._finished(load, draining)
+                finished.append(load)
+        if self.watch is not None and finished:
+            # every load's reads have returned: a write that reached any of their bytes
+            # has moved its file's identity by now (k3d.sources.identity)
+            self.watch.check(sorted({f for load in finished for f in self._files(load.key)}), paths=False)
+            if self.watch.changed:
+                for load in finished:
+                    msg = self._changed(load.key)
+                    if msg:
+                        load.fail, load.stale = msg, True   # a truncated file's EOF error too
+        for load in finished:
+            self._finished(load, draining)
 
     def _finished(self, load: Load, draining: bool) -> None:
         cancelled = bool(load.fail) and draining
         self.store.complete(load.slot, load.fail, counted=not cancelled)
-        if load.fail and not cancelled:
+        if load.fail and not cancelled and not load.stale:     # a change is logged once, by the watch
             log.warning("read of expert (layer %d, expert %d) failed: %s", *load.key, load.fail)
         self.parked.finished(load, cancelled)
 

@@ -9,7 +9,8 @@ of them; it is answered exactly once (``done``):
   slots are pinned again for its current token, within its quota
   (``Store.repin``);
 - with ReadFailed when a read it waits on failed (every waiter learns; the next
-  fetch retries), or ShuttingDown when the daemon cancelled it;
+  fetch retries; a read whose source file changed says so, and no retry helps),
+  or ShuttingDown when the daemon cancelled it;
 - with NotAttached when the daemon drops its client (``drop``);
 - with ShuttingDown at shutdown (``shut_down``).
 A client already dropped gets no reply.  A fetch answered with its slots
@@ -73,6 +74,9 @@ class Parked:
                 p.done = True
                 if p.session.alive and cancelled:   # the client re-attaches after a restart
                     self._error(p, errors.ShuttingDown(SHUTTING_DOWN))
+                elif p.session.alive and load.stale:     # no retry helps: the file changed
+                    self._error(p, errors.ReadFailed(
+                        f"expert (layer {load.key[0]}, expert {load.key[1]}): {load.fail}"))
                 elif p.session.alive:
                     self._error(p, errors.ReadFailed(
                         f"reading expert (layer {load.key[0]}, expert {load.key[1]}) from "
@@ -104,7 +108,7 @@ class Parked:
         self.replies.ok(session.routing, rid, {"slots": slots})
         now = time.monotonic()
         self.latency.record(result, now - t0)
-        self.store.reuse.replied(session.client_id, now)
+        self.store.reuse.replied(session.client_id, rid, ok=True)
 
     def drop(self, session, reason: str) -> None:
         """The daemon dropped ``session``: a fetch it still waits on is answered now (a live
@@ -127,4 +131,4 @@ class Parked:
 
     def _error(self, p: Pending, e: K3Error) -> None:
         self.replies.error(p.session.routing, p.rid, e)
-        self.store.reuse.replied(p.session.client_id, time.monotonic())
+        self.store.reuse.replied(p.session.client_id, p.rid, ok=False)

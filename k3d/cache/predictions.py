@@ -98,7 +98,7 @@ class PredictionBook:
                 continue
             victim = None
             if not self.free:
-                if not self.reuse.could_reuse_now(now):
+                if not self.reuse.could_reuse_now():
                     break                       # make_room frees slots ahead for the next ones
                 victim = self._victim()
                 if victim is None:

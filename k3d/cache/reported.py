@@ -11,7 +11,14 @@ the slot it was seen in counts as the hit of a fetch: the policy hears the
 layer's visit and the touch in the same order as for a fetch, prediction
 accounting alike, and the slot is pinned for the client's epoch.  A key that has
 left that slot since (a late report) is claimed instead: its slot is not reused
-before the client's next token (``reuse``).  Nothing is read and nothing refused.
+before the client's next token (``reuse``).  Nothing is read.
+
+Refused (not heard, pinned or claimed; counted in ``bad_reports``): a slot the
+client could not have read in its window (``Reuse.claimable``: not waiting for
+reuse, or retired before the client's sync point), and, with a pin quota, a
+slot beyond the quota the client was told at hello, claims counting toward it
+(``k3client`` answers no more itself).  So a client's reports can keep from
+reuse only slots it could really have read, and no more than its quota.
 
 Batching, and why it changes nothing: ``report_all`` applies a request's reports
 in one call.  Between two reports of one request nothing chooses a victim (a
@@ -36,10 +43,11 @@ class ReportedHits:
         """One report (``report_all`` of one); returns the predicted slots it used."""
         return self.report_all(holder, [(keys, seen)])[0][0]
 
-    def report_all(self, holder, reports, pin: bool = True) -> tuple[list[int], int]:
+    def report_all(self, holder, reports, pin: bool = True, quota: int = 0) -> tuple[list[int], int]:
         """Apply ``reports`` (``[(keys, slots seen), ...]``, in the order the client
         answered them) for ``holder`` (client, epoch).  ``pin`` False: the caller ends
         ``holder``'s epoch next, with nothing in between (see the module docstring).
+        ``quota``: the pin quota ``holder``'s client was told (0: none).
         Returns (per report, how many of its keys were predicted slots it used; the
         pins not taken because of ``pin`` False, which ending the epoch would have released)."""
         client = holder[0]
@@ -54,7 +62,7 @@ class ReportedHits:
             # A key's slot is READY unless it is loading (the store's invariant): the
             # common case is checked by two calls for the whole report.
             if list(map(where, keys)) != seen or (loads and not loads.keys().isdisjoint(seen)):
-                keys, seen = self._not_late(client, keys, seen)
+                keys, seen = self._not_late(holder, keys, seen, quota)
                 late += m - len(keys)
             heard.append((layer, keys, seen))
             pins += seen
@@ -64,11 +72,12 @@ class ReportedHits:
         else:
             used = [0] * len(heard)
         skipped = 0
-        quota = self.live.pin_quota
         if quota:                                   # (``pin`` False is for no quota only)
+            claims = self.reuse.claims(client)
             for s in pins:
-                if s not in (held := policy.held(holder)) and len(held) >= quota:
-                    self.reuse.claim(client, s)
+                held = policy.held(holder)
+                if s not in held and len(held) + len(claims) >= quota:
+                    self.stats.bad_reports += 1
                 else:
                     policy.pin(s, holder)
         elif pin:
@@ -85,15 +94,21 @@ class ReportedHits:
         self.client_quality(client).ready += n
         return used, skipped
 
-    def _not_late(self, client: int, keys, seen) -> tuple[list, list]:
+    def _not_late(self, holder, keys, seen, quota: int) -> tuple[list, list]:
         """``keys`` and ``seen`` less the keys no longer READY in the slot seen, whose
-        slots are claimed until ``client``'s next token."""
+        slots are claimed until ``client``'s next token (refused and counted when it
+        could not have read them)."""
         good_k, good_s = [], []
-        key_slot, state, claim = self.key_slot, self.state, self.reuse.claim
+        client = holder[0]
+        key_slot, state, reuse = self.key_slot, self.state, self.reuse
+        claims = reuse.claims(client)
         for key, s in zip(keys, seen):
             if key_slot.get(key) == s and state[s] == READY:
                 good_k.append(key)
                 good_s.append(s)
-            else:
-                claim(client, s)
+            elif quota and s not in claims and len(self.policy.held(holder)) + len(claims) >= quota:
+                self.stats.bad_reports += 1
+            elif not reuse.claim(client, s):
+                self.stats.bad_reports += 1
+            claims = reuse.claims(client)
         return good_k, good_s

@@ -1,57 +1,68 @@
 """Deferred reuse: an evicted slot is rewritten only when no client can still read it.
 
 Clients answer hits themselves from the shared index (``k3client.index``) and
-report them in their next message.  So when the daemon evicts a slot (clears its
-key's index entry), a client may have looked it up just before and still hold a
-view of it.  The slot leaves the cache at once (its key is gone, the policy
-forgets it), but its memory goes back to the free list only when this module
-says so.  The scheme is epoch-based reclamation (Fraser; RCU's grace periods),
-with the clients' replies as the quiescent points.
+report them later, in order, on their one request socket.  So when the daemon
+evicts a slot (clears its key's index entry), a client may have looked it up
+just before and still hold a view of it.  The slot leaves the cache at once (its
+key is gone, the policy forgets it), but its memory goes back to the free list
+only when this module says so.  The scheme is epoch-based reclamation (Fraser;
+RCU's grace periods), with the clients' messages as the quiescent points.
 
-What it knows of each hit-path client (one that answers hits itself):
-- ``synced``: the retirement count the client has certainly seen.  Set to the
-  daemon's count when it sends the client a reply to a request the client waits
-  for (the kernel orders the daemon's earlier stores before the client's later
-  loads); ``INF`` while such a request is being handled, since the client, blocked
-  on it, looks nothing up.  A fetch answered ``SlotsBusy`` leaves it ``INF``
-  until the client's next request: the client retries, and answers no hit
-  itself until a later request's reply (``k3client``'s obligation: it closes its
-  window, ``LocalHits.t_req``, when it gives up).  Else several clients near the
-  arena's floor wait on each other's backoff sleeps: each one's evicted slots
-  wait for the others' next requests, which they send only when their own
-  backoff ends (the demo's three clients at 102 slots: p99 ~1 s, 4,586 retries
-  in 1,440 fetches; with this rule, 17 ms and 505).
-- ``t_sync``: when that reply was sent.  The pin rule for hits the client answers
-  itself: a view is valid until its next ``begin_token`` or until ``lease`` after
-  the request before it (``k3client`` answers hits itself only in the first half
-  of that).  After ``t_sync + lease`` nothing it read before is in use.
-- ``claims``: slots it reported reading this token that are not pinned for it
-  (the key had already left, or its pin quota was full); dropped at its next
-  token or at ``t_sync + lease``.
+The guarantee (what ``k3client`` promises its caller): a view, however it was
+answered, keeps its bytes until the client's next ``begin_token()`` or
+``close()``, with no time bound while the process lives.  A client that dies, or
+stops heartbeating for its lease, loses everything (``sessions.py``).
+
+The client's obligations (``k3client/hits.py``; the model test plays them):
+- C1. It answers a fetch itself only while its *window* is open: opened by a
+  successful reply to the last request it sent, closed when it sends a request,
+  and kept closed by any failure (timeout, interrupt, error reply, re-attach).
+- C2. Every lookup it answers is reported, in order, in the next message it
+  sends on its request socket (a request, or ``hits``); a ``hits`` message may
+  carry ``seen``: the index's retirement count, read after taking the reports
+  (the lease thread sends one when the client is idle, so a long hold does not
+  hold back reuse).
+- C3. It answers no more slots in a token than its pin quota.
+
+What the daemon knows of each hit-path client (``Reader``):
+- ``synced``: a lower bound on the retirement count of any slot the client may
+  hold a view of that is neither pinned nor claimed for it.  ``INF`` while a
+  request it sent is handled or failed (C1: its window is closed, so every view
+  it holds was reported, hence pinned or claimed); the retirement count when the
+  reply to its latest request leaves; raised to ``seen`` by a ``hits`` message.
+- ``pending``: the id of its latest request, until answered: only that reply
+  moves ``synced`` (a late reply to a request it gave up on must not: it may
+  have opened its window on a later one, and looked up since).
+- ``claims``: slots it reported reading this token whose key had left by then
+  (``cache/reported.py``); they count toward its pin quota and are dropped at its
+  next token.  A claim must be a slot the client could have read: waiting here,
+  retired after the client's ``synced`` before the message; anything else is a
+  garbage report, refused and counted.
 
 Rule: slot ``s``, retired as count ``r``, is reusable when for every hit-path
-client ``c``: ``s`` is not in ``c.claims``, and ``c.synced >= r`` or
-``now >= c.t_sync + lease``.  With one client, which is blocked in the request
-that evicts, that is at once, so a single client sees the same slots, counters
-and trace as with the round trip.
+client ``c``: ``s`` is not in ``c.claims`` and ``c.synced >= r``.
 
-Invariant: a slot a client may still read (a view it answered itself, in its
-current token, within its lease) is not free.  Proof sketch: ``c`` read ``s``
-holding key ``k`` at ``t``.  If the daemon cleared ``k``'s entry before that load
-(in the writer's store order), ``c`` saw 0 or an odd seq, not ``s``.  Else
-``s`` retires later as some ``r`` above every count ``c`` had seen at ``t``.
-Until the daemon handles ``c``'s next request ``M``, ``c.synced < r`` (its last
-reply preceded the read) and only ``t_sync + lease``, the end of the view, can
-free ``s``.  ``M`` carries every hit ``c`` answered before sending it, so the
-daemon handles the report of (``k``, ``s``) before ``c.synced`` moves on:
-``k`` still at ``s`` is pinned for ``c`` (or claimed, over quota), so not
-evicted; ``k`` gone is claimed.  Pins and claims last until ``c``'s next token.
-If ``M`` is answered ``SlotsBusy``, its reports were applied all the same (they
-go first), ``c.synced`` stays ``INF``, and ``c`` reads nothing until it sends
-its next request, whose reply sets ``c.synced`` again: ``c`` looks nothing up
-while ``INF`` says so.
+Invariant: a slot a client may still read (a view in its current token) is not
+free.  Proof sketch: ``c`` read ``s`` holding key ``k`` by a lookup ``L``.  If
+the daemon cleared ``k``'s entry before ``L``'s loads (in the writer's store
+order; TSO), ``c`` saw 0 or an odd seq, not ``s``.  Else ``s`` retires later as
+some ``r``.  ``L`` happened in an open window, i.e. after ``c`` received the reply
+``R`` to its latest request, sent when the count was ``r_R`` (so ``r > r_R``:
+the clear followed ``L``, which followed ``R``), or after a ``hits`` message's
+``seen`` read (``r > seen``).  ``synced`` holds ``r_R`` or ``seen`` from then on
+until ``c``'s next message ``M`` is handled (a stale reply cannot raise it:
+``pending``), and ``M`` carries the report of ``L`` (C2, one socket, FIFO).
+Handling ``M`` applies its reports before anything else: ``k`` still at ``s`` is
+pinned for ``c``'s token; ``k`` gone means ``s`` waits here with ``r > synced``,
+so it is claimed.  Only then may ``synced`` move (``INF`` for a request: C1
+says ``c`` looks nothing up until its reply, whose count covers every later
+lookup; ``seen`` for a ``hits``: every lookup after it reads entries after that
+count).  Pins and claims last until ``c``'s next token, when the view ends.
+A timeout or interrupt leaves ``c``'s window closed (C1): it reads nothing new,
+and what it read was reported in the request it gave up on.  A re-attach is a
+new session; the old one's views are of the old arena's mapping.
 
-Pure: no clock (``now`` is passed in), no I/O; the server thread owns it.
+Pure: no clock, no I/O; the server thread owns it.
 """
 
 from __future__ import annotations
@@ -64,15 +75,15 @@ INF = float("inf")
 def reserve_for(slots: int) -> int:
     """Slots the store keeps free or waiting while several clients answer hits themselves
     (``Store.make_room``), so that a miss finds one without waiting for the others'
-    next requests."""
+    next messages."""
     return min(slots // 4, max(4, slots // 16))
 
 
 @dataclass
 class Reader:
-    lease: float                  # the lease the client was told at hello
     synced: float = 0
-    t_sync: float = 0.0
+    pending: int | None = None        # id of the latest request, until its reply
+    before: float = 0                 # ``synced`` when that request came: what its reports may claim
     claims: set[int] = field(default_factory=set)
 
 
@@ -84,29 +95,63 @@ class Reuse:
         self.peak = 0
 
     # -- clients ----------------------------------------------------------------
-    def attach(self, client: int, now: float, lease: float) -> None:
+    def attach(self, client: int) -> None:
         """A hit-path client said hello: it has seen every retirement so far."""
-        self.readers[client] = Reader(lease, self.retired, now)
+        self.readers[client] = Reader(self.retired)
 
     def leave(self, client: int) -> None:
         self.readers.pop(client, None)
 
-    def waiting(self, client: int) -> None:
-        """The daemon handles a request ``client`` waits for: it reads nothing meanwhile."""
+    def waiting(self, client: int, rid) -> None:
+        """The daemon handles request ``rid`` of ``client``, after its reports: the client
+        looks nothing up until that request's reply (C1)."""
         r = self.readers.get(client)
         if r is not None:
-            r.synced = INF
+            r.before = r.synced if r.pending is None else r.before
+            r.pending, r.synced = rid, INF
 
-    def replied(self, client: int, now: float) -> None:
-        """The reply to that request left: the client has seen every retirement so far."""
+    def replied(self, client: int, rid, ok: bool) -> None:
+        """The reply to request ``rid`` left.  Only the reply to the latest request moves
+        the client's sync point, and only a success (a failure keeps its window shut)."""
         r = self.readers.get(client)
-        if r is not None:
-            r.synced, r.t_sync = self.retired, now
+        if r is not None and r.pending == rid:
+            r.pending = None
+            if ok:
+                r.synced = self.retired
 
-    def claim(self, client: int, slot: int) -> None:
+    def seen(self, client: int, count) -> bool:
+        """A ``hits`` message said the client read the retirement count ``count`` after
+        taking its reports (applied just before): later lookups see every clear up to it.
+        False: not a count this daemon has reached (a garbage report)."""
         r = self.readers.get(client)
-        if r is not None:
-            r.claims.add(slot)
+        if r is None:
+            return True
+        if type(count) is not int or not 0 <= count <= self.retired:
+            return False
+        if r.synced != INF:
+            r.synced = max(r.synced, count)
+        return True
+
+    def claimable(self, client: int, slot: int) -> bool:
+        """Whether ``client`` could have read ``slot`` in its window: the slot waits for
+        reuse, retired after the client's sync point before this message (or is claimed)."""
+        r = self.readers.get(client)
+        if r is None:
+            return False
+        floor = r.before if r.pending is not None else r.synced
+        return slot in r.claims or self.limbo.get(slot, -1) > floor
+
+    def claim(self, client: int, slot: int) -> bool:
+        """Keep ``slot`` from reuse until ``client``'s next token; False (refused) when it
+        could not have read it."""
+        if not self.claimable(client, slot):
+            return False
+        self.readers[client].claims.add(slot)
+        return True
+
+    def claims(self, client: int) -> set[int]:
+        r = self.readers.get(client)
+        return r.claims if r is not None else set()
 
     def new_token(self, client: int) -> None:
         r = self.readers.get(client)
@@ -114,42 +159,46 @@ class Reuse:
             r.claims.clear()
 
     # -- slots --------------------------------------------------------------------
-    def retire(self, slot: int, now: float) -> bool:
+    def retire(self, slot: int) -> bool:
         """``slot``'s key left the index.  True: reuse it now; False: it waits (``reclaim``)."""
         self.retired += 1
-        if not self.readers or self._free_now([(slot, self.retired)], now):     # (none: replay, one client)
+        if not self.readers or self._free_now([(slot, self.retired)]):     # (none: replay, one client)
             return True
         self.limbo[slot] = self.retired
         self.peak = max(self.peak, len(self.limbo))
         return False
 
-    def reclaim(self, now: float) -> list[int]:
+    def reclaim(self) -> list[int]:
         """The waiting slots no client can read any more (removed from the wait)."""
         if not self.limbo:
             return []
-        out = self._free_now(list(self.limbo.items()), now)
+        out = self._free_now(list(self.limbo.items()))
         for s in out:
             del self.limbo[s]
         return out
 
-    def could_reuse_now(self, now: float) -> bool:
-        """Whether a slot retired now would be reusable at once (no client is reading)."""
-        return all(r.synced == INF or now >= r.t_sync + r.lease for r in self.readers.values())
+    def coming(self) -> int:
+        """Waiting slots no client claims: each is free once the clients' sync points pass
+        it (a claimed one waits for its claimant's next token, which may be far)."""
+        if not self.limbo:
+            return 0
+        claimed = set().union(*(r.claims for r in self.readers.values()))
+        return len(self.limbo.keys() - claimed)
 
-    def holders(self, now: float) -> list[int]:
+    def could_reuse_now(self) -> bool:
+        """Whether a slot retired now would be reusable at once (no client is reading)."""
+        return all(r.synced == INF for r in self.readers.values())
+
+    def holders(self) -> list[int]:
         """Clients that keep some waiting slot from reuse (status, and CacheFull's message)."""
         if not self.limbo:
             return []
         oldest = min(self.limbo.values())
-        return [c for c, r in self.readers.items()
-                if now < r.t_sync + r.lease and (r.synced < oldest or r.claims & self.limbo.keys())]
+        return [c for c, r in self.readers.items() if r.synced < oldest or r.claims & self.limbo.keys()]
 
-    def _free_now(self, waiting: list[tuple[int, int]], now: float) -> list[int]:
+    def _free_now(self, waiting: list[tuple[int, int]]) -> list[int]:
         floor, claimed = INF, set()
         for r in self.readers.values():
-            if now >= r.t_sync + r.lease:
-                r.claims.clear()                  # its views ended with its lease
-                continue
             floor = min(floor, r.synced)
             claimed |= r.claims
         return [s for s, count in waiting if count <= floor and s not in claimed]

@@ -61,6 +61,7 @@ class Session:
         "name",
         "paced",
         "paced_s",
+        "pin_quota",
         "unbilled",
         "pf_started",
         "pf_waste",
@@ -78,6 +79,7 @@ class Session:
         # The lease told to the client at hello: it heartbeats at a quarter of it,
         # so a reload that shortens the lease applies to new clients only.
         self.lease_s = lease_s
+        self.pin_quota = 0         # the quota told at hello: its reports are judged by it (cache/reported.py)
         # Background reads this client started this epoch, and the moving share
         # of its predictions nobody fetched (the quota's prediction throttle).
         self.pf_started, self.pf_waste = 0, 0.0

@@ -148,7 +148,7 @@ class Store(PredictionBook, ReportedHits):
         need = have.count(None)
         if need:
             evictable = policy.evictable(exclude=resident.union(self.loads))
-            now_ok = self.reuse.could_reuse_now(now)
+            now_ok = self.reuse.could_reuse_now()
             available = len(self.free) + (evictable if now_ok else 0)
             if need > len(self.free):
                 self.pressed = now
@@ -168,7 +168,7 @@ class Store(PredictionBook, ReportedHits):
                     "or start k3d with a larger --arena")
         quota = self.live.pin_quota
         if quota:
-            after = len(self.policy.held(holder) | resident) + need
+            after = len(self.policy.held(holder) | resident | self.reuse.claims(holder[0])) + need
             if after > quota:
                 raise QuotaExceeded(
                     f"pin quota exceeded: this fetch would pin {after} slots, the quota is {quota} per client "
@@ -262,7 +262,7 @@ class Store(PredictionBook, ReportedHits):
         self.state[s] = FREE
         self.policy.remove(s)
         self.index.clear(key)
-        return self.reuse.retire(s, now)
+        return self.reuse.retire(s)
 
     def make_room(self, now: float) -> int:
         """Evict ahead while several clients read the index and misses have lately found no
@@ -272,7 +272,7 @@ class Store(PredictionBook, ReportedHits):
         pressed = now - self.pressed < PRESSURE_S and len(self.reuse.readers) > 1
         target = max(self.want, self.reserve if pressed else 0)
         evicted = 0
-        while len(self.free) + len(self.reuse.limbo) < target:
+        while len(self.free) + self.reuse.coming() < target:
             s = self._victim()
             if s is None:
                 break
@@ -287,7 +287,7 @@ class Store(PredictionBook, ReportedHits):
 
     def reclaim(self, now: float) -> int:
         """Slots no client can read any more go back to the free list; returns how many."""
-        slots = self.reuse.reclaim(now)
+        slots = self.reuse.reclaim()
         self.free.extend(slots)
         return len(slots)
 

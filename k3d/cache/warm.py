@@ -7,7 +7,8 @@ checkpoint that share a state directory share its file (the last save wins; each
 save is whole)::
 
     {"format": "k3d-policy-state", "version": 1, "model": FINGERPRINT, "policy": NAME,
-     "saved_unix": T, "hot": [[layer, expert], ...],      # hottest first
+     "source": PATH_OR_URL, "saved_unix": T,
+     "hot": [[layer, expert], ...],                       # hottest first
      "policy_state": {...},                               # the policy's own export()
      "predictor_state": {...}}                            # the daemon's predictor's state(), if any
 
@@ -18,10 +19,15 @@ Writes are atomic (a temporary file in the same directory, fsynced, renamed over
 the old one): a crash leaves the old file or the new one, never half of one.  The
 server thread calls ``save`` at shutdown and every ``state_every_s`` seconds.
 
-At start the daemon logs where its file is and how to turn it off, and ``prune``
-keeps the ``KEEP`` most recently saved ``state-*.json`` of the directory (its own
-always), deleting the rest, and temporary files a crash left over an hour ago:
-checkpoints no longer served leave nothing behind for long.
+Each file names its checkpoint (``"source"``: the absolute path, or the URL, the
+daemon was given).  At start the daemon logs where its file is and how to turn it
+off, and ``prune`` deletes the state files of checkpoints that are gone (a local
+``source`` path that no longer exists) and temporary files a crash left over an
+hour ago.  It never deletes the file of a checkpoint that still exists, whichever
+daemon wrote it, nor one it cannot judge (a URL, a file written before ``source``
+was recorded, an unreadable file): those are the user's to delete.  The bound:
+one file per checkpoint (path and layout) served with this directory whose path
+still exists, each about 100 bytes per hot expert (a few MB for the largest models).
 
 On start ``load`` returns the saved state, or None with one log line when the file
 is missing, unreadable, corrupt, of another format or version, or foreign: a bad
@@ -49,7 +55,6 @@ log = logging.getLogger("k3d")
 FORMAT, VERSION = "k3d-policy-state", 1
 
 
-KEEP = 8                 # state files kept per directory: one per checkpoint served lately
 STALE_TMP_S = 3600       # a temporary file older than this is a crashed save's, not one in flight
 
 
@@ -58,27 +63,48 @@ def state_path(state_dir: str, source_print: str) -> str:
     return os.path.join(state_dir, f"state-{source_print[:16]}.json")
 
 
-def prune(state_dir: str, own: str, keep: int = KEEP, now: float | None = None) -> list[str]:
-    """Delete all but the ``keep`` newest state files (never ``own``) and stale temporary
-    files; returns the paths deleted.  OSError is the caller's to log."""
+def source_of(spec: str) -> str:
+    """What a state file records as its checkpoint: a local path made absolute (another
+    daemon may run elsewhere), a URL as given."""
+    return spec if "://" in spec else os.path.abspath(spec)
+
+
+def checkpoint_gone(path: str) -> bool:
+    """Whether the state file at ``path`` belongs to a checkpoint that no longer exists:
+    only a recorded local path that is missing says so (anything else: not gone)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False                      # unreadable or mid-rename: not ours to judge
+    src = doc.get("source") if isinstance(doc, dict) else None
+    if not isinstance(src, str) or "://" in src or not os.path.isabs(src):
+        return False
+    return not os.path.lexists(src)
+
+
+def prune(state_dir: str, own: str, now: float | None = None) -> list[tuple[str, str]]:
+    """Delete the state files of checkpoints that are gone (never ``own``) and stale
+    temporary files; returns ``(path, why)`` for each deleted.  OSError is the caller's to log."""
     now = time.time() if now is None else now
     try:
         names = os.listdir(state_dir)
     except FileNotFoundError:
         return []
-    states, gone = [], []
+    gone = []
     for name in names:
         path = os.path.join(state_dir, name)
-        try:
-            mtime = os.stat(path).st_mtime
-        except FileNotFoundError:         # another daemon's rename or prune got there first
-            continue
         if name.startswith("state-") and name.endswith(".json"):
-            states.append((path != own, -mtime, path))
-        elif name.startswith(".state-") and name.endswith(".tmp") and now - mtime > STALE_TMP_S:
-            gone.append(path)
-    gone += [path for _, _, path in sorted(states)[keep:]]
-    for path in gone:
+            if path != own and checkpoint_gone(path):
+                gone.append((path, "its checkpoint is gone"))
+        elif name.startswith(".state-") and name.endswith(".tmp"):
+            try:
+                mtime = os.stat(path).st_mtime
+            except FileNotFoundError:     # another daemon's rename got there first
+                continue
+            if now - mtime > STALE_TMP_S:
+                gone.append((path, "a crashed save's temporary file"))
+    for path, _ in gone:
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -95,12 +121,14 @@ def fingerprint(source) -> str:
 
 
 def save(path: str, source_print: str, policy_name: str, hot: list, policy_state: dict,
-         predictor_state: dict | None = None) -> None:
-    """Write the state atomically (tmp + fsync + rename); OSError is the caller's to log."""
+         predictor_state: dict | None = None, source: str | None = None) -> None:
+    """Write the state atomically (tmp + fsync + rename); OSError is the caller's to log.
+    ``source``: the checkpoint (``source_of``), by which ``prune`` tells whether it is gone."""
     d = os.path.dirname(path)
     os.makedirs(d, mode=0o700, exist_ok=True)
     doc = {"format": FORMAT, "version": VERSION, "model": source_print, "policy": policy_name,
-           "saved_unix": round(time.time(), 3), "hot": [list(k) for k in hot], "policy_state": policy_state}
+           "source": source, "saved_unix": round(time.time(), 3), "hot": [list(k) for k in hot],
+           "policy_state": policy_state}
     if predictor_state is not None:
         doc["predictor_state"] = predictor_state
     fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=d)
@@ -185,6 +213,7 @@ class WarmState:
         self.enabled = bool(cfg.state_dir)
         self.print = fingerprint(source) if self.enabled else ""
         self.path = state_path(cfg.state_dir, self.print) if self.enabled else ""
+        self.source = source_of(source.path)
         self.every = cfg.state_every_s
         self.next_save = now + self.every
         self.policy_name = cfg.policy
@@ -193,8 +222,8 @@ class WarmState:
             log.info("warm restart: statistics of this checkpoint in %s (--state-dir none turns this off)",
                      self.path)
             try:
-                for path in prune(cfg.state_dir, self.path):
-                    log.info("warm restart: removed %s (more than %d state files kept)", path, KEEP)
+                for path, why in prune(cfg.state_dir, self.path):
+                    log.info("warm restart: removed %s (%s)", path, why)
             except OSError as e:
                 log.warning("warm restart: cannot prune %s: %s", cfg.state_dir, e)
         self.warmup: Warmup | None = None
@@ -238,7 +267,7 @@ class WarmState:
             return
         try:
             save(self.path, self.print, self.policy_name, store.ranking()[:store.slots], store.policy.export(),
-                 None if self.predictor is None else self.predictor.state())
+                 None if self.predictor is None else self.predictor.state(), self.source)
         except OSError as e:
             log.error("warm restart: cannot write %s: %s", self.path, e)
 

@@ -42,7 +42,11 @@ def _start_parser(sub):
     p.add_argument("--arena", help="arena size: 512MiB, 8GiB or bytes, rounded down to whole slots "
                    f"(default {show_size(D.arena)})")
     p.add_argument("--slots", type=int, help="arena size as a number of slots (overrides --arena)")
-    p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock)")
+    p.add_argument("--endpoint", help="ZeroMQ endpoint (default ipc://$XDG_RUNTIME_DIR/k3d/k3d.sock); "
+                   "tcp://HOST:PORT on loopback only, unless --allow-remote-tcp")
+    p.add_argument("--allow-remote-tcp", dest="allow_remote_tcp", action="store_const", const=True, default=None,
+                   help="let a tcp endpoint listen beyond loopback: its peers carry no credentials, so anyone who "
+                   "reaches the port may attach (clients must run on this machine anyway: the arena is local)")
     p.add_argument("--readers", help="reader threads, or auto (default: 2 per CPU, "
                    f"2-{COLD_READERS}, for safetensors/GGUF page-cache reads; {COLD_READERS} for packed "
                    "files and HTTP/S3 origins)")
@@ -87,7 +91,7 @@ def _start_parser(sub):
     p.add_argument("--state-dir", dest="state_dir",
                    help="where the policy's statistics survive restarts (default $XDG_STATE_HOME/k3d; none: off)")
     p.add_argument("--metrics", metavar="HOST:PORT",
-                   help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 "
+                   help="serve Prometheus /metrics there, e.g. 127.0.0.1:9484 (:PORT: 127.0.0.1) "
                    "(needs pip install 'k3d-expert-cache[metrics]')")
     return p
 
@@ -116,7 +120,8 @@ def main(argv=None) -> int:
     d = sub.add_parser("demo", help="run the embedded demo: synthetic checkpoint, daemon, 3 model processes")
     d.add_argument("--tokens", type=int, default=200, help="tokens each model process runs (default %(default)s)")
     d.add_argument("--clients", type=int, default=3, help="model processes sharing the daemon (default %(default)s)")
-    d.add_argument("--seed", type=int, default=1234)
+    d.add_argument("--seed", type=int, default=1234,
+                   help="seed of the synthetic checkpoint and of the routing (default %(default)s)")
     d.add_argument("--hf", action="store_true",
                    help="transformers processes (k3client.hf) generating with one daemon, vs plain ones")
     args = parse_args(ap, sub, argv)
@@ -125,11 +130,15 @@ def main(argv=None) -> int:
             if not 1 <= value <= top:
                 print(f"k3d demo: error: {opt} {value}: use 1 to {top}", file=sys.stderr)
                 return 2
-        if args.hf:
-            from k3d.demo.hf import run_hf_demo
-            return run_hf_demo(clients=args.clients, tokens=min(args.tokens, 32))
-        from k3d.demo.run import run_demo
-        return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+        from k3d.demo.children import interrupted
+        try:
+            if args.hf:
+                from k3d.demo.hf import run_hf_demo
+                return run_hf_demo(clients=args.clients, tokens=min(args.tokens, 32))
+            from k3d.demo.run import run_demo
+            return run_demo(tokens=args.tokens, clients=args.clients, seed=args.seed)
+        except KeyboardInterrupt as e:       # Ctrl-C: the children are stopped by now
+            return interrupted("k3d demo", e)
     if args.cmd == "replay":
         return replay_cli.main(args)
     if args.cmd == "install-unit":

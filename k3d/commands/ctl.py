@@ -1,4 +1,5 @@
-"""``k3ctl status``: what the daemon is doing.
+"""``k3ctl status``: what the daemon is doing; ``k3ctl verify MODEL_DIR``: whether it serves
+exactly that checkpoint (``k3d.commands.verify``).
 
 Exit status: 0 when it serves, 3 while it is starting (it answers status from
 the moment it holds its endpoint, with the phase, progress and ETA), 1 when it
@@ -30,6 +31,7 @@ from k3client.endpoint import (
 )
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 from k3d.observe.quality import line as prediction_line
+from k3d.serve.access import printable
 from k3d.service.starting import describe
 from k3d.sizes import show_size
 
@@ -149,6 +151,8 @@ def render(st: dict) -> str:
     if "planned" in w:
         lines.append(f"warm    {st.get('policy', '')} statistics from {w['state_file']}: pre-loaded {w['ready']} of "
                      f"{w['planned']} hot experts ({w['percent']:.0f}%{', done' if w['done'] else ''})")
+    for changed in st.get("source_changed") or ():
+        lines.append(f"CHANGED {changed}")
     tiers = m.get("tiers")
     if tiers:
         o = tiers["origin"]
@@ -163,8 +167,8 @@ def render(st: dict) -> str:
              if s.get("paced") else "")
     lines.append(f"clients {len(st['clients'])}{paced}")
     for c in st["clients"]:
-        lines.append(f"  {c['name']:<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  fetches {c['fetches']}"
-                     f"{_cpu(c)}")
+        lines.append(f"  {printable(str(c['name'])):<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  "
+                     f"fetches {c['fetches']}{_cpu(c)}")
         q = (pq or {}).get("clients", {}).get(str(c.get("id")))
         if q:
             lines.append(f"    predict {prediction_line(q)}")
@@ -237,7 +241,24 @@ def main(argv=None) -> int:
     p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) with rates over the last interval")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer (default 2)")
+    v = sub.add_parser("verify", help="check that the daemon serves exactly MODEL_DIR (bytes, then logits)",
+                       description="exit 0: verified; 1: a mismatch (the first layer and expert that "
+                       "differ are named); 2: cannot verify (no daemon, an unreadable MODEL_DIR)")
+    v.add_argument("model_dir", metavar="MODEL_DIR", help="the checkpoint the daemon should serve")
+    v.add_argument("--endpoint", help="default: K3D_ENDPOINT, else the per-user default socket")
+    v.add_argument("--tokens", type=int, default=8, help="tokens run through the model twice (default 8)")
+    v.add_argument("--tolerance", type=float, default=0.0,
+                   help="largest logit difference accepted (default 0: bit-equal)")
+    v.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon (default 30)")
     args = parse_args(ap, sub, argv)
+    if args.cmd == "verify":
+        if not 1 <= args.tokens <= 4096:
+            v.error(f"--tokens {args.tokens}: use 1 to 4096")
+        if not args.tolerance >= 0:
+            v.error(f"--tolerance {args.tolerance:g}: use 0 or more")
+        from k3d.commands.verify import run  # lazily: status needs none of it
+        return run(args.model_dir, resolve_endpoint(args.endpoint, os.environ), args.tokens, args.tolerance,
+                   timeout=args.timeout)
     if not 0 < args.timeout < 10**6:          # poll(-1) would wait for ever
         p.error(f"--timeout {args.timeout:g}: use a positive number of seconds")
     if args.watch is not None and not 0.1 <= args.watch < 10**6:

@@ -7,7 +7,9 @@
                      [--clients N --offset TOKENS --learn shared|private|both]
 
 Prints hits, misses, evictions and hit rate per policy and size, OPT (exact, under
-the same pins) beside them.  ``--sweep`` replays every size from the smallest the
+the same pins, on demand fetches alone: the bound of a policy that reads nothing
+ahead, which the daemon's predictor, on by default, lets the others pass) beside
+them.  ``--sweep`` replays every size from the smallest the
 trace allows (one token's pins) to the first ``--slots`` value's range end, the
 arena sizing curve; ``--plot`` draws it (matplotlib, an optional extra).  ``--json``
 prints ``{"default": NAME, "predictor": NAME, "results": {POLICY: {SLOTS: {hits,
@@ -82,6 +84,10 @@ def add_parser(sub):
     return p
 
 
+OPT_ROW = "opt-demand"                      # OPT in the table: demand fetches only
+OPT_LABEL = "opt (demand fetches only)"     # and in the plot's legend
+
+
 def _sizes(text: str, sweep: bool, floor: int) -> list[int]:
     try:
         if sweep and "-" in text:
@@ -131,10 +137,10 @@ def main(args) -> int:
                           "accesses": sum(len(e.keys) for e in events if e.kind == "fetch"),
                           "results": {n: {str(s): r.as_dict() for s, r in rs.items()} for n, rs in results.items()}}))
     else:
-        print(render(results, Config.policy, curve=args.sweep))
+        print(render(results, Config.policy, curve=args.sweep, predictor=args.predictor))
     if args.plot:
         try:
-            plot(results, args.plot, args.trace)
+            plot(results, args.plot, title(args.trace, args.predictor))
         except OSError as e:
             print(f"k3d replay: error: --plot {args.plot}: {e.strerror or e}", file=sys.stderr)
             return 2
@@ -155,16 +161,22 @@ def _check_plot(path: str) -> None:
         raise ValueError(f"--plot {path}: cannot write in {folder}")
 
 
-def render(results: dict, default: str, curve: bool = False) -> str:
-    """Per size and policy: hit rate, hits, misses, evictions (``curve``: hit rates only)."""
+def render(results: dict, default: str, curve: bool = False, predictor: str = "none") -> str:
+    """Per size and policy: hit rate, hits, misses, evictions (``curve``: hit rates only).
+
+    OPT replays demand fetches alone: it is the bound of a policy that reads nothing
+    ahead, and the footer says so, and that a policy with reads ahead (the daemon's
+    predictor, by default) can pass it."""
     names = list(results)
     sizes = list(next(iter(results.values())))
-    mark = {n: n + (" *" if n == default else "") for n in names}
+    mark = {n: (OPT_ROW if n == "opt" else n) + (" *" if n == default else "") for n in names}
+    width = max(9, *map(len, mark.values()))
     if curve:
-        lines = ["slots  " + "  ".join(f"{mark[n]:>8}" for n in names)]
-        lines += [f"{s:>5}  " + "  ".join(f"{100 * results[n][s].hit_rate:7.1f}%" for n in names) for s in sizes]
+        lines = ["slots  " + "  ".join(f"{mark[n]:>{max(8, len(mark[n]))}}" for n in names)]
+        lines += [f"{s:>5}  " + "  ".join(f"{100 * results[n][s].hit_rate:{max(8, len(mark[n])) - 1}.1f}%"
+                                          for n in names) for s in sizes]
     else:
-        lines = [f"slots  {'policy':<9} {'hit rate':>8} {'hits':>9} {'misses':>9} {'evictions':>9} "
+        lines = [f"slots  {'policy':<{width}} {'hit rate':>8} {'hits':>9} {'misses':>9} {'evictions':>9} "
                  f"{'prefetched':>10} {'unused':>7}  vs lru"]
         for s in sizes:
             for n in names:
@@ -172,23 +184,37 @@ def render(results: dict, default: str, curve: bool = False) -> str:
                 vs = ""
                 if "lru" in results and n != "lru":
                     vs = f"{100 * (r.hit_rate - results['lru'][s].hit_rate):+6.1f}"
-                lines.append(f"{s:>5}  {mark[n]:<9} {100 * r.hit_rate:7.1f}% {r.hits:>9} {r.misses:>9} "
+                lines.append(f"{s:>5}  {mark[n]:<{width}} {100 * r.hit_rate:7.1f}% {r.hits:>9} {r.misses:>9} "
                              f"{r.evictions:>9} {r.prefetched:>10} {r.prefetch_unused:>7}  {vs}")
-    lines.append("(* the default policy; opt: Belady's OPT under the same pins, the bound)")
+    ahead = any(r.prefetched for n, rs in results.items() if n != "opt" for r in rs.values())
+    lines.append(f"(* the default policy; the daemon's own predictor: {predictor}"
+                 + (")" if curve else "; prefetched: experts read ahead, by it or by the trace's predictions)"))
+    lines.append(f"({OPT_ROW}: Belady's OPT under the same pins on demand fetches alone, nothing read ahead: "
+                 + ("the bound of a policy that reads nothing ahead; reads ahead can pass it)" if ahead
+                    else "the bound, as nothing was read ahead here)"))
     return "\n".join(lines)
 
 
+def title(trace: str, predictor: str) -> str:
+    """The plot's title: the trace's file name (not the folder it was in on this machine)."""
+    return f"k3d replay {os.path.basename(trace)}, predictor {predictor}"
+
+
+
+
 def plot(results: dict, path: str, title: str) -> None:
+    """The hit-rate curve per policy into the PNG ``path``, with ``title`` drawn and in its metadata."""
     import matplotlib  # optional extra: only --plot needs it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for n, rs in results.items():
-        ax.plot(list(rs), [100 * r.hit_rate for r in rs.values()], label=n, linestyle="--" if n == "opt" else "-")
+        ax.plot(list(rs), [100 * r.hit_rate for r in rs.values()], label=OPT_LABEL if n == "opt" else n,
+                linestyle="--" if n == "opt" else "-")
     ax.set_xlabel("arena slots")
     ax.set_ylabel("hit rate %")
-    ax.set_title(f"k3d replay {title}", fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Title": title})

@@ -12,6 +12,9 @@
    precision, per-process memory, and checks that the k3d processes' PSS sum is
    below the baseline's by at least (N - 1) x expert bytes.
 
+The daemon and the workers are ``k3d.demo.children``: a Ctrl-C stops them and
+removes the model; the caller prints one line and exits 130.
+
 A worker is ``python -m k3d.demo.hf worker PATH [--endpoint EP] ...``: it prints
 one JSON line per generated token, then a result line, then waits for stdin to
 close (so its memory can be read while its siblings are alive).
@@ -33,6 +36,7 @@ import time
 import psutil
 
 from . import hf_models
+from .children import PYTHON, Children, interrupted
 
 PROMPT_LEN = 12
 
@@ -88,16 +92,17 @@ def worker(argv: list[str]) -> int:
         res["stats"] = {k: v for k, v in rt.stats.as_dict().items() if not isinstance(v, dict)}
         res["fetch_ms_per_layer"] = {str(k): 1e3 * v / rt.stats.fetch_calls[k]
                                      for k, v in rt.stats.fetch_seconds.items()}
+        res["fetch_seconds"] = sum(rt.stats.fetch_seconds.values())     # of "seconds": round trips
     print(json.dumps({"result": res}), flush=True)
     if a.hold:
         sys.stdin.read()
     return 0
 
 
-def _spawn(path, endpoint, tokens, seed, eager, predict=True):
-    cmd = [sys.executable, "-m", "k3d.demo.hf", "worker", path, "--tokens", str(tokens), "--seed", str(seed), "--hold"]
+def _spawn(children, path, endpoint, tokens, seed, eager, predict=True):
+    cmd = [*PYTHON, "-m", "k3d.demo.hf", "worker", path, "--tokens", str(tokens), "--seed", str(seed), "--hold"]
     cmd += ["--eager"] if eager else ["--endpoint", endpoint] + ([] if predict else ["--no-predict"])
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return children.start(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
 def _collect(procs, timeout: float = 300) -> list[dict]:
@@ -134,24 +139,22 @@ def run_hf_demo(clients: int = 3, tokens: int = 16, family: str = "qwen3_moe", h
         ebytes = hf_models.expert_bytes(path)
         endpoint = f"ipc://{tmp}/k3d.sock"
         arena = max(1 << 20, int(ebytes * arena_fraction))
-        cmd = [sys.executable, "-m", "k3d", "start", "--source", path, "--endpoint", endpoint,
+        cmd = [*PYTHON, "-m", "k3d", "start", "--source", path, "--endpoint", endpoint,
                "--arena", str(arena), "--state-dir", "none"]     # a throw-away daemon: nothing to keep
-        with open(os.path.join(tmp, "daemon.log"), "w+") as log:
-            daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-            try:
-                _wait_ready(log, daemon)
-                t0 = time.perf_counter()
-                k3d_res = _collect([_spawn(path, endpoint, tokens, i, eager=False) for i in range(clients)])
-                k3d_wall = time.perf_counter() - t0
-                with connect(endpoint, name="hf-demo-status") as c:
-                    status = c.status()
-                dmem = psutil.Process(daemon.pid).memory_full_info()
-                t0 = time.perf_counter()
-                eager_res = _collect([_spawn(path, endpoint, tokens, i, eager=True) for i in range(clients)])
-                eager_wall = time.perf_counter() - t0
-            finally:
-                daemon.terminate()
-                daemon.wait(30)
+        with open(os.path.join(tmp, "daemon.log"), "w+") as log, Children() as children:
+            daemon = children.start(cmd, stdout=log, stderr=subprocess.STDOUT)
+            _wait_ready(log, daemon)
+            t0 = time.perf_counter()
+            k3d_res = _collect([_spawn(children, path, endpoint, tokens, i, eager=False) for i in range(clients)])
+            k3d_wall = time.perf_counter() - t0
+            with connect(endpoint, name="hf-demo-status") as c:
+                status = c.status()
+            dmem = psutil.Process(daemon.pid).memory_full_info()
+            t0 = time.perf_counter()
+            eager_res = _collect([_spawn(children, path, endpoint, tokens, i, eager=True) for i in range(clients)])
+            eager_wall = time.perf_counter() - t0
+            daemon.terminate()
+            daemon.wait(30)
     report = _report(clients, tokens, ebytes, arena, k3d_res, eager_res, status, dmem, k3d_wall, eager_wall)
     if as_json:
         print(json.dumps(report))
@@ -190,6 +193,7 @@ def _report(n, tokens, ebytes, arena, k3d_res, eager_res, status, dmem, k3d_wall
         "pss_sum_k3d": pss_k3d, "pss_sum_eager": pss_eager, "pss_saved": pss_eager - pss_k3d,
         "pss_needed": (n - 1) * ebytes, "ok": same and pss_eager - pss_k3d >= (n - 1) * ebytes,
         "tok_s_k3d": n * tokens / k3d_wall, "tok_s_eager": n * tokens / eager_wall,
+        "slot_bytes": status["arena"]["expert_bytes"],
     }
 
 
@@ -201,11 +205,16 @@ def _print(r: dict) -> None:
     for kind in ("k3d", "eager"):
         for w in r[kind]:
             extra = ""
+            # tok/s says what it includes: a k3d process waits on a round trip to the daemon per
+            # fetch, which weighs heavily beside this toy model's tiny experts
+            why = "(experts in its own memory: no round trips)"
             if kind == "k3d":
                 s = w["stats"]
-                extra = (f"  epochs {s['epochs']}  fetches {s['fetches']}  predicted {s['predicted']} "
-                         f"(used {s['predicted_used']})")
-            print(f"  {kind:5} pid {w['pid']}: {w['tok_s']:6.1f} tok/s  PSS {w['pss'] * mb:7.1f} MiB  "
+                extra = f"  epochs {s['epochs']}  predicted {s['predicted']} (used {s['predicted_used']})"
+                why = (f"({w['fetch_seconds'] / w['seconds']:.0%} of its time in {s['fetches']} round trips to "
+                       f"the daemon, {1e3 * w['fetch_seconds'] / max(s['fetches'], 1):.1f} ms each, in a toy model of "
+                       f"{r['slot_bytes'] * mb:.1f} MiB experts)")
+            print(f"  {kind:5} pid {w['pid']}: {w['tok_s']:6.1f} tok/s {why}  PSS {w['pss'] * mb:7.1f} MiB  "
                   f"RSS {w['rss'] * mb:7.1f} MiB{extra}")
     hr = r["hit_rate"]
     pp = r["prediction_precision"]
@@ -232,8 +241,11 @@ def main(argv=None) -> int:
     ap.add_argument("--inter", type=int, default=1024, help="its experts' intermediate size (default 1024)")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
     a = ap.parse_args(argv)
-    return run_hf_demo(clients=a.clients, tokens=a.tokens, family=a.family, hidden=a.hidden, inter=a.inter,
-                       as_json=a.json)
+    try:
+        return run_hf_demo(clients=a.clients, tokens=a.tokens, family=a.family, hidden=a.hidden, inter=a.inter,
+                           as_json=a.json)
+    except KeyboardInterrupt as e:       # Ctrl-C: the children are stopped by now
+        return interrupted("hf_generate", e)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@
 4. Prints hit rate, waits, prefetch use, bytes read and per-process RSS/PSS,
    then stops the daemon with SIGTERM and checks it exited 0 and left nothing.
 
+The daemon and the workers are ``k3d.demo.children``: a Ctrl-C stops them and
+removes the checkpoint; the CLI prints one line and exits 130.
+
 Runs in the CLI's main thread; the daemon and the workers are child processes.
 """
 
@@ -28,6 +31,7 @@ from safetensors import safe_open
 import k3client
 from k3client.layout import build_layout
 
+from .children import PYTHON, Children
 from .synthetic import NAME, write_checkpoint
 
 LAYERS, EXPERTS = 8, 32
@@ -81,12 +85,12 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
         # the demo is the embedded default: the caller's K3D_* settings (a pin quota, hugepages,
         # a config file) are for their own daemon, not this one
         env = {k: v for k, v in os.environ.items() if not k.startswith("K3D_")}
-        with open(log_path, "w") as log:
-            daemon = subprocess.Popen([sys.executable, "-m", "k3d", "start", "--source", ckpt,
-                                       "--endpoint", endpoint, "--slots", str(slots),
-                                       "--state-dir", "none"],    # a throw-away daemon: nothing to keep
-                                      stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
+        with Children() as children:
+            with open(log_path, "w") as log:
+                daemon = children.start([*PYTHON, "-m", "k3d", "start", "--source", ckpt,
+                                         "--endpoint", endpoint, "--slots", str(slots),
+                                         "--state-dir", "none"],    # a throw-away daemon: nothing to keep
+                                        stdout=log, stderr=subprocess.STDOUT, env=env)
             deadline = time.monotonic() + 60
             while "k3d: ready" not in open(log_path).read():
                 if daemon.poll() is not None or time.monotonic() > deadline:
@@ -94,8 +98,8 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
                     print("demo: the daemon did not start", file=sys.stderr)
                     return 1
                 time.sleep(0.05)
-            workers = [subprocess.Popen(
-                [sys.executable, "-m", "k3d.demo.worker", "--endpoint", endpoint, "--name", f"model-{i}",
+            workers = [children.start(
+                [*PYTHON, "-m", "k3d.demo.worker", "--endpoint", endpoint, "--name", f"model-{i}",
                  "--digests", dpath, "--layers", str(LAYERS), "--experts", str(EXPERTS),
                  "--tokens", str(tokens), "--seed", str(seed + i + 1), "--route-seed", str(seed)],
                 stdout=subprocess.PIPE, text=True, env=env) for i in range(clients)]
@@ -105,7 +109,6 @@ def run_demo(tokens: int = 200, clients: int = 3, seed: int = 1234) -> int:
                 results.append(json.loads(out.strip().splitlines()[-1]) if out.strip() else None)
             with k3client.connect(endpoint, name="demo-status") as c:
                 status = c.status()
-        finally:
             daemon.terminate()
             rc = daemon.wait(30)
         st, arena = status["stats"], status["arena"]

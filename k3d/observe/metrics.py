@@ -52,6 +52,7 @@ HELP = {
     "paced_seconds": "seconds clients were held back for using far more than their CPU share",
     "client_hits": "hits clients answered themselves from the shared index (reported later; in hits)",
     "late_hits": "client hits reported after the key had left its slot (the slot waited for reuse)",
+    "bad_reports": "reported hits refused: slots the client could not have read in its window, or over its pin quota",
     "slots_busy": "fetches told to retry: the slots they needed waited until other clients' views ended",
     "evicted_ahead": "evictions made ahead of misses while several clients answer hits themselves",
     "replies_dropped": "replies not sent as they were: the client's queue was full (it is not reading), "
@@ -113,11 +114,12 @@ class SnapshotBoard:
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` / ``[v6]:PORT`` / ``:PORT`` -> (host, port); ValueError with what is accepted."""
+    """``HOST:PORT`` / ``[v6]:PORT`` / ``:PORT`` -> (host, port); ValueError with what is accepted.
+    Without a host only this machine may scrape (127.0.0.1): status names clients and models."""
     host, sep, port = str(text).rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:   # 0: any free port (logged)
         raise ValueError("use HOST:PORT, e.g. 127.0.0.1:9484")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 AUTO = {   # status prediction.daemon -> k3d_auto_prefetch_<field>_total

@@ -40,6 +40,7 @@ class Counters:
     paced_seconds: float = 0.0  # seconds clients were held back, summed
     client_hits: int = 0        # hits clients answered from the shared index (reported later; in ``hits``)
     late_hits: int = 0          # of those, reported after the key had left its slot (the view stayed valid)
+    bad_reports: int = 0        # reported slots refused: the client could not have read them, or over its quota
     slots_busy: int = 0         # fetches told to retry: the slots they needed still waited for reuse
     evicted_ahead: int = 0      # evictions made ahead of misses while several clients read the index
 

@@ -19,7 +19,9 @@ sections may be added, existing fields keep their meaning):
   daemon (``cpu_share``) and how often and how long it was held back (``pacing.py``);
 - ``policy`` (its name), ``predict`` (auto, client or off), ``prediction``
   (quality in total, per client id, and the daemon's own predictions: ``quality.py``),
-  ``warm`` (the state file and the warm restart's pre-load progress).
+  ``warm`` (the state file and the warm restart's pre-load progress);
+- ``source_changed``: one line per source file changed while served (empty while none
+  is: ``k3d.sources.identity``); its experts not resident are no longer served.
 
 Pure reads of the server's state: called on the server thread (``op_status``,
 the loop's systemd status), never changes anything.
@@ -58,6 +60,7 @@ def build(srv, now: float) -> dict:
         "predict": srv.cfg.predict,
         "prediction": prediction_section(srv.store, [s.client_id for s in srv.sessions], srv.cache.auto),
         "warm": srv.warm.status(srv.store),
+        "source_changed": list(srv.cache.watch.changed.values()) if srv.cache.watch is not None else [],
         "fetch_seconds": srv.latency.as_dict(),
         "readers": {"threads": srv.reads.threads, "queued_urgent": urgent,
                     "queued_background": background,
@@ -65,7 +68,7 @@ def build(srv, now: float) -> dict:
                     "busy_bps": round(st.bytes_read / st.read_seconds) if st.read_seconds else 0,
                     "recent_bps": round(srv.cache.recent.rate(now))},
         "reuse": {"waiting": len(srv.store.reuse.limbo), "peak": srv.store.reuse.peak,
-                  "reserve": srv.store.reserve, "held_by": srv.store.reuse.holders(now)},
+                  "reserve": srv.store.reserve, "held_by": srv.store.reuse.holders()},
         "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
                      "hit_path": "client" if s.hit_path else "daemon",
                      "pins": srv.store.pins(s.holder), "fetches": s.fetches,

@@ -44,12 +44,13 @@ from .pool import Done, Job, ReaderPool
 class Load:
     """One read of one key into one slot; ``id`` is its token."""
 
-    __slots__ = ("dest", "fail", "id", "key", "parts_left", "slot")
+    __slots__ = ("dest", "fail", "id", "key", "parts_left", "slot", "stale")
 
     def __init__(self, load_id: int, slot: int, key: tuple[int, int], dest: memoryview):
         self.id, self.slot, self.key, self.dest = load_id, slot, key, dest
         self.parts_left = 0
         self.fail: str | None = None          # the first part's error; the load failed
+        self.stale = False                    # failed because its source file changed (fail says which)
 
 
 class Loads:

@@ -129,7 +129,7 @@ def main(args, events, names) -> int:
     print(f"{args.clients} clients, offset in time; one shared arena of S slots vs {args.clients} private of S/N"
           + ("" if learn == "shared" else f"; the shared arena's predictor learns: {learn}"))
     both = learn == "both"
-    print(f"{'policy':<7} {'S':>5} {'shared':>8} {'private':>8}  {'S/N':>4}  reads shared/private  "
+    print(f"{'policy':<10} {'S':>5} {'shared':>8} {'private':>8}  {'S/N':>4}  reads shared/private  "
           "shared without the daemon's predictor" + ("  shared, learning private  arena gain  learning gain"
                                                       if both else ""))
     for n, rs in res.items():
@@ -141,6 +141,10 @@ def main(args, events, names) -> int:
                 split = f"{' ' * 30}{100 * r['shared_learn_private']:7.1f}%  {arena}  {r['learning_gain']:+12.1f}"
             private = "       -" if r["private"] is None else f"{100 * r['private']:7.1f}%"
             ratio = "-" if r["shared_bytes_read_ratio"] is None else f"{r['shared_bytes_read_ratio']:.2f}"
-            print(f"{n:<7} {s:>5} {100 * r['shared']:7.1f}% {private}  {r['private_slots']:>4}  {ratio:>20}  "
+            label = "opt-demand" if n == "opt" else n
+            print(f"{label:<10} {s:>5} {100 * r['shared']:7.1f}% {private}  {r['private_slots']:>4}  {ratio:>20}  "
                   f"{off}{split}")
+    if "opt" in res:
+        print("(opt-demand: Belady's OPT under the same pins on demand fetches alone, nothing read ahead: "
+              "the daemon's predictor, " + ("off here)" if predictor == "none" else f"{predictor} here, can pass it)"))
     return 0

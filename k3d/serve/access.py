@@ -6,6 +6,10 @@ socket whose mode was loosened by mistake still refuses strangers: ZeroMQ's
 ``Peer-Address`` property (``localhost:uid:gid:pid`` over ipc) on hello, and
 SO_PEERCRED on the arena socket.  Pure functions, safe from any thread, except
 ``private_umask`` (the process umask: the server thread, before serving).
+
+A client's name is admitted escaped (``printable``): every log line, status and
+``k3ctl status`` shows it so, and a newline or terminal escape in it can neither
+forge a log line nor redraw a terminal.
 """
 
 from __future__ import annotations
@@ -43,14 +47,25 @@ def peer_cred(frame) -> tuple[int | None, int | None, int | None]:
         return None, None, None
 
 
+def printable(name: str) -> str:
+    """``name`` with every character that is not printable (newlines, carriage returns,
+    ESC and the other controls, Unicode line separators) written as its Python escape
+    (``\\n``, ``\\x1b``, ``\\u2028``): one line, nothing a terminal acts on.  Idempotent, so
+    ``k3ctl`` applies it again to what any daemon sends."""
+    if name.isprintable():
+        return name
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+
+
 def admit(hello: dict, frame) -> tuple[str, int | None]:
     """(name, pid) of a client saying ``hello`` in ``frame``, if its peer may attach;
-    raises BadRequest (no name) or PermissionDenied (logged).  The ipc peer's pid
-    wins over the one the message claims."""
+    raises BadRequest (no name) or PermissionDenied (logged).  The name comes back
+    ``printable`` (its first 200 characters); the ipc peer's pid wins over the one
+    the message claims."""
     name = hello.get("name")
     if not isinstance(name, str) or not name:
         raise BadRequest("hello: name must be a non-empty string")
-    name = name[:200]
+    name = printable(name[:200])
     uid, gid, pid = peer_cred(frame)
     if not peer_allowed(uid, gid, pid):
         log.warning("refused client %r: uid %s gid %s pid %s is not allowed", name, uid, gid, pid)

@@ -22,9 +22,11 @@ can stop the loop.  Each handler makes one call into the fetch service
 (``cache/fetch.py``) with the client's session, looked up once per request.
 
 Hits mostly never get here: clients answer fetches of resident experts from the
-shared index (``memory/index.py``) and report them with their next request.  A
-reply to a request a hit-path client waits for is its quiescent point for the
-deferred reuse of evicted slots (``cache/reuse.py``).
+shared index (``memory/index.py``) and report them with their next message.  A
+request's reports are applied before anything of the request can fail; the reply
+to a hit-path client's latest request (``_handle``, or ``parked`` for a fetch)
+and a ``hits`` message's ``seen`` are its quiescent points for the deferred reuse
+of evicted slots (``cache/reuse.py``).
 
 Who does what (all on this thread; reader threads only fill slot memory):
 - ``wire``: the ROUTER socket, request decoding, key and report checks, replies;
@@ -62,7 +64,6 @@ from k3client.errors import (
     K3Error,
     NotAttached,
     ProtocolMismatch,
-    SlotsBusy,
     UnknownExpert,
 )
 from k3d.cache.fetch import Cache
@@ -184,7 +185,7 @@ class Server:
                 if now >= next_reap:
                     for s, reason in self.sessions.expired(now, self.live.lease_s):
                         self._drop(s, reason, dead=True)
-                    self.cache.settle(now)          # views whose lease ended free their slots
+                    self.cache.settle(now)          # slots no client can read any more (a dead one left)
                     next_reap = now + REAP_INTERVAL
                     self.warm.tick(self.store, now)
                 if self.notifier is not None:
@@ -228,14 +229,12 @@ class Server:
                 s.last_seen = t0
                 if s.hit_path and op not in ASYNC_OPS:
                     reader = s.client_id
-                    self.store.reuse.waiting(reader)
+                    self.store.reuse.waiting(reader, rid)
             result = handler(s, routing, msg, frames[0], t0)
         except K3Error as e:
             if isinstance(e, (BadRequest, ProtocolMismatch, UnknownExpert, NotAttached)):
                 self.stats.bad_requests += 1
             self.replies.error(routing, rid, e)
-            if isinstance(e, SlotsBusy):       # it looks nothing up until its retry (k3d/cache/reuse.py)
-                reader = None
         except Exception as e:  # a bug in a handler must not take the daemon down
             log.exception("internal error handling a request")
             self.replies.error(routing, rid, K3Error(f"internal error in k3d: {type(e).__name__}: {e}"))
@@ -243,8 +242,11 @@ class Server:
             if result is DEFERRED or result is NO_REPLY:
                 return s if s is not None else self.sessions.get(routing)
             self.replies.ok(routing, rid, result)
-        if reader is not None:
-            self.store.reuse.replied(reader, time.monotonic())
+            if reader is not None:
+                self.store.reuse.replied(reader, rid, ok=True)
+            return s if s is not None else self.sessions.get(routing)
+        if reader is not None:               # a failure keeps its window shut (k3d/cache/reuse.py, C1)
+            self.store.reuse.replied(reader, rid, ok=False)
         return s if s is not None else self.sessions.get(routing)
 
     def _keys(self, msg: dict, field: str, unique: bool) -> list[tuple[int, int]]:
@@ -273,15 +275,17 @@ class Server:
             self._drop(s, "said hello again", dead=False)
         now = time.monotonic()
         s = self.sessions.attach(routing, name, pid, started, now, self.live.lease_s)
+        s.pin_quota = self.live.pin_quota
         s.hit_path = msg.get("hit_path") is True
         if s.hit_path:
-            self.store.reuse.attach(s.client_id, now, s.lease_s)
+            self.store.reuse.attach(s.client_id)
         log.info("client %s (pid %s) attached as #%d%s", s.name, pid, s.client_id,
                  "" if s.hit_path else ", every fetch through the daemon")
         return {"client_id": s.client_id, "layout": [t.to_wire() for t in self.source.layout],
                 "slots": self.arena.slots, "slot_bytes": self.arena.slot_bytes,
                 "expert_bytes": self.source.expert_bytes, "arena_bytes": self.arena.size,
                 "arena_socket": self.arena_socket, "lease_s": self.live.lease_s, "index_bytes": self.index.size,
+                "pin_quota": s.pin_quota,
                 "model": self.source.describe()}
 
     def op_fetch(self, s, routing, msg, frame, t0):
@@ -298,19 +302,27 @@ class Server:
         Errors: cache full (nothing changes), slots busy (retry),
         quota, unknown or duplicate keys, a failed read."""
         s = self._attached(s)
+        self.cache.report(s, self._hits(msg), time.monotonic())     # first: nothing below may lose them
         keys = self._keys(msg, "keys", unique=True)
         if not keys:
             raise BadRequest("fetch of zero keys")
         predicted = self._keys(msg, "predicted", unique=False) if msg.get("predicted") is not None else []
-        self.cache.fetch(s, msg["id"], keys, predicted, self._hits(msg), t0)
+        self.cache.fetch(s, msg["id"], keys, predicted, [], t0)
         return DEFERRED
 
     def op_hits(self, s, routing, msg, frame, t0):
-        """hits {hits: [...]} -> no reply.
+        """hits {hits: [...], seen?: int} -> no reply.
 
         A client that answered many fetches itself reports them (as ``fetch``'s
-        ``hits``) without waiting for its next request."""
-        self.cache.report(self._attached(s), self._hits(msg), time.monotonic())
+        ``hits``) without waiting for its next request.  ``seen``: the index's
+        retirement count the client read after taking these reports (its lease
+        thread sends one while it computes): slots retired up to it may be reused
+        unless these reports pinned or claimed them (``k3d/cache/reuse.py``)."""
+        s = self._attached(s)
+        self.cache.report(s, self._hits(msg), time.monotonic())
+        if "seen" in msg and s.hit_path and not self.store.reuse.seen(s.client_id, msg["seen"]):
+            self.stats.bad_reports += 1
+            raise BadRequest(f"hits: seen {str(msg['seen'])[:40]} is not a retirement count of this index")
         return NO_REPLY
 
     def op_predict(self, s, routing, msg, frame, t0):
@@ -322,10 +334,9 @@ class Server:
         prefetch_unused and are demoted.  With a pin quota, the prediction
         throttle of ``cache/fetch.py`` applies."""
         s = self._attached(s)
-        keys, hits = self._keys(msg, "keys", unique=False), self._hits(msg)
         now = time.monotonic()
-        self.cache.report(s, hits, now)
-        return {"queued": self.cache.predict(s, keys, now)}
+        self.cache.report(s, self._hits(msg), now)
+        return {"queued": self.cache.predict(s, self._keys(msg, "keys", unique=False), now)}
 
     def op_begin_token(self, s, routing, msg, frame, t0):
         """begin_token {hits?: [...]} -> {epoch, released}: next epoch; the previous epoch's pins go."""

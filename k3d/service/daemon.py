@@ -187,7 +187,9 @@ def claim_endpoint(endpoint: str, arena_sock: str) -> Claim:
 
 
 def _makedirs(d: str) -> list[str]:
-    """``os.makedirs(d, 0o750)``; returns the directories it created, outermost first."""
+    """``os.makedirs(d, 0o750)``, the directories above it at most 0755 (not 0777 less the
+    umask: clients refuse a world-writable one, ``k3client/trust.py``); returns the
+    directories it created, outermost first."""
     missing = []
     while d and not os.path.isdir(d):
         missing.append(d)
@@ -195,7 +197,7 @@ def _makedirs(d: str) -> list[str]:
     made = []
     for m in reversed(missing):
         try:
-            os.mkdir(m, 0o750 if m == missing[0] else 0o777)
+            os.mkdir(m, 0o750 if m == missing[0] else 0o755)
             made.append(m)
         except FileExistsError:
             pass
@@ -228,13 +230,14 @@ def _clear_stale(endpoint: str, arena_sock: str) -> None:
 
 def _check_socket_dir(d: str) -> None:
     """The directory of the sockets must be this user's (or root's) and not writable by
-    others without the sticky bit: whoever can rename entries there can take the endpoint
-    over (a /tmp/k3d-UID made first by someone else, say)."""
+    others, sticky or not: whoever can rename entries there can take the endpoint over (a
+    /tmp/k3d-UID made first by someone else, say), and whoever can create them can bind
+    the endpoint first.  Clients refuse such a directory too (``k3client/trust.py``)."""
     st = os.stat(d)
     if st.st_uid not in (os.geteuid(), 0):
         raise StartupError(f"socket directory {d} belongs to uid {st.st_uid}, not to this user: another user "
                            "could replace the sockets; remove it, or set XDG_RUNTIME_DIR or --endpoint")
-    if st.st_mode & 0o002 and not st.st_mode & 0o1000:
+    if st.st_mode & 0o002:
         raise StartupError(f"socket directory {d} is writable by every user (mode {st.st_mode & 0o7777:o}): "
                            "anyone could replace the sockets; chmod 750 it")
 

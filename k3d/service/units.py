@@ -29,6 +29,8 @@ Why the settings are what they are (each pitfall was checked):
   visible: the daemon checks client liveness and groups in /proc/<pid>, so
   ``ProtectProc=invisible`` or ``ProcSubset=pid`` would make every client of
   another user look dead.
+- ``PrivateTmp=yes`` gives the service empty /tmp and /var/tmp of its own, and
+  /root is closed to other users: ``install-unit`` warns of an ExecStart there.
 - Clients find the daemon through ``K3D_ENDPOINT`` (set in the unit for the
   daemon; model processes need the same value) and must be in group ``k3d``.
 
@@ -95,7 +97,8 @@ AmbientCapabilities=
 _SERVICE = """\
 # k3d: shared expert-weight cache for MoE inference, one daemon per host.
 # Written by `k3d install-unit`.  Model processes: be in group k3d and set
-# K3D_ENDPOINT=ipc:///run/k3d/k3d.sock.  Reload live settings: systemctl reload k3d.
+# K3D_ENDPOINT=ipc:///run/k3d/k3d.sock and K3D_DAEMON_GROUP=k3d (they trust a
+# daemon of that group).  Reload live settings: systemctl reload k3d.
 [Unit]
 Description=k3d shared expert-weight cache
 After=local-fs.target network-online.target
@@ -124,7 +127,8 @@ WantedBy=multi-user.target
 _TEMPLATE = """\
 # k3d@MODEL: one k3d daemon per model (systemctl enable --now k3d@MODEL).
 # Written by `k3d install-unit`.  Config /etc/k3d/MODEL.toml; model processes:
-# be in group k3d and set K3D_ENDPOINT=ipc:///run/k3d/MODEL/k3d.sock.
+# be in group k3d and set K3D_ENDPOINT=ipc:///run/k3d/MODEL/k3d.sock and
+# K3D_DAEMON_GROUP=k3d.
 # MemoryMax below applies to each instance; size one per model with
 # `systemctl edit k3d@MODEL` ([Service] MemoryMax=...).
 [Unit]
@@ -169,12 +173,13 @@ def render(name: str, exec_path: str, arena: int) -> str:
 
 
 def default_exec() -> str:
-    """The ``k3d`` script of this installation, else ``python -m k3d``."""
+    """The ``k3d`` script of this installation, else ``python -P -m k3d`` (``-P``: a ``k3d``
+    folder in the working directory is not imported in place of this installation)."""
     beside = os.path.join(os.path.dirname(sys.executable), "k3d")
     if os.access(beside, os.X_OK):
         return beside
     found = shutil.which("k3d")
-    return found or f"{sys.executable} -m k3d"
+    return found or f"{sys.executable} -P -m k3d"
 
 
 DEFAULT_CONFIG = "/etc/k3d/k3d.toml"
@@ -205,6 +210,21 @@ def closed_to_others(path: str) -> str | None:
         except FileNotFoundError:       # not made yet: what is above it decides
             pass
         d = os.path.dirname(d)
+    return None
+
+
+PRIVATE_TMP = ("/tmp", "/var/tmp")
+
+
+def in_private_tmp(path: str) -> str | None:
+    """The temporary directory ``path`` is under (itself, or where a link leads), if any: the
+    unit's ``PrivateTmp=yes`` shows the service an empty one there, so an ExecStart (a venv
+    made in /tmp) is not found."""
+    first = path.split()[0]
+    for p in (os.path.abspath(first), os.path.realpath(first)):
+        for tmp in PRIVATE_TMP:
+            if p.startswith(tmp + "/"):
+                return tmp
     return None
 
 
@@ -258,6 +278,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"k3d: warning: ExecStart {exec_path.split()[0]} is under {closed}, which other users cannot enter: "
               "the k3d user could not start it; install k3d where it can (e.g. a venv under /opt) and pass --exec",
               file=sys.stderr)
+    tmp = in_private_tmp(exec_path)
+    if tmp:
+        print(f"k3d: warning: ExecStart {exec_path.split()[0]} is under {tmp}, which the unit's PrivateTmp=yes "
+              "replaces with an empty directory for the service: it could not start; install k3d elsewhere "
+              "(e.g. a venv under /opt) and pass --exec", file=sys.stderr)
     if args.print_only:
         for name in FILES:
             print(f"# ---- {name}")
@@ -274,5 +299,5 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     print("next: systemd-sysusers; write /etc/k3d/k3d.toml (source = \"/path/to/checkpoint\", arena = \"...\"); "
           "systemctl daemon-reload; systemctl enable --now k3d; usermod -aG k3d <model user>; "
-          "model processes: K3D_ENDPOINT=ipc:///run/k3d/k3d.sock")
+          "model processes: K3D_ENDPOINT=ipc:///run/k3d/k3d.sock K3D_DAEMON_GROUP=k3d")
     return 0

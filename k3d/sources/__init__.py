@@ -7,6 +7,8 @@
 - ``checksum``: crc32 (zlib-ng), part combination, the per-reader crc pipeline;
 - ``digest``: the content digest of what a source serves (``k3client.digest``'s rule:
   layout and sampled bytes), computed at start-up and cached in the state directory;
+- ``identity``: each local file's identity, recorded as it opens, and the watch
+  the server checks it with (a file changed while served);
 - ``remote/``: HTTP(S) and S3 origins: header images, the tiers (disk cache,
   crc, write-behind), one retry loop and response check, the transports.
 
@@ -30,6 +32,7 @@ import os
 from ..config import Config
 from .base import Extent, Source, SourceError
 from .gguf import MAGIC as GGUF_MAGIC, GGUFSource
+from .identity import record
 from .packed import MAGIC as PACK_MAGIC, PARTIAL, PackedSource
 from .remote.http import HttpSource
 from .remote.s3 import S3Source
@@ -39,6 +42,14 @@ __all__ = ["Extent", "Source", "SourceError", "open_remote", "open_source"]
 
 
 def open_source(spec: str, pattern: str, read_mode: str = "buffered", cfg: Config | None = None) -> Source:
+    """``_open``, and the identities of the files it opened (``identity.record``): what
+    the server compares each file with while it serves (``identity.FileWatch``)."""
+    src = _open(spec, pattern, read_mode, cfg)
+    src.identities = record(src.fds)
+    return src
+
+
+def _open(spec: str, pattern: str, read_mode: str = "buffered", cfg: Config | None = None) -> Source:
     """Pick the source for a path (directory or file) or URL; raises SourceError.
 
     Files are recognised by their magic (``GGUF``, ``K3DPACK``), else by extension;

@@ -71,6 +71,7 @@ class Source:
         self.keys: dict[tuple[int, int], list[Extent]] = {}
         self.files: list[str] = []
         self.fds: list[int] = []
+        self.identities = None        # each file's identity as opened (open_source; k3d.sources.identity)
         self.tensor_format = "raw"
         self.tensor_types: dict[str, str] = {}
         self.layer_tensor_types: dict[int, dict[str, str]] = {}

@@ -6,8 +6,9 @@ File format (parsed by hand, with the reference reader's limits)::
     header: {"__metadata__": {...}?, name: {"dtype", "shape", "data_offsets": [b, e]}, ...}
     tensor bytes = file[8 + N + b : 8 + N + e]
 
-Checks, each a SourceError naming the file and tensor: N <= 100,000,000 and
-8 + N <= file length; the header is a JSON object; every tensor's dtype is
+Checks, each a SourceError naming the file and tensor: N <= 100,000,000 and a
+``{`` after it (else the file is "not a safetensors file": random bytes, another
+format), 8 + N <= file length; the header is a JSON object; every tensor's dtype is
 known, ``e - b == prod(shape) * itemsize``, offsets are in bounds; the tensors
 cover the data area without holes or overlaps (as the reference requires).
 
@@ -49,7 +50,12 @@ def parse_header(path: str, raw_prefix: bytes, file_len: int) -> tuple[int, dict
         raise SourceError(f"{path}: too short to be a safetensors file ({file_len} bytes)")
     n = int.from_bytes(raw_prefix[:8], "little")
     if n > MAX_HEADER:
-        raise SourceError(f"{path}: header size {n} exceeds the {MAX_HEADER} byte limit")
+        raise SourceError(f"{path}: not a safetensors file (its first 8 bytes, a safetensors file's header size, "
+                          f"read {n}: over the {MAX_HEADER}-byte limit)")
+    # a safetensors header is a JSON object: anything else after the size is another kind of file,
+    # where a "{" there with a bad size or bad JSON after it is a damaged (e.g. truncated) one
+    if raw_prefix[8:9] not in (b"{", b""):
+        raise SourceError(f"{path}: not a safetensors file (no JSON header after its first 8 bytes)")
     if 8 + n > file_len:
         raise SourceError(f"{path}: header size {n} runs past the end of the file ({file_len} bytes)")
     try:

@@ -57,7 +57,7 @@ def test_a_fetch_answered_at_once_ends_the_clients_wait(server):  # noqa: F811
         # not "blocked in a request" any more (the server thread marks it just after
         # the reply leaves, so the client may see the reply first)
         poll_for(lambda: reader.synced != float("inf"), 5, lambda: f"still waiting: {reader}", interval=0.01)
-        assert not srv.store.reuse.could_reuse_now(reader.t_sync)
+        assert not srv.store.reuse.could_reuse_now()
         before = srv.stats.fetches
         a.fetch(0, [1])                           # answered here, from the index ...
         assert srv.stats.fetches == before        # ... while the daemon holds evicted slots for it

@@ -4,6 +4,7 @@ Two wrappers around the real safetensors source stand in for what a local
 disk cannot produce on demand: a slow read and a failing read.
 """
 
+import dataclasses
 import mmap
 import os
 import tempfile
@@ -19,10 +20,12 @@ import zmq
 
 import k3client
 from conftest import SCRATCH
-from helpers import expert_bytes, poll_for, reference as reference_reader
+from helpers import ROOT, expert_bytes, poll_for, reference as reference_reader
 from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 from k3d.config import DEFAULT_PATTERN, resolve
 from k3d.memory.arena import Arena
+from k3d.observe.metrics import HELP
+from k3d.observe.stats import Counters
 from k3d.serve.loop import Server
 from k3d.service.daemon import size_arena
 from k3d.sources.safetensors import SafetensorsSource
@@ -285,6 +288,20 @@ def test_status_has_the_documented_fields(server):
                                 "bytes_read", "errors"}
     [cl] = st["clients"]
     assert cl["name"] == "s" and cl["pid"] == os.getpid() and cl["epoch"] == 0 and cl["pins"] == 1
+    _every_field_is_in_the_reference(st)
+
+
+def _every_field_is_in_the_reference(st):
+    """docs/reference/status.md names every field a real status has (the ``stats`` table there
+    is generated from ``Counters`` and the metrics' ``HELP``, so those two must cover ``stats``)."""
+    with open(os.path.join(ROOT, "docs", "reference", "status.md"), encoding="utf-8") as f:
+        page = f.read()
+    fields = set(st) | {f"arena.{k}" for k in st["arena"]} | {f"clients.{k}" for k in st["clients"][0]}
+    fields |= {f"{section}.{k}" for section in ("readers", "reuse", "fetch_seconds", "model") for k in st[section]}
+    missing = sorted(f for f in fields if f"`{f.rsplit('.', 1)[-1]}`" not in page)
+    assert not missing, f"status fields docs/reference/status.md does not describe: {missing}"
+    counters = {f.name for f in dataclasses.fields(Counters)} | set(HELP)
+    assert not set(st["stats"]) - counters, set(st["stats"]) - counters
 
 
 def test_not_running_is_a_clear_error(tmp_path):

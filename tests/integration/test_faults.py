@@ -3,22 +3,24 @@
 - A client killed (-9) mid-fetch, and while it waits on a cold miss (reads
   slowed down), loses its pins; a client waiting on the same key still gets
   it; the daemon keeps serving and logs no traceback.
-- A shard truncated after the daemon opened it (the source keeps its fds):
-  a batch fetch over it fails with a clear ReadFailed, the keys read before
-  the cut stay usable, nothing stays loading or pinned, and once the file is
-  whole again the next fetch retries and serves correct bytes.
+- A shard whose reads fail past an offset (an I/O error, injected: a shard
+  changed under the daemon is a different fault, test_source_changed): a batch
+  fetch over it fails with a clear ReadFailed, the keys read before the bad
+  region stay usable, nothing stays loading or pinned, and once the disk reads
+  again the next fetch retries and serves correct bytes.
 - An arena that does not fit (available memory; a memory cgroup limit, as
   systemd's MemoryMax sets) is a one-line error at start, never a SIGBUS or
   an OOM kill later.
 
 ``SLOW_DAEMON`` runs the real CLI with every source read delayed (the only
 thing a local disk cannot produce on demand); test_restart uses it too.
+``FAILING_DAEMON`` makes reads of one file past an offset fail with EIO while a
+flag file exists (the other thing a disk will not do on demand).
 """
 
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +43,22 @@ for cls in [sources.Source, *sources.Source.__subclasses__()]:
             time.sleep(delay)
             return _orig(self, extents, slot)
         cls.read = slow
+from k3d.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+FAILING_DAEMON = r"""
+import errno, os, sys
+from k3d.sources import base
+flag, path, cut = sys.argv.pop(1), sys.argv.pop(1), int(sys.argv.pop(1))
+real = base.read_fully
+def failing(fd, buffers, offset, what):
+    end = offset + sum(len(b) for b in buffers)
+    if end > cut and os.path.exists(flag) and os.readlink(f"/proc/self/fd/{fd}") == path:
+        raise OSError(errno.EIO, f"{what}: Input/output error at offset {max(offset, cut)}")
+    return real(fd, buffers, offset, what)
+base.read_fully = failing
 from k3d.commands.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -157,27 +175,26 @@ def test_fetch_in_flight_during_kill9_is_reissued_to_the_new_daemon(checkpoint, 
 
 # -- failing reads -------------------------------------------------------------------
 def test_read_failing_mid_batch(checkpoint, start_daemon, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    shutil.copytree(checkpoint, ckpt)
-    d = start_daemon(ckpt, "--slots", "32")
-    ref = reference(checkpoint)                           # the untouched original
-    shard = os.path.join(ckpt, "model-00002-of-00002.safetensors")
+    shard = os.path.realpath(os.path.join(checkpoint, "model-00002-of-00002.safetensors"))
+    ref = reference(checkpoint)
     with open(shard, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
-        whole = f.seek(0) or f.read()
 
     def span(e):
         offs = [header[k]["data_offsets"] for k in header if k.startswith(f"model.layers.3.mlp.experts.{e}.")]
         return 8 + n + min(o[0] for o in offs), 8 + n + max(o[1] for o in offs)
 
-    cut = span(9)[0] + 100                                # expert 9 of layer 3 loses its bytes
+    cut = span(9)[0] + 100                                # expert 9 of layer 3 cannot be read whole
     ok = [e for e in range(16) if span(e)[1] <= cut]
     bad = [e for e in range(16) if span(e)[1] > cut]
     assert ok and bad
-    os.truncate(shard, cut)                               # the daemon's open fd sees it too
+    flag = tmp_path / "disk-fails"
+    flag.write_text("")
+    d = start_daemon(checkpoint, "--slots", "32",
+                     launcher=[sys.executable, "-c", FAILING_DAEMON, str(flag), shard, str(cut)])
     with k3client.connect(d.endpoint, name="victim") as c:
-        with pytest.raises(k3client.ReadFailed, match=r"unexpected end of file.*the next fetch retries"):
+        with pytest.raises(k3client.ReadFailed, match=r"Input/output error.*the next fetch retries"):
             c.fetch(3, list(range(16)))
         poll_for(lambda: c.status()["arena"]["loading"] == 0, 5, "the batch to settle")
         st = c.status()
@@ -186,12 +203,11 @@ def test_read_failing_mid_batch(checkpoint, start_daemon, tmp_path):
         c.begin_token()
         assert c.status()["arena"]["pinned"] == 0
         misses = c.status()["stats"]["misses"]
-        verify(c, c.fetch(3, ok[:4]), ref)                # read before the cut: still good, hits
+        verify(c, c.fetch(3, ok[:4]), ref)                # read whole: still good, hits
         assert c.status()["stats"]["misses"] == misses
         with pytest.raises(k3client.ReadFailed):
             c.fetch(3, [bad[0]])                          # retried, fails again
-        with open(shard, "r+b") as f:                     # the file is whole again (same inode)
-            f.write(whole)
+        flag.unlink()                                     # the disk reads again
         c.begin_token()
         verify(c, c.fetch(3, bad[:4]), ref)
         verify(c, c.fetch(1, [0, 15]), ref)               # the other shard never noticed

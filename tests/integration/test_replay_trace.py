@@ -8,6 +8,7 @@ Skipped where the trace is not on the machine.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,16 +48,30 @@ def _table(path, header):
     return rows
 
 
-def test_documented_hit_rates_are_what_replay_gives():
-    """traces/README.md and README.md quote the same figures, and replay reproduces them."""
+def _shown_command(path, header) -> list[str]:
+    """The arguments of the last ``k3d replay ...`` command quoted above the table under ``header``."""
+    above = Path(path).read_text().split(header, 1)[0]
+    return re.findall(r"`k3d (replay [^`]+)`", above)[-1].split()
+
+
+def test_documented_hit_rates_are_what_replay_gives(capsys):
+    """traces/README.md and the sizing guide quote the same figures, and replay reproduces them;
+    traces/README.md's are what the command it shows prints."""
     root = Path(SHARED).parents[1]
     ev = parse(Path(SHARED).read_text().splitlines())
     ours = {s: [round(100 * run(ev, p, s).hit_rate, 1) for p in ("lru", "cycle", "opt")]
             for s in (64, 80, 100, 128, 160, 192)}
-    traces = _table(root / "traces" / "README.md", "| slots | LRU | Belady OPT |")
-    readme = _table(root / "README.md", "| slots | LRU | cycle (default) | OPT | cycle − LRU |")
+    header = "| slots | LRU | Belady OPT |"
+    traces = _table(root / "traces" / "README.md", header)
+    readme = _table(root / "docs" / "guides" / "sizing.md", "| slots | LRU | cycle (default) | OPT | cycle − LRU |")
     assert traces == {s: [v[0], v[2]] for s, v in ours.items()}, traces
     assert readme == ours, readme
+    argv = _shown_command(root / "traces" / "README.md", header)
+    assert argv[1] == "traces/mixtral8x7b-gsm8k.trace"
+    assert k3d_main([argv[0], SHARED, *argv[2:], "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["results"]
+    assert traces == {int(s): [round(100 * shown[p][s]["hit_rate"], 1) for p in ("lru", "opt")]
+                      for s in shown["lru"]}
 
 
 def test_cli_json_shape_and_errors(capsys, tmp_path):
@@ -80,9 +95,31 @@ def test_cli_sweep_and_plot(capsys, tmp_path):
     assert replay_cli.main(replay_cli.add_parser(_sub()).parse_args(
         [SHARED, "--slots", "64-70", "--sweep", "--policy", "lru", "--plot", str(png)])) == 0
     out, err = capsys.readouterr()
-    assert out.splitlines()[0].split() == ["slots", "lru", "opt"] and len(out.splitlines()) == 1 + 7 + 1
-    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert out.splitlines()[0].split() == ["slots", "lru", "opt-demand"] and len(out.splitlines()) == 1 + 7 + 2
+    image = png.read_bytes()
+    assert image[:4] == b"\x89PNG"
     assert err == f"k3d replay: wrote {png}\n"
+    # the title names the trace's file, not the folder it is in on this machine
+    assert b"Title\x00k3d replay mixtral8x7b-gsm8k.trace, predictor coact" in image
+    assert os.path.dirname(SHARED).encode() not in image
+
+
+def test_opt_is_labelled_the_bound_without_reads_ahead(capsys):
+    """With the daemon's predictor (the default) LRU passes OPT at 80 slots: OPT replays demand
+    fetches only, and the table says so; without reads ahead it is the bound of every policy."""
+    assert k3d_main(["replay", SHARED, "--slots", "80"]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split()[1]: float(re.search(r"([\d.]+)%", ln).group(1)) for ln in out.splitlines()
+            if ln.startswith("   80")}
+    assert rows["lru"] > rows["opt-demand"], out
+    assert out.splitlines()[-1] == ("(opt-demand: Belady's OPT under the same pins on demand fetches alone, nothing "
+                                    "read ahead: the bound of a policy that reads nothing ahead; reads ahead can "
+                                    "pass it)")
+    assert "the daemon's own predictor: coact" in out
+    assert k3d_main(["replay", SHARED, "--slots", "80", "--predictor", "none"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].endswith("the bound, as nothing was read ahead here)")
+    assert "the bound" not in out.replace("the bound, as nothing was read ahead here", "")
 
 
 TINY = "1 L0 n=1 1\n2 L1 n=1 2\n3 L0 n=1 1\n"
@@ -122,3 +159,11 @@ def test_plot_problems_are_one_line_before_any_replay(tmp_path):
 def _sub():
     import argparse
     return argparse.ArgumentParser().add_subparsers()
+
+
+def test_sharing_table_labels_opt_the_bound_without_reads_ahead(capsys):
+    assert k3d_main(["replay", SHARED, "--clients", "2", "--slots", "128"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines[2:5]] == ["cycle", "lru", "opt-demand"]
+    assert lines[-1] == ("(opt-demand: Belady's OPT under the same pins on demand fetches alone, nothing read "
+                         "ahead: the daemon's predictor, coact here, can pass it)")

@@ -84,6 +84,19 @@ def test_install_unit_print_and_dest(tmp_path):
     assert r.returncode == 1 and "not a size" in r.stderr
 
 
+@pytest.mark.parametrize("folder", ["/tmp", "/var/tmp"])
+def test_an_exec_start_in_the_services_private_tmp_is_warned_of(folder):
+    """PrivateTmp=yes shows the service an empty /tmp and /var/tmp: a k3d installed there is not found."""
+    r = k3d("install-unit", "--print", "--arena", "1GiB", "--exec", f"{folder}/venv/bin/k3d")
+    assert r.returncode == 0 and "PrivateTmp=yes" in r.stdout
+    warnings = [ln for ln in r.stderr.splitlines() if "ExecStart" in ln]
+    assert warnings == [f"k3d: warning: ExecStart {folder}/venv/bin/k3d is under {folder}, which the unit's "
+                        "PrivateTmp=yes replaces with an empty directory for the service: it could not start; "
+                        "install k3d elsewhere (e.g. a venv under /opt) and pass --exec"], r.stderr
+    r = k3d("install-unit", "--print", "--arena", "1GiB", "--exec", "/opt/k3d/bin/k3d")
+    assert r.returncode == 0 and "ExecStart" not in r.stderr
+
+
 def test_units_pass_systemd_analyze_verify(tmp_path):
     if not os.path.exists("/usr/bin/systemd-analyze"):
         pytest.skip("systemd-analyze not installed")

@@ -1,7 +1,7 @@
 """Shared by tests/integration/test_vllm_*.py: tiny checkpoints, real vLLM CPU engines, references.
 
 Every test module here is marked ``vllm`` and skipped, with one line, where vLLM
-is not importable (``pip install -e '.[test,vllm]'``; README "vLLM").  Engines
+is not importable (``pip install -e '.[test,vllm]'``; docs/guides/vllm.md).  Engines
 are vLLM's own ``LLM`` in this process (its engine core in a child process, as
 ``vllm serve`` runs it), float32, eager, greedy, with a small fixed KV cache so
 that several fit beside the other tests.  An engine takes ~30 s to start

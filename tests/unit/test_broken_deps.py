@@ -23,3 +23,13 @@ def test_a_package_that_fails_to_load_is_named_with_its_error(tmp_path, monkeypa
 def test_only_vllms_media_packages_are_ever_removed():
     assert broken_deps.PACKAGES == ("torchvision", "torchaudio", "torchcodec")
     assert broken_deps.installed("pytest") and not broken_deps.installed("k3d-fake-absent-dist")
+
+
+def test_a_folder_of_the_same_name_in_the_current_directory_is_not_the_package(tmp_path, monkeypatch):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "here").mkdir()
+    _package(tmp_path / "site", "k3d_fake_pkg", "x = 1\n")
+    _package(tmp_path / "here", "k3d_fake_pkg", "raise OSError('the folder in the current directory')\n")
+    monkeypatch.chdir(tmp_path / "here")
+    env = {"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"}
+    assert broken_deps.load_error("k3d_fake_pkg", env=env) is None

@@ -1,159 +1,298 @@
 """Model-based test of the hit path: clients answer hits from the index, the daemon reuses slots later.
 
 Hypothesis interleaves, on a small store (6 slots, 24 keys) with the real
-``SharedIndex`` and ``IndexReader`` over a real memfd and ``Reuse``:
-- a client answering a fetch itself: its lookups in the index, allowed only
-  in the first half of its lease after its last request (as ``k3client`` does);
-  each expert it gets is a view: (slot, key, what the slot held then);
-- a client's request the daemon handles (a fetch of its own keys, a
-  ``begin_token``): its reports first, then the op, then the reply; a fetch
-  answered ``SlotsBusy`` leaves the client unsynced (``INF``) and it answers
-  nothing itself until its next request, as ``k3client`` does;
-- read completions, the clock moving on, the daemon settling (reclaim, make
-  room), a client dying, a client attaching.
+``SharedIndex``, the real client half (``k3client.hits.LocalHits``, one per
+client, over the same memfd) and the real ``Reuse``, what clients really do and
+what the daemon does, one message at a time:
 
-Invariant (the pin rule for the caller): every view a client holds (taken in
-its current token, within ``lease`` of the request before it) still shows the
-key it was taken for: the slot was neither rewritten nor given to another key.
-And the store's own invariants (``Store.check``), plus: a slot waiting for
-reuse is in neither the free list nor the index.
+- a client answers a fetch itself (``LocalHits.answer``: only while its window
+  is open); each expert it gets is a view: (slot, key, what the slot held then);
+- a client sends a request (a fetch, a ``begin_token``): its window shuts, its
+  reports go with it, and it waits; it may **give up** on it (a ``Timeout``,
+  Ctrl-C), and the daemon still handles it and replies later (a stale reply);
+- a client reads a reply: the one it waits for opens its window (an error keeps
+  it shut), a stale one is skipped; a fetch's slots become views;
+- a client's lease thread sends its reports and ``seen`` (``LocalHits.sync``) on
+  its request socket, and a client flushes reports (``hits``) without waiting;
+- the daemon handles a client's next message in order, as ``serve/loop.py``
+  does: ``waiting`` for a request, then its reports, then the op; a fetch with
+  misses is parked until its reads finish, then answered (re-pinned if the
+  client has begun a token since);
+- a client **holds** its views for as long as hypothesis likes: nothing but its
+  own ``begin_token`` ends them (there is no clock: no lease bound);
+- read completions, the daemon settling (reclaim, make room), a client dying, a
+  client attaching, the daemon restarting (every client re-attaches; views of
+  the old arena keep the old mapping, which nobody writes);
+- a misbehaving client sending reports of slots it never read and ``seen``
+  counts it never saw.
+
+Invariant (the guarantee): every view an honest client holds in its current
+token shows the key it was taken for: the slot was neither rewritten nor given to
+another key.  And the store's own invariants (``Store.check``), plus: a slot
+waiting for reuse is in neither the free list nor the index.
 """
 
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from k3client.errors import CacheFull, SlotsBusy
+from k3client.errors import CacheFull, QuotaExceeded, SlotsBusy
+from k3client.hits import LocalHits
 from k3client.index import READY, IndexReader
 from k3d.cache.policy import make
 from k3d.cache.reuse import Reuse
 from k3d.cache.store import Store
 from k3d.memory.index import SharedIndex
 
-SLOTS, LAYERS, EXPERTS, LEASE = 6, 4, 6, 10.0
-BUSY = object()                             # a request answered SlotsBusy
-keys_st = st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=3, unique=True)
+SLOTS, LAYERS, EXPERTS = 4, 2, 4
+keys_st = st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=2, unique=True)
+
+
+class Client:
+    def __init__(self, cid: int, index: SharedIndex, quota: int):
+        self.id = cid
+        self.hits = LocalHits(index.fd, index.size, None, quota)
+        self.epoch = 0               # the daemon's epoch for it (its holder)
+        self.outbox: list = []       # messages on its request socket, in order
+        self.inbox: list = []        # replies: (rid, ok, slots or None, keys)
+        self.waiting = None          # the rid it waits for
+        self.rid = 0
+        self.views: list = []        # (slot, key, written)
 
 
 class HitPathMachine(RuleBasedStateMachine):
-    @initialize(n=st.integers(1, 3))
-    def setup(self, n):
-        self.index = SharedIndex(LAYERS, EXPERTS)
-        self.reader = IndexReader(self.index.fd, self.index.size)
-        self.store = Store(SLOTS, policy=make("lru"), index=self.index, reuse=Reuse(), reserve=2)
-        self.now = 0.0
-        self.written = [0] * SLOTS          # times each slot was filled
-        self.clients = {}                   # id -> {epoch, t_req, views, reports}
+    @initialize(n=st.integers(1, 3), quota=st.sampled_from([0, 0, 4]))
+    def setup(self, n, quota):
+        self.quota = quota
+        self.clients: dict[int, Client] = {}
         self.next_id = 1
+        self.bogus = None
+        self._daemon()
         for _ in range(n):
             self.attach()
 
+    def _daemon(self):
+        self.index = SharedIndex(LAYERS, EXPERTS)
+        self.reader = IndexReader(self.index.fd, self.index.size)
+        self.store = Store(SLOTS, policy=make("lru"), index=self.index, reuse=Reuse(), reserve=2)
+        self.store.live.pin_quota = self.quota
+        self.written = [0] * SLOTS          # times each slot was filled
+        self.parked: list = []              # (client id, rid, holder, keys, slots)
+        self.old = []                       # indexes of restarted daemons (their arenas stay mapped)
+
     def teardown(self):
+        for c in self.clients.values():
+            c.hits.close()
         self.reader.close()
         self.index.close()
+        for index, reader in self.old:
+            reader.close()
+            index.close()
 
     def attach(self):
-        c = self.next_id
+        c = Client(self.next_id, self.index, self.quota)
         self.next_id += 1
-        self.clients[c] = {"epoch": 0, "t_req": self.now, "views": [], "reports": [], "busy": False}
-        self.store.reuse.attach(c, self.now, LEASE)
+        self.clients[c.id] = c
+        self.store.reuse.attach(c.id)
+        return c
 
-    # -- the daemon handles one request of client c ---------------------------------
-    def request(self, c, op):
-        """As the loop does: a reply syncs the client, except ``SlotsBusy``'s, after which
-        the client answers nothing itself until its next request (``busy``)."""
-        cl, store = self.clients[c], self.store
-        cl["t_req"] = self.now
-        cl["busy"] = False
-        store.reuse.waiting(c)
-        for keys, seen in cl["reports"]:
-            store.report((c, cl["epoch"]), keys, seen)
-        cl["reports"] = []
-        if op(cl) is BUSY:
-            cl["busy"] = True
-        else:
-            store.reuse.replied(c, self.now)
-        store.reclaim(self.now)
-        store.make_room(self.now)
+    def pick(self, data, cond=lambda c: True):
+        ids = sorted(i for i, c in self.clients.items() if cond(c))
+        return self.clients[data.draw(st.sampled_from(ids))] if ids else None
 
-    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st)
-    def fetch_through_daemon(self, data, layer, experts):
-        c = data.draw(st.sampled_from(sorted(self.clients)))
-        keys = [(layer, e) for e in experts]
-
-        def op(cl):
-            try:
-                plan = self.store.fetch((c, cl["epoch"]), keys, self.now)
-            except CacheFull:
-                return
-            except SlotsBusy:
-                return BUSY
-            for s in plan.new_loads:        # reads finish before the reply (a parked fetch)
-                self.complete(s)
-            for key, s in zip(keys, plan.slots):
-                if self.store.state[s] == "ready":
-                    cl["views"].append((s, key, self.written[s], cl["t_req"]))
-        self.request(c, op)
-
+    # -- the client side --------------------------------------------------------------
     @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st)
     def answer_here(self, data, layer, experts):
-        c = data.draw(st.sampled_from(sorted(self.clients)))
-        cl = self.clients[c]
-        if cl["busy"] or self.now >= cl["t_req"] + LEASE / 2:
-            return
-        words = self.reader.lookup(layer, experts)
-        if not all(w & 3 == READY for w in words):
-            return
-        slots = [w >> 2 for w in words]
-        cl["reports"].append(([(layer, e) for e in experts], slots))
-        for e, s in zip(experts, slots):
-            cl["views"].append((s, (layer, e), self.written[s], cl["t_req"]))
+        self.answer(self.pick(data), layer, experts)
+
+    def answer(self, c, layer, experts):
+        slots = c.hits.answer(layer, experts)
+        if slots is not None:
+            c.views += [(s, (layer, e), self.written[s]) for e, s in zip(experts, slots)]
+
+    def send(self, c, op, **fields):
+        c.hits.open = False
+        c.rid += 1
+        c.outbox.append({"op": op, "rid": c.rid, "hits": c.hits.take().get("hits", []), **fields})
+        c.waiting = c.rid
+
+    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st)
+    def send_fetch(self, data, layer, experts):
+        c = self.pick(data, lambda c: c.waiting is None)
+        if c is not None:
+            self.send(c, "fetch", keys=[(layer, e) for e in experts])
 
     @rule(data=st.data())
-    def begin_token(self, data):
-        c = data.draw(st.sampled_from(sorted(self.clients)))
+    def send_begin_token(self, data):
+        c = self.pick(data, lambda c: c.waiting is None)
+        if c is not None:
+            self.begin(c)
 
-        def op(cl):
-            self.store.end_epoch(c, (c, cl["epoch"]))
-            self.store.reuse.new_token(c)
-            cl["epoch"] += 1
-            cl["views"] = []
-        self.request(c, op)
+    def begin(self, c):
+        c.hits.new_token()
+        c.views = []                        # the caller's views of the token end here
+        self.send(c, "begin_token")
+
+    @rule(data=st.data())
+    def give_up(self, data):
+        """A Timeout or KeyboardInterrupt while it waits: the request goes on in the daemon."""
+        c = self.pick(data, lambda c: c.waiting is not None)
+        if c is not None:
+            self.interrupt(c)
+
+    def interrupt(self, c):
+        c.waiting = None
+        c.hits.failed()
+
+    @rule(data=st.data())
+    def read_reply(self, data):
+        c = self.pick(data, lambda c: c.inbox)
+        if c is not None:
+            self.receive(c)
+
+    def receive(self, c):
+        rid, ok, slots, keys = c.inbox.pop(0)
+        if rid != c.waiting:
+            return                          # a late reply to a request it gave up on
+        c.waiting = None
+        if not ok:
+            c.hits.failed()
+            return
+        c.hits.open = True
+        if slots is not None:
+            c.views += [(s, k, self.written[s]) for k, s in zip(keys, slots)]
+
+    @rule(data=st.data())
+    def lease_sync(self, data):
+        """The lease thread: only while the client's thread is not in a request."""
+        c = self.pick(data, lambda c: c.waiting is None)
+        if c is not None:
+            self.sync(c)
+
+    def sync(self, c):
+        fields = c.hits.sync()
+        if fields:
+            c.outbox.append({"op": "hits", **fields})
+
+    @rule(data=st.data())
+    def flush_reports(self, data):
+        c = self.pick(data, lambda c: c.hits.reports)
+        if c is not None:
+            c.outbox.append({"op": "hits", **c.hits.take()})
+
+    # -- the daemon side --------------------------------------------------------------
+    def reply(self, c, rid, ok, slots=None, keys=None):
+        c.inbox.append((rid, ok, slots, keys))
+        self.store.reuse.replied(c.id, rid, ok)
+
+    def report(self, c, reports):
+        if reports:
+            self.store.report_all((c.id, c.epoch), reports, quota=self.quota)
+
+    @rule(data=st.data())
+    def daemon_handles(self, data):
+        c = self.pick(data, lambda c: c.outbox)
+        if c is not None:
+            self.handle(c)
+
+    def handle(self, c):
+        msg = c.outbox.pop(0)
+        store = self.store
+        if msg["op"] == "hits":
+            self.report(c, _wire(msg.get("hits", [])))
+            if "seen" in msg:
+                assert store.reuse.seen(c.id, msg["seen"])
+        else:
+            store.reuse.waiting(c.id, msg["rid"])
+            self.report(c, _wire(msg["hits"]))
+            if msg["op"] == "begin_token":
+                store.end_epoch(c.id, (c.id, c.epoch))
+                store.reuse.new_token(c.id)
+                c.epoch += 1
+                self.reply(c, msg["rid"], True)
+            else:
+                keys = msg["keys"]
+                try:
+                    plan = store.fetch((c.id, c.epoch), keys)
+                except (CacheFull, SlotsBusy, QuotaExceeded):
+                    self.reply(c, msg["rid"], False)
+                else:
+                    if plan.new_loads or any(store.state[s] != "ready" for s in plan.slots):
+                        self.parked.append((c.id, msg["rid"], (c.id, c.epoch), keys, plan.slots))
+                    else:
+                        self.reply(c, msg["rid"], True, plan.slots, keys)
+        self.settle()
+
+    def settle(self):
+        self.store.reclaim(0.0)
+        self.store.make_room(0.0)
 
     @rule()
     def finish_reads(self):
         for s in sorted(self.store.loads):
-            self.complete(s)
-
-    def complete(self, s):
-        self.written[s] += 1
-        self.store.complete(s, None)
-
-    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
-    def tick(self, dt):
-        self.now += dt
-        self.store.reclaim(self.now)
+            self.written[s] += 1
+            self.store.complete(s, None)
+        for p in list(self.parked):
+            cid, rid, holder, keys, slots = p
+            if all(self.store.state[s] == "ready" for s in slots):
+                self.parked.remove(p)
+                c = self.clients[cid]
+                ok = True
+                if (c.id, c.epoch) != holder:            # parked.py: pin for the token it reads in
+                    try:
+                        self.store.repin((c.id, c.epoch), slots)
+                    except QuotaExceeded:
+                        ok = False
+                self.reply(c, rid, ok, slots if ok else None, keys)
+        self.settle()
 
     @precondition(lambda self: len(self.clients) > 1)
     @rule(data=st.data())
     def die(self, data):
-        c = data.draw(st.sampled_from(sorted(self.clients)))
-        cl = self.clients.pop(c)
-        self.store.end_epoch(c, (c, cl["epoch"]))
-        self.store.reuse.leave(c)
-        self.store.reclaim(self.now)
+        """The process exits (or stops heartbeating): its session and all it held go."""
+        c = self.pick(data)
+        del self.clients[c.id]
+        self.store.end_epoch(c.id, (c.id, c.epoch))
+        self.store.reuse.leave(c.id)
+        self.parked = [p for p in self.parked if p[0] != c.id]
+        c.hits.close()
+        self.settle()
 
     @precondition(lambda self: len(self.clients) < 4)
     @rule()
     def new_client(self):
         self.attach()
 
+    @rule()
+    def restart(self):
+        """The daemon restarts; every client re-attaches (a new session, its window open
+        after hello).  Views taken before keep the old arena's mapping, unchanged."""
+        old = list(self.clients.values())
+        self.old.append((self.index, self.reader))
+        self._daemon()
+        self.clients = {}
+        for c in old:
+            c.hits.close()
+            self.attach()
+
+    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st,
+          slots=st.lists(st.integers(0, SLOTS - 1), min_size=3, max_size=3), seen=st.integers(0, 40))
+    def bogus_reports(self, data, layer, experts, slots, seen):
+        """A misbehaving client reports slots it never read and a count it never saw."""
+        if self.bogus is None or self.bogus not in self.store.reuse.readers:
+            self.bogus = self.next_id
+            self.next_id += 1
+            self.store.reuse.attach(self.bogus)
+        self.store.report_all((self.bogus, 0), [([(layer, e) for e in experts], slots[:len(experts)])],
+                              quota=self.quota)
+        self.store.reuse.seen(self.bogus, seen)
+        self.store.reuse.seen(self.bogus, self.store.reuse.retired)   # (else it only holds reuse back)
+        self.settle()
+
     # -- invariants ---------------------------------------------------------------
     @invariant()
     def views_hold_their_keys(self):
-        for cl in self.clients.values():
-            for s, key, written, t_req in cl["views"]:
-                if self.now >= t_req + LEASE:
-                    continue                    # the view's lease ended (the pin rule's bound)
+        for c in self.clients.values():
+            for s, key, written in c.views:
                 assert self.written[s] == written, f"slot {s} rewritten under a view of {key}"
                 assert s in self.store.reuse.limbo or self.store.slot_key[s] == key, \
                     f"slot {s} free or given to {self.store.slot_key[s]} under a view of {key}"
@@ -172,8 +311,13 @@ class HitPathMachine(RuleBasedStateMachine):
         assert not self.store.reuse.limbo.keys() & set(self.store.free)
 
 
+def _wire(reports):
+    """``LocalHits``'s ``[layer, experts, slots]`` reports as ``(keys, slots)``, as ``wire.hits`` makes them."""
+    return [([(layer, e) for e in experts], slots) for layer, experts, slots in reports]
+
+
 TestHitPath = HitPathMachine.TestCase
-TestHitPath.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+TestHitPath.settings = settings(max_examples=200, stateful_step_count=80, deadline=None,
                                 suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -184,14 +328,14 @@ def test_one_client_reuses_at_once_as_without_the_index():
     index = SharedIndex(1, 4)
     try:
         shared = Store(2, policy=make("lru"), index=index, reuse=Reuse(), reserve=1)
-        shared.reuse.attach(1, 0.0, LEASE)
+        shared.reuse.attach(1)
         for e in range(4):
-            shared.reuse.waiting(1)
+            shared.reuse.waiting(1, e)
             for st_ in (plain, shared):
                 plan = st_.fetch((1, e), [(0, e)], 0.0)
                 st_.complete(plan.new_loads[0], None)
                 st_.end_epoch(1, (1, e))
-            shared.reuse.replied(1, 0.0)
+            shared.reuse.replied(1, e, ok=True)
             assert shared.slot_key == plain.slot_key and not shared.reuse.limbo
         assert shared.stats == plain.stats
     finally:
@@ -202,36 +346,69 @@ def two_readers(index) -> Store:
     """A 2-slot store with two hit-path clients attached, both slots filled by client 1's
     epoch 0 (ended: unpinned, and client 1 may read them from the index)."""
     store = Store(2, policy=make("lru"), index=index, reuse=Reuse())
-    store.reuse.attach(1, 0.0, LEASE)
-    store.reuse.attach(2, 0.0, LEASE)
+    store.reuse.attach(1)
+    store.reuse.attach(2)
     for e in (0, 1):
-        store.reuse.waiting(1)
+        store.reuse.waiting(1, e)
         store.complete(store.fetch((1, 0), [(0, e)], 0.0).new_loads[0], None)
-        store.reuse.replied(1, 0.0)
+        store.reuse.replied(1, e, ok=True)
     store.end_epoch(1, (1, 0))
     return store
 
 
-def test_a_second_reader_delays_reuse_until_its_next_request():
+def test_a_second_reader_delays_reuse_until_its_next_message():
     index = SharedIndex(1, 4)
     try:
         store = two_readers(index)
         r = store.reuse
-        r.waiting(1)
+        r.waiting(1, 10)
         try:
             store.fetch((1, 1), [(0, 2)], 1.0)
             raise AssertionError("a slot client 2 may read was reused")
         except SlotsBusy:
             pass
-        r.replied(1, 1.0)
+        r.replied(1, 10, ok=False)
         store.make_room(1.0)                  # evicts ahead: the victim waits for client 2
         assert len(r.limbo) >= 1 and store.reclaim(1.0) == 0
-        r.waiting(2)
-        r.replied(2, 1.5)                     # client 2's next request: it saw the eviction
-        assert store.reclaim(1.5) == 0        # client 1 has not: its reply preceded the eviction
-        r.waiting(1)
-        r.replied(1, 1.6)
-        assert store.reclaim(1.6) >= 1 and not r.limbo
+        r.waiting(2, 1)
+        r.replied(2, 1, ok=True)              # client 2's next request: it saw the eviction
+        assert store.reclaim(1.5) >= 1 and not r.limbo   # (client 1's failed request keeps it shut)
+    finally:
+        index.close()
+
+
+def test_a_late_reply_to_a_request_given_up_on_does_not_move_the_sync_point():
+    """Client 1 gives up on request 1 (a Timeout) and sends request 2, whose reply opens
+    its window; request 1's reply, sent later, must not count as its sync point."""
+    index = SharedIndex(1, 4)
+    try:
+        store = two_readers(index)
+        r = store.reuse
+        r.waiting(1, 1)
+        r.waiting(1, 2)
+        r.replied(1, 2, ok=True)
+        at_reply = r.readers[1].synced
+        store.make_room(0.0)
+        store.want = 1
+        store.make_room(0.0)                  # an eviction after request 2's reply
+        r.replied(1, 1, ok=True)              # the stale reply
+        assert r.readers[1].synced == at_reply < r.retired
+        assert store.reclaim(0.0) == 0        # client 1 may read the evicted slot
+    finally:
+        index.close()
+
+
+def test_seen_raises_the_sync_point_and_garbage_is_refused():
+    index = SharedIndex(1, 4)
+    try:
+        store = two_readers(index)
+        r = store.reuse
+        store.want = 2
+        store.make_room(0.0)
+        assert len(r.limbo) == 2 and store.reclaim(0.0) == 0
+        assert not r.seen(2, r.retired + 1) and not r.seen(2, "all")
+        assert r.seen(1, r.retired) and r.seen(2, r.retired)
+        assert store.reclaim(0.0) == 2
     finally:
         index.close()
 
@@ -239,7 +416,7 @@ def test_a_second_reader_delays_reuse_until_its_next_request():
 def test_reports_of_a_slot_since_given_away_or_loading_are_late():
     """A report whose key left the slot it was seen in, or whose slot is loading (no client
     saw it READY there), is a late hit: counted, not heard or pinned (no reader is attached
-    here, so the slot is reused at once and its claim is moot)."""
+    here, so nothing can be claimed: they are refused as garbage)."""
     store = Store(2, policy=make("lru"))
     for e in (0, 1):
         store.complete(store.fetch((1, 0), [(0, e)], 0.0).new_loads[0], None)
@@ -253,27 +430,116 @@ def test_reports_of_a_slot_since_given_away_or_loading_are_late():
     gone = (0, 0) if s == s0 else (0, 1)
     store.report((1, 2), [gone], [s])                     # seen before the eviction
     store.report((1, 2), [(0, 2)], [s])                   # names the loading key: never seen READY
-    assert (store.stats.hits, store.stats.late_hits) == (3, 2)
+    assert (store.stats.hits, store.stats.late_hits, store.stats.bad_reports) == (3, 2, 2)
     assert not store.policy.held((1, 2)) and store.policy.held((2, 0)) == {s}
     store.check()
 
 
-def test_a_client_answered_slots_busy_keeps_no_slot_from_reuse():
-    """Client 2's fetch is refused SlotsBusy: it retries and answers nothing itself until
-    its next request, so the daemon leaves it unsynced (as while it waits) and client 1's
-    fetch reuses a victim at once, where it would otherwise wait for client 2's retry."""
-    index = SharedIndex(1, 4)
+def test_claims_count_toward_the_pin_quota():
+    index = SharedIndex(1, 8)
     try:
-        store = two_readers(index)            # client 1 may read (0, 0) and (0, 1)
+        store = Store(4, policy=make("lru"), index=index, reuse=Reuse())
+        store.live.pin_quota = 2
         r = store.reuse
-        r.waiting(2)
+        r.attach(1)
+        r.attach(2)
+        for e in range(4):
+            r.waiting(2, e)
+            store.complete(store.fetch((2, e), [(0, e)], 0.0).new_loads[0], None)
+            store.end_epoch(2, (2, e))
+            r.replied(2, e, ok=True)
+        seen = {e: store.key_slot[(0, e)] for e in range(4)}
+        store.want = 3
+        store.make_room(0.0)                  # three evicted, waiting for client 1
+        gone = [e for e in range(4) if (0, e) not in store.key_slot]
+        store.report_all((1, 0), [([(0, e)], [seen[e]]) for e in gone], quota=2)
+        assert len(r.claims(1)) == 2 and store.stats.bad_reports == 1
+        (kept,) = [k for k in store.key_slot if k[1] < 4]
         try:
-            store.fetch((2, 0), [(0, 2)], 1.0)
-            raise AssertionError("a slot client 1 may read was reused")
-        except SlotsBusy:
-            pass                              # the loop sends the reply and leaves client 2 unsynced
-        r.waiting(1)
-        plan = store.fetch((1, 1), [(0, 3)], 2.0)
-        assert plan.new_loads and not r.limbo and plan.evictions == 1
+            store.fetch((1, 0), [kept], 0.0)      # one more slot: over the quota with the claims
+            raise AssertionError("a fetch over the quota, claims counted, was planned")
+        except QuotaExceeded:
+            pass
     finally:
         index.close()
+
+
+def scenario(steps) -> HitPathMachine:
+    """Run the model machine through ``steps(m, a, b)`` with two clients (a 4-slot arena):
+    the issue's reproductions, step by step, with the model's invariants after each."""
+    m = HitPathMachine()
+    m.setup(n=2, quota=0)
+    try:
+        a, b = m.clients[1], m.clients[2]
+        for _ in steps(m, a, b):
+            m.views_hold_their_keys()
+            m.store_and_index_agree()
+    finally:
+        m.teardown()
+    return m
+
+
+def test_a_request_given_up_on_then_hits_keep_their_bytes():
+    """B fetches a cold expert and gives up (a Timeout, or Ctrl-C) while it is read; it
+    then fetches two resident experts; A's misses then need every slot."""
+    def steps(m, a, b):
+        m.send(a, "fetch", keys=[(0, 0), (0, 1)])
+        m.handle(a)
+        m.finish_reads()
+        m.receive(a)
+        m.begin(a)                               # a's views end; (0, 0) and (0, 1) unpinned
+        m.handle(a)
+        m.receive(a)
+        yield
+        m.send(b, "fetch", keys=[(1, 0)])        # cold: parked
+        m.handle(b)
+        m.interrupt(b)                           # Timeout / KeyboardInterrupt
+        yield
+        m.answer(b, 0, [0, 1])                   # its window is shut: not answered here
+        assert not b.views
+        m.send(b, "fetch", keys=[(0, 0), (0, 1)])    # so it asks the daemon, which pins them
+        m.handle(b)
+        m.receive(b)                             # request 1's reply is still to come
+        assert len(b.views) == 2
+        yield
+        for e in (2, 3):                         # A misses: every free slot, then victims
+            m.send(a, "fetch", keys=[(1, e)])
+            m.handle(a)
+            m.finish_reads()
+            while a.inbox:
+                m.receive(a)
+            yield
+        m.receive(b)                             # the late reply to request 1: skipped
+        yield
+    scenario(steps)
+
+
+def test_views_held_long_keep_their_bytes_and_the_lease_thread_frees_the_rest():
+    """B answers two hits itself and holds the views (a long prefill) while A evicts:
+    B's lease thread reports them, so they stay; every other slot is reused."""
+    def steps(m, a, b):
+        m.send(a, "fetch", keys=[(0, 0), (0, 1), (0, 2)])
+        m.handle(a)
+        m.finish_reads()
+        m.receive(a)
+        m.begin(a)
+        m.handle(a)
+        m.receive(a)
+        m.answer(b, 0, [0, 1])                   # B answers two hits itself, then computes
+        assert len(b.views) == 2
+        yield
+        m.sync(b)                                # its lease thread: reports and ``seen``
+        m.handle(b)
+        yield
+        for e in range(4):
+            m.send(a, "fetch", keys=[(1, e)])
+            m.handle(a)
+            m.finish_reads()
+            while a.inbox:
+                m.receive(a)
+            m.sync(b)
+            if b.outbox:
+                m.handle(b)
+            yield
+        assert m.store.policy.held((b.id, 0)) == {b.views[0][0], b.views[1][0]}
+    scenario(steps)

@@ -9,7 +9,7 @@ LAYERS, EXPERTS = 3, 4
 
 def test_layer_resident_follows_the_index_and_its_retired_count():
     index = SharedIndex(LAYERS, EXPERTS)
-    hits = LocalHits(index.fd, index.size, 10.0, 0.0, None)
+    hits = LocalHits(index.fd, index.size, None)
     try:
         assert not hits.layer_resident(1, EXPERTS)                  # nothing resident
         for e in range(EXPERTS - 1):

