@@ -1,6 +1,6 @@
 """Load test: 16 model processes, skewed routing, predictions, random deaths, one abuser.
 
-    python bench/load.py [--seconds 60] [--clients 16] [--seed N]
+    python bench/load.py [--seconds 60] [--clients 16] [--seed N] [--flood]
 
 One real ``k3d start`` on a synthetic checkpoint (8 layers x 64 experts,
 ~108 MB; arena 384 slots: the cache cannot hold everything).  Each
@@ -17,7 +17,11 @@ experts and floods predictions); alternating cancels drift.  The abuser is
 one process for the whole run, attached and idle (no pins, no requests)
 outside its segments, so no process start-up is measured as abuse;
 ``--control`` keeps it idle throughout, and the ratio printed then is the
-measurement's own noise floor.  Reported:
+measurement's own noise floor.  ``--flood``: the abusive client is a flooder
+instead, a raw DEALER that says hello and then, in its segments, sends fetches
+of popular experts as fast as ZeroMQ takes them and never reads a reply
+(bounded intake: ``k3d/serve/intake.py``); it heartbeats on a second socket, as
+``k3client`` does, so it stays attached.  Reported:
 p50/p99 fetch latency of the well-behaved clients in both conditions and
 the ratio of p99s (goal <= 1.25), wrong bytes (goal 0), leaked pins after
 every client exits (goal 0), and the daemon's RSS in the first vs the last
@@ -138,6 +142,53 @@ def abuser(endpoint, seed, windows, deadline, quota, pause_ms, control):
     c.close()
 
 
+def flooder(endpoint, windows, deadline, control, out):
+    """A client that floods the daemon with fetches inside ``windows`` and reads no reply
+    (but hello's).  Sends block while ZeroMQ's queues are full (the daemon reads it no
+    faster), so it costs the host what the daemon lets it.  Appends ``F sent again``
+    (requests sent, and send waits that timed out) to ``out`` each second of its windows."""
+    import os
+
+    import zmq
+
+    from k3client.protocol import PROTOCOL_VERSION, pack, unpack
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, 50)          # a full queue: look at the clock again
+    s.connect(endpoint)
+    s.send(pack({"v": PROTOCOL_VERSION, "op": "hello", "id": 0, "name": "flood", "pid": os.getpid()}))
+    hello = unpack(s.recv())
+    beat = ctx.socket(zmq.DEALER)            # heartbeats, as k3client's lease thread sends them
+    beat.setsockopt(zmq.LINGER, 0)
+    beat.connect(endpoint)
+    lease = hello["lease_s"] / 4
+    sent = again = rid = 0
+    next_beat = next_note = 0.0
+    f = open(out, "a", buffering=1)
+    while time.time() < deadline:
+        now = time.time()
+        if now >= next_beat:
+            beat.send(pack({"v": PROTOCOL_VERSION, "op": "heartbeat", "id": 0,
+                            "client_id": hello["client_id"], "gen": hello["gen"]}))
+            next_beat = now + lease
+        inside = not control and any(a <= now < b for a, b in windows)
+        if inside and now >= next_note:
+            f.write(f"F {sent} {again}\n")
+            next_note = now + 1.0
+        if not inside:
+            time.sleep(0.01)
+            continue
+        rid += 1
+        try:
+            s.send(pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": rid, "keys": [[0, rid % 4]]}))
+            sent += 1
+        except zmq.Again:
+            again += 1
+    f.write(f"F {sent} {again}\n")
+
+
 # -- controller ------------------------------------------------------------------------
 def spawn(args_list):
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), *map(str, args_list)],
@@ -167,6 +218,8 @@ def main():
                     help="pause between the abuser's rounds (0: flat out, as hard as it can)")
     ap.add_argument("--control", action="store_true",
                     help="the abuser connects but does nothing: the ratio this run prints is the noise floor")
+    ap.add_argument("--flood", action="store_true",
+                    help="the abusive client floods requests without reading replies (bounded intake)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     print(f"seed {seed} (rerun with --seed {seed})", flush=True)
@@ -207,8 +260,12 @@ def main():
                       routing_seed]), out
 
     windows = [(a, b) for a, b, abusive in segments if abusive]
-    ab = spawn(["--abuser", endpoint, rng.randrange(1 << 30), json.dumps(windows), t_end, args.pin_quota,
-                args.abuser_pause_ms, int(args.control)])
+    flood_out = os.path.join(run, "flood.log")
+    if args.flood:
+        ab = spawn(["--flooder", endpoint, json.dumps(windows), t_end, int(args.control), flood_out])
+    else:
+        ab = spawn(["--abuser", endpoint, rng.randrange(1 << 30), json.dumps(windows), t_end, args.pin_quota,
+                    args.abuser_pause_ms, int(args.control)])
     workers = {i: new_worker(i) for i in range(args.clients)}
     outs = [o for _, o in workers.values()]
     next_id = args.clients
@@ -282,11 +339,17 @@ def main():
           f"(+{args.warmup:g} s warm-up), {deaths} clients killed with SIGKILL, think {args.think_ms:g} ms/layer")
     print(f"fetches verified: {fetches} ({wrong} wrong), cache_full/quota errors: {errors}, "
           f"daemon hit rate {hit:.1%}, {s['evictions']} evictions, {s['clients_dead']} dead clients reaped")
+    who = "flood" if args.flood else "abuser"
     for abusive in (False, True):
         xs = lat[abusive]
-        print(f"well-behaved fetch latency {'with' if abusive else 'without'} abuser: n={len(xs)} "
+        print(f"well-behaved fetch latency {'with' if abusive else 'without'} {who}: n={len(xs)} "
               f"p50 {pct(xs, 0.5):.3f} ms  p99 {pct(xs, 0.99):.3f} ms")
-    print(f"p99 with/without abuser: {ratio:.3f} (goal <= 1.25)")
+    print(f"p99 with/without {who}: {ratio:.3f} (goal <= 1.25)")
+    if args.flood:
+        lines = open(flood_out).read().split() if os.path.exists(flood_out) else []
+        sent, again = (int(lines[-2]), int(lines[-1])) if len(lines) >= 3 else (0, 0)
+        print(f"flood: {sent} requests sent ({again} sends waited {50} ms for room), "
+              f"{s.get('requests_over_cap', 'n/a')} over the cap, {s['replies_dropped']} replies dropped")
     print(f"daemon RSS first {window:g} s {statistics.mean(first) / 2**20:.1f} MiB, last {window:g} s "
           f"{statistics.mean(last) / 2**20:.1f} MiB: growth {growth:+.2%} (goal <= 5%)")
     print(f"after exit: {len(others)} clients, {st['arena']['pinned']} pinned slots (goal 0); daemon exit {rc}")
@@ -309,6 +372,9 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         a = sys.argv[2:]
         worker(a[0], a[1], int(a[2]), a[3], a[4], float(a[5]), float(a[6]), int(a[7]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--flooder":
+        a = sys.argv[2:]
+        flooder(a[0], json.loads(a[1]), float(a[2]), bool(int(a[3])), a[4])
     elif len(sys.argv) > 1 and sys.argv[1] == "--abuser":
         a = sys.argv[2:]
         abuser(a[0], int(a[1]), json.loads(a[2]), float(a[3]), int(a[4]), float(a[5]), bool(int(a[6])))

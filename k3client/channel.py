@@ -22,7 +22,7 @@ import zmq
 
 from . import errors
 from .endpoint import ipc_path
-from .protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, pack, unpack
+from .protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, pack_request, unpack
 
 POLL_S = 0.5     # the longest a waiting request goes without checking the socket file
 
@@ -67,7 +67,7 @@ class Channel:
         """Send ``op`` without waiting for a reply."""
         msg = {"v": PROTOCOL_VERSION, "op": op, "id": next(self._ids)}
         msg.update(fields)
-        self._sock.send(pack(msg))
+        self._sock.send(pack_request(msg))
 
     def request(self, op: str, timeout: float | None, **fields) -> dict:
         """Send ``op`` and wait up to ``timeout`` seconds (None: forever) for its reply.
@@ -79,7 +79,7 @@ class Channel:
         rid = next(self._ids)
         msg = {"v": PROTOCOL_VERSION, "op": op, "id": rid}
         msg.update(fields)
-        self._sock.send(pack(msg))
+        self._sock.send(pack_request(msg))
         return rid
 
     def wait(self, rid: int, op: str, timeout: float | None) -> dict:

@@ -16,12 +16,13 @@ client can tell a restarted daemon from the one it attached to)::
 Ops (the ``op_*`` handler docstrings in ``k3d.serve.loop`` are the full spec):
 
 - ``hello {name, pid, hit_path}`` -> ``{client_id, layout, slots, slot_bytes, expert_bytes,
-  arena_bytes, index_bytes, arena_socket, lease_s, model}``; must come first.  (The key
+  arena_bytes, index_bytes, arena_socket, lease_s, pin_quota, model}``; must come first.  (The key
   set is not sent: an unknown key is an ``unknown_expert`` error reply.)
 - ``fetch {keys: [[layer, expert], ...], predicted: [[l, e], ...], hits}`` ->
   ``{slots: [int, ...]}`` in request order, sent once every key is ready.
 - ``predict {keys, hits}`` -> ``{queued: int}`` at once (reads run in the background).
-- ``hits {hits}`` -> no reply: reports sent without waiting (when many accumulate).
+- ``hits {hits, seen?}`` -> no reply: reports sent without waiting (when many accumulate,
+  and from the lease thread with ``seen``, the index's retirement count read after them).
 - ``begin_token {hits}`` -> ``{epoch, released}``.
 - ``heartbeat {client_id, gen}`` -> no reply (sent from the client's lease thread;
   one for another daemon generation is ignored, one from another process than the
@@ -35,8 +36,10 @@ from the shared index (``k3client.index``) since its last message, in order:
 ``[[layer, [experts], [slots seen]], ...]``.  A hit-path client sends a fetch only
 when some key is not READY in the index, or with predictions of keys not
 resident (a slot they evict is reused at once only while it waits), with every
-key of it.  After a fetch answered ``slots_busy`` it answers no hit itself until
-its next request (version 3: the daemon then reuses slots as if it read nothing).
+key of it.  Version 4: it answers hits itself only after the reply to its latest
+request (a failure, a timeout or an interrupt keeps that window shut), every
+message it sends carries its reports in order on its one request socket, and a
+view has no time bound (``k3d/cache/reuse.py`` states the client's obligations).
 
 Replies carry slot numbers, never expert bytes: the bytes are read from the
 shared arena, whose memfd the client receives once over ``arena_socket`` (a Unix
@@ -45,8 +48,16 @@ SOCK_SEQPACKET socket; SCM_RIGHTS).  The arena message is
 attached: the arena's and the shared index's.
 
 Decode limits (``unpack``) bound every container so a hostile frame cannot make
-the daemon allocate without bound; frames above ``MAX_MESSAGE_BYTES`` are
-dropped by ZeroMQ itself (ZMQ_MAXMSGSIZE).
+the daemon allocate without bound.  A request is at most ``MAX_MESSAGE_BYTES``
+(1 MiB; a fetch of ``MAX_KEYS`` keys with as many predictions and hit reports
+is under 100 KiB): the daemon's ZeroMQ ends the connection of a peer that sends
+a larger frame (ZMQ_MAXMSGSIZE), unanswered, so ``pack_request`` refuses to
+build one (``BadRequest``).  The daemon keeps at most 32 requests of one client
+waiting for their turn (``k3d.serve.wire.MAX_QUEUED``); one more is answered at
+once with a one-line ``bad_request``, after its hit reports are applied (a
+``hits`` report or heartbeat over the cap is applied, unanswered as ever).  This
+client waits for each reply, so only its hit reports can queue behind a request,
+and none is lost.
 
 Keys are integers.  ``key_int`` / ``key_pairs`` refuse anything else before a
 request is sent (``BadRequest``, one line): a float is never rounded (``1.5`` is
@@ -64,7 +75,7 @@ import msgpack
 
 from .errors import BadRequest
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_REPLY_BYTES = 64 * MAX_MESSAGE_BYTES    # a client's socket accepts no larger message (ZMQ_MAXMSGSIZE)
 MAX_KEYS = 4096          # keys in one fetch/predict
@@ -74,6 +85,15 @@ MAX_CONTAINER = 4 * MAX_KEYS
 
 def pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def pack_request(msg: dict) -> bytes:
+    """``msg`` packed, if within ``MAX_MESSAGE_BYTES`` (else ``BadRequest``, one line)."""
+    data = pack(msg)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise BadRequest(f"{msg.get('op')} request of {len(data)} bytes exceeds the daemon's "
+                         f"{MAX_MESSAGE_BYTES} byte limit; send fewer keys per request")
+    return data
 
 
 def unpack(data: bytes):

@@ -42,6 +42,13 @@ What the daemon knows of each hit-path client (``Reader``):
 Rule: slot ``s``, retired as count ``r``, is reusable when for every hit-path
 client ``c``: ``s`` is not in ``c.claims`` and ``c.synced >= r``.
 
+Liveness: an honest client's ``synced`` passes every count within a heartbeat
+(its lease thread reports ``seen`` whenever the count moved) or it is blocked
+in a request (``INF``).  A client still below the count of a slot that has
+waited for longer than its lease is not doing that (a bug, or a client holding
+everyone's reuse back on purpose): ``lagging`` names it and the server drops
+it, as it drops a client that stops heartbeating.
+
 Invariant: a slot a client may still read (a view in its current token) is not
 free.  Proof sketch: ``c`` read ``s`` holding key ``k`` by a lookup ``L``.  If
 the daemon cleared ``k``'s entry before ``L``'s loads (in the writer's store
@@ -92,6 +99,7 @@ class Reuse:
         self.retired = 0                          # count of retirements (the index's header)
         self.readers: dict[int, Reader] = {}      # hit-path clients
         self.limbo: dict[int, int] = {}           # slot -> its retirement count
+        self.since: dict[int, float] = {}         # slot -> when it began to wait
         self.peak = 0
 
     # -- clients ----------------------------------------------------------------
@@ -159,12 +167,13 @@ class Reuse:
             r.claims.clear()
 
     # -- slots --------------------------------------------------------------------
-    def retire(self, slot: int) -> bool:
+    def retire(self, slot: int, now: float = 0.0) -> bool:
         """``slot``'s key left the index.  True: reuse it now; False: it waits (``reclaim``)."""
         self.retired += 1
         if not self.readers or self._free_now([(slot, self.retired)]):     # (none: replay, one client)
             return True
         self.limbo[slot] = self.retired
+        self.since[slot] = now
         self.peak = max(self.peak, len(self.limbo))
         return False
 
@@ -175,7 +184,17 @@ class Reuse:
         out = self._free_now(list(self.limbo.items()))
         for s in out:
             del self.limbo[s]
+            del self.since[s]
         return out
+
+    def lagging(self, before: float) -> list[int]:
+        """Clients whose sync point is still below the count of a slot waiting since
+        before ``before`` (not ``INF``: a client blocked in a request reads nothing)."""
+        old = [self.limbo[s] for s, t in self.since.items() if t < before]
+        if not old:
+            return []
+        oldest = min(old)
+        return [c for c, r in self.readers.items() if r.synced < oldest]
 
     def coming(self) -> int:
         """Waiting slots no client claims: each is free once the clients' sync points pass

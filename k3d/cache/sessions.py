@@ -59,6 +59,7 @@ class Session:
         "last_seen",
         "lease_s",
         "name",
+        "over_cap",
         "paced",
         "paced_s",
         "pin_quota",
@@ -87,6 +88,7 @@ class Session:
         # itself lives in the loop's turns: ``Turns.held_until``).
         self.paced, self.paced_s = 0, 0.0
         self.unbilled = 0.0        # CPU seconds spent for it that the pacer has not been told yet
+        self.over_cap = 0          # requests refused: it had wire.MAX_QUEUED waiting (k3d/serve/intake.py)
 
     @property
     def holder(self):

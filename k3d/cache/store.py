@@ -262,7 +262,7 @@ class Store(PredictionBook, ReportedHits):
         self.state[s] = FREE
         self.policy.remove(s)
         self.index.clear(key)
-        return self.reuse.retire(s)
+        return self.reuse.retire(s, now)
 
     def make_room(self, now: float) -> int:
         """Evict ahead while several clients read the index and misses have lately found no

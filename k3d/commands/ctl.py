@@ -168,7 +168,7 @@ def render(st: dict) -> str:
     lines.append(f"clients {len(st['clients'])}{paced}")
     for c in st["clients"]:
         lines.append(f"  {printable(str(c['name'])):<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  "
-                     f"fetches {c['fetches']}{_cpu(c)}")
+                     f"fetches {c['fetches']}{_cpu(c)}{_over_cap(c)}")
         q = (pq or {}).get("clients", {}).get(str(c.get("id")))
         if q:
             lines.append(f"    predict {prediction_line(q)}")
@@ -181,6 +181,12 @@ def _cpu(c: dict) -> str:
         return ""
     held = f", held back {c['paced']}x for {c['paced_s']:.1f}s" if c.get("paced") else ""
     return f"  cpu {100 * c['cpu_share']:.0f}%{held}"
+
+
+def _over_cap(c: dict) -> str:
+    """The requests a client sent with the most already waiting (k3d/serve/intake.py)."""
+    n = c.get("over_cap")
+    return f"  {n} requests refused: too many waiting ({c.get('queued', 0)} now)" if n else ""
 
 
 def _failure(args, endpoint: str, message: str) -> None:

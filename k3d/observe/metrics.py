@@ -46,6 +46,8 @@ HELP = {
     "warm_loaded": "reads a warm restart queued for the saved hot set",
     "errors": "failed expert reads",
     "bad_requests": "requests refused as malformed, unknown or out of protocol",
+    "requests_over_cap": "requests refused because their client already had the most requests waiting "
+                         "(it was not waiting for replies; in bad_requests too)",
     "cache_full": "fetches refused because every slot was pinned",
     "clients_dead": "clients dropped because they exited or went silent",
     "paced": "times a client using far more than its share of the daemon's CPU was held back",

@@ -34,6 +34,7 @@ class Counters:
     read_seconds: float = 0.0   # summed over reader threads
     errors: int = 0             # failed expert reads
     bad_requests: int = 0
+    requests_over_cap: int = 0  # of those, refused because their client had wire.MAX_QUEUED waiting
     cache_full: int = 0
     clients_dead: int = 0
     paced: int = 0              # times a client over its CPU share was held back (k3d/serve/pacing.py)

@@ -16,7 +16,9 @@ sections may be added, existing fields keep their meaning):
   and the clients that hold waiting slots (``held_by``: ``k3d/cache/reuse.py``);
 - ``clients``: one entry per attached session, where its hits are answered
   (``hit_path``: ``client`` from the shared index, or ``daemon``), with its recent CPU share of the
-  daemon (``cpu_share``) and how often and how long it was held back (``pacing.py``);
+  daemon (``cpu_share``), how often and how long it was held back (``pacing.py``), its
+  requests waiting their turn (``queued``) and those refused over the cap (``over_cap``,
+  ``serve/intake.py``);
 - ``policy`` (its name), ``predict`` (auto, client or off), ``prediction``
   (quality in total, per client id, and the daemon's own predictions: ``quality.py``),
   ``warm`` (the state file and the warm restart's pre-load progress);
@@ -74,7 +76,8 @@ def build(srv, now: float) -> dict:
                      "pins": srv.store.pins(s.holder), "fetches": s.fetches,
                      "idle_s": round(now - s.last_seen, 3),
                      "cpu_share": round(pacer.usage(s.client_id, now) / total_cpu, 4) if total_cpu else 0.0,
-                     "paced": s.paced, "paced_s": round(s.paced_s, 3)}
+                     "paced": s.paced, "paced_s": round(s.paced_s, 3),
+                     "queued": srv.intake.queued(s.routing), "over_cap": s.over_cap}
                     for s in srv.sessions],
     }
 

@@ -6,7 +6,8 @@ there is something to do):
   per loop pass) go into ``turns`` (one queue per client, by routing id), each
   stamped with its arrival time (fetch latency counts from it).  A lone request
   (nothing queued, nothing more on the socket, its client not held) skips the
-  turns: they would hand it straight back;
+  turns: they would hand it straight back.  A client may have at most
+  ``wire.MAX_QUEUED`` requests waiting (bounded intake, below);
 - ``next``: the request to handle now, chosen by deficit round-robin
   (``turns.py``), passing by clients that are held back; None while only held
   clients' requests wait;
@@ -18,11 +19,32 @@ there is something to do):
   session (``paced``, ``paced_s``) and in the counters (``paced``,
   ``paced_seconds``).
 
+Bounded intake: a request that finds ``MAX_QUEUED`` of its client's requests
+waiting is not queued but handled at once (``over_cap``, through the loop's
+``_handle``): its hit reports are applied (a client's reports are never lost:
+its views depend on them); a heartbeat is handled and a ``hits`` message is then
+done (no reply, as ever; its ``seen`` is not applied out of turn); any other op
+is answered with a one-line ``bad_request`` ("more than N requests queued from
+this client; wait for replies before sending more").  Counted in
+``requests_over_cap`` (and the session's ``over_cap``).  A refusal, not a hold,
+because ROUTER hands the loop its peers' messages in turn: the loop cannot leave
+one peer's messages on the socket and read the others', so a held client's
+further messages would have to be kept, without bound.  A ``k3client`` waits for the reply to each
+request, so only hit reports can queue behind one (a client the pacer holds
+while it answers many hits itself); it meets the cap only then, and loses
+nothing.  Handling one over the cap ends the pass (the loop serves a request
+in turn before it reads on), and when nothing may be served then, the loop
+reads the socket again only after ``REFUSED_PAUSE_MS``: a client that floods is
+read about once per pause while nothing else waits, and ZeroMQ's back-pressure
+(``RCVHWM``) keeps the rest in its own process.  Others' requests may wait that
+pause once while a flood goes on; the loop's CPU stays theirs.
+
 ``poll_ms`` is how long the loop may sleep in poll: 0 while a request may be
 handled now, until the first held client's release while only held ones
 wait, else ``IDLE_MS`` (housekeeping).  With nothing waiting and no read in
 flight the loop does not poll: it waits in ``receive(block=True)``, up to the
-socket's RCVTIMEO, which the server sets to ``IDLE_MS``.
+socket's RCVTIMEO, which the server sets to ``IDLE_MS``.  After a refusal (see
+above) it polls the readers' eventfd alone until the pause ends.
 
 Thread: the server thread owns all of it (``charge`` for a read is called from
 ``Cache.apply_done``, on the same thread).
@@ -41,17 +63,23 @@ from k3d.serve.turns import Turns, cost_of
 RECV_BATCH = 256         # requests taken off the socket per loop pass, at most
 IDLE_MS = 100            # the longest the loop sleeps: housekeeping runs at least this often
 BILL_S = 0.001           # CPU seconds a client runs up before the pacer hears of them
+REFUSED_PAUSE_MS = 1     # after a refusal with nothing to serve: the socket is read again this much later
 
 
 class Intake:
-    def __init__(self, sock: zmq.Socket, sessions, stats, live):
-        """``live``: the daemon's live settings (``k3d.config.Live``); pacing reads ``max_share``."""
+    def __init__(self, sock: zmq.Socket, sessions, stats, live, handle=None):
+        """``live``: the daemon's live settings (``k3d.config.Live``); pacing reads ``max_share``.
+        ``handle(routing, session, frames, arrival, over_cap=True)`` handles a request over
+        its client's cap (above)."""
         self.sock, self.sessions, self.stats = sock, sessions, stats
+        self.handle = handle
         self.turns = Turns()
         self.live = live
         self.pacer = Pacer(live)
         self._direct = None      # a lone request, not held: served next without queueing
         self._poller = None      # made at the first poll (``wait``)
+        self._pause_poller = None  # the readers' eventfd alone (the pause after a refusal)
+        self._refused = False    # this pass met a client's cap: ``wait`` pauses unless one may be served
 
     @property
     def waiting(self) -> int:
@@ -62,24 +90,39 @@ class Intake:
         ``reads`` (``k3d.reads.loads.Loads``) is in flight or a request waits its turn,
         poll the socket beside the readers' eventfd; else only a message can need the
         loop, so wait in a blocking receive, several times cheaper than a poll
-        (``k3d.serve.loop``, "How it waits")."""
+        (``k3d.serve.loop``, "How it waits").  After a refusal with nothing to
+        serve, only the readers are waited on, for ``REFUSED_PAUSE_MS``."""
+        if self._refused:
+            self._refused = False
+            if not (self._direct is not None or self.turns.ready(time.monotonic())):
+                if self._pause_poller is None:
+                    self._pause_poller = zmq.Poller()
+                    self._pause_poller.register(reads.wake_fd, zmq.POLLIN)
+                if self._poll(self._pause_poller, REFUSED_PAUSE_MS, reads) is None:
+                    return
         if self.waiting or reads.in_flight():
             if self._poller is None:
                 self._poller = zmq.Poller()
                 self._poller.register(self.sock, zmq.POLLIN)
                 self._poller.register(reads.wake_fd, zmq.POLLIN)
-            try:
-                events = dict(self._poller.poll(self.poll_ms()))
-            except zmq.ZMQError as e:
-                if e.errno == zmq.EINTR:
-                    return
-                raise
-            if reads.wake_fd in events:
-                reads.drain_wake()
-            if self.sock in events:
+            events = self._poll(self._poller, self.poll_ms(), reads)
+            if events is not None and self.sock in events:
                 self.receive()
         else:
             self.receive(block=True)
+
+    @staticmethod
+    def _poll(poller, ms: int, reads) -> dict | None:
+        """``poller``'s events within ``ms``, the readers' wake-up taken; None: interrupted."""
+        try:
+            events = dict(poller.poll(ms))
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EINTR:
+                return None
+            raise
+        if reads.wake_fd in events:
+            reads.drain_wake()
+        return events
 
     def receive(self, block: bool = False) -> None:
         """Take the requests waiting on the socket into ``turns``; ``block``: wait for
@@ -104,10 +147,31 @@ class Intake:
                 # serves its only request at once, whatever its cost), so skip them.
                 self._direct = (now, routing, frames)
                 return
+            if self.queued(routing) >= wire.MAX_QUEUED:
+                self.over_cap(routing, frames, now)
+                return
             size = sum(len(f.buffer) for f in frames)
             turns.push(routing, (now, routing, frames), cost_of(size))
             if not more:
                 return
+
+    def over_cap(self, routing: bytes, frames, now: float) -> None:
+        """Handle a request that found its client's cap full (above): counted, its loop CPU
+        charged, and the pass ends with a pause unless a request may be served."""
+        self._refused = True
+        self.stats.requests_over_cap += 1
+        s = self.sessions.get(routing)
+        cpu = time.thread_time()
+        self.handle(routing, s, frames, now, over_cap=True)
+        if s is not None:
+            s.over_cap += 1
+            if self.pacing:
+                self.charge_session(s, time.thread_time() - cpu)
+
+    def queued(self, routing: bytes) -> int:
+        """How many of ``routing``'s requests wait to be handled."""
+        d = self._direct
+        return self.turns.queued(routing) + (d is not None and d[1] == routing)
 
     def next(self, now: float):
         """(arrival time, routing id, body frames) of the request to handle now, or None."""

@@ -135,7 +135,7 @@ class Server:
         self.handout.start()
         self.replies = wire.Replies(self.sock, self.gen)
         # requests in turn, each client's CPU charged, a client far over its share held back
-        self.intake = Intake(self.sock, self.sessions, self.stats, self.live)
+        self.intake = Intake(self.sock, self.sessions, self.stats, self.live, self._handle)
         self.cache = Cache(self.store, source, arena, cfg.readers, self.replies, self.latency,
                            self.intake.charge)
         self.reads = self.cache.reads       # the daemon asks it whether a reader is stuck
@@ -185,6 +185,10 @@ class Server:
                 if now >= next_reap:
                     for s, reason in self.sessions.expired(now, self.live.lease_s):
                         self._drop(s, reason, dead=True)
+                    patience = max([self.live.lease_s, *(s.lease_s for s in self.sessions)])
+                    for c in self.store.reuse.lagging(now - patience):
+                        self._drop(self.sessions.by_id[c], "reported no index count for a lease while slots "
+                                   "it held back waited (k3d/cache/reuse.py)", dead=True)
                     self.cache.settle(now)          # slots no client can read any more (a dead one left)
                     next_reap = now + REAP_INTERVAL
                     self.warm.tick(self.store, now)
@@ -212,10 +216,25 @@ class Server:
         if pacing and s is not None:
             self.intake.charge_session(s, time.thread_time() - cpu)
 
+    def _refuse(self, s, routing, msg, frame, t0):
+        """Any op but ``heartbeat`` over the cap: its hit reports are applied (the client's
+        views depend on them); then a ``hits`` message is done, and anything else is
+        refused in one line.  The client's sync point (``cache/reuse.py``) stays where it
+        is: no ``waiting``, no reply that moves it, and a ``seen`` is ignored, since its
+        earlier messages still wait with reports of lookups made before that count."""
+        if s is not None and msg.get("hits") is not None:
+            self.cache.report(s, self._hits(msg), time.monotonic())
+        if msg.get("op") == "hits":
+            return NO_REPLY
+        raise BadRequest(f"more than {wire.MAX_QUEUED} requests queued from this client; "
+                         "wait for replies before sending more")
+
     # -- dispatch: the one place that turns exceptions into error replies ---
-    def _handle(self, routing: bytes, s: Session | None, frames, t0: float) -> Session | None:
+    def _handle(self, routing: bytes, s: Session | None, frames, t0: float,
+                over_cap: bool = False) -> Session | None:
         """Handle one request from ``routing`` (session ``s``, None before hello) that
-        arrived at ``t0``; returns the session it ran for."""
+        arrived at ``t0``; returns the session it ran for.  ``over_cap``: it came with its
+        client's cap of waiting requests full (``_refuse``)."""
         rid = None
         reader = None                          # a hit-path client waiting for this reply
         try:
@@ -225,9 +244,11 @@ class Server:
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise BadRequest(f"unknown op {op!r}; known ops: {', '.join(sorted(self._ops))}")
+            if over_cap and op != "heartbeat":
+                handler = self._refuse
             if s is not None:
                 s.last_seen = t0
-                if s.hit_path and op not in ASYNC_OPS:
+                if s.hit_path and op not in ASYNC_OPS and not over_cap:
                     reader = s.client_id
                     self.store.reuse.waiting(reader, rid)
             result = handler(s, routing, msg, frames[0], t0)

@@ -57,6 +57,11 @@ class Turns:
         q.append((cost, item))
         self.waiting += 1
 
+    def queued(self, client: bytes) -> int:
+        """How many of ``client``'s requests wait."""
+        q = self._queues.get(client)
+        return len(q) if q is not None else 0
+
     def hold(self, client: bytes, until: float) -> None:
         """Serve none of ``client``'s requests before ``until`` (its next ones included)."""
         self._held[client] = until

@@ -1,7 +1,7 @@
 """The ROUTER socket and the message rules: decode a request, check its keys, send replies.
 
 Request: one msgpack frame after the routing id, a map ``{v, op, id, ...}``
-(``k3client/protocol.py``), at most ``MAX_MESSAGE_BYTES``.  Reply: ``{id, ok:
+(``k3client/protocol.py``), at most ``MAX_MESSAGE_BYTES`` (1 MiB).  Reply: ``{id, ok:
 true, gen, ...fields}`` or ``{id, ok: false, gen, error: {code, message}}``;
 ``gen`` names this daemon's run (a client sees a restart).  An error message is
 one line, cut to 1 KiB (it may quote client input; replies stay within the
@@ -19,6 +19,26 @@ client does stops the loop), so a reply ZeroMQ will not take is dropped:
 - a reply that cannot be encoded, or is larger than a client's socket accepts
   (``MAX_REPLY_BYTES``), would leave its client waiting its whole timeout: an
   error reply with the same id goes instead, counted and logged too.
+
+Limits, per client (ZeroMQ counts its high-water marks per peer), set on the socket by
+``open_endpoint`` so that nothing a client sends grows the daemon without bound:
+- ``MAXMSGSIZE`` = ``MAX_MESSAGE_BYTES``: libzmq ends the connection of a peer that
+  sends a larger frame before the loop sees it; that request is never answered
+  and the peer's socket reconnects (``k3client`` refuses to send one: ``BadRequest``);
+- ``MAX_QUEUED`` requests waiting for their turn in the loop: one more is answered
+  at once with a one-line ``bad_request``, its hit reports applied (``intake.py``,
+  "Bounded intake");
+- ``RCVHWM`` = ``MAX_QUEUED``: beyond what the loop took, at most this many of a
+  client's messages wait in the daemon; past it ZeroMQ stops reading that peer,
+  so its own sends wait (back-pressure), not the daemon's memory.  A client's
+  requests in the daemon: at most ``2 * MAX_QUEUED * MAX_MESSAGE_BYTES`` (64 MiB;
+  a real request is under 100 KiB);
+- ``SNDHWM`` = ``REPLY_HWM`` = ``2 * MAX_QUEUED`` replies waiting for a client to read
+  them: one per request it may have queued, and as many one-line refusals.  A
+  ``k3client`` waits for at most two replies at a time, so only a client that
+  stopped reading reaches it; its replies are then dropped (below), never waited
+  for, and the daemon holds at most ``REPLY_HWM`` of its replies (a fetch's reply
+  is under 25 KiB) beside what the kernel's socket buffer takes.
 
 Thread: the server thread owns the socket once the start-up responder
 (``service/starting.py``) has handed it over; these functions keep no state.
@@ -80,6 +100,9 @@ def more_waiting(sock: zmq.Socket) -> bool:
     return bool(_get(sock, _EVENTS) & _POLLIN)
 
 
+MAX_QUEUED = 32          # a client's requests waiting for their turn, at most (k3client: <= 2)
+REPLY_HWM = 2 * MAX_QUEUED  # SNDHWM, per peer: see "Limits"
+
 WAKE_ID = b"k3d-wake"     # routing id of the loop's own waker (no client can take it: see Waker)
 
 
@@ -123,10 +146,11 @@ def open_endpoint(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     starting responder answers on it), then hands it to the server loop."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    # Hard cap in libzmq (drops the peer); below it, decode answers oversized messages.
-    sock.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_MESSAGE_BYTES)
+    # the limits of the module docstring ("Limits"): per peer, set before any peer connects
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.RCVHWM, MAX_QUEUED)
+    sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
     sock.setsockopt(zmq.LINGER, 500)
-    sock.setsockopt(zmq.SNDHWM, 100000)
     try:
         with private_umask():
             sock.bind(endpoint)
@@ -146,11 +170,8 @@ def decode(frames) -> tuple[dict, int]:
     version, unknown op) is answered to the right request."""
     if len(frames) != 1:
         raise BadRequest(f"expected one msgpack frame, got {len(frames)}")
-    raw = frames[0].buffer
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise BadRequest(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit")
-    try:
-        msg = unpack(raw)
+    try:      # (no size check: MAXMSGSIZE kept larger frames out)
+        msg = unpack(frames[0].buffer)
     except Exception as e:  # noqa: BLE001 -- msgpack raises many types for bad input
         raise BadRequest(f"message is not msgpack within the decode limits ({type(e).__name__}: {e})") from None
     if not isinstance(msg, dict):

@@ -152,3 +152,32 @@ def test_a_client_refused_slots_busy_reads_nothing_until_its_next_request(server
         assert srv.stats.fetches == before + 1 and bytes(ex[0].memory()) == bytes(a.fetch(0, [2])[0].memory())
         a.begin_token()                           # a's next request: the slot waiting for it is free
         assert b.fetch(1, [0])[0].layer == 1
+
+
+def test_bogus_reports_cannot_keep_another_clients_misses_from_completing(server):  # noqa: F811
+    """A client that reports every slot of the arena as read (keys it never saw there,
+    keys that left long ago) and counts it never saw or that never move on, between
+    every fetch of an honest client: its reports are refused and counted, it is dropped
+    once it has held evicted slots back for a lease, and the honest client's misses all
+    complete with the right bytes, in an arena of 4 slots."""
+    srv = server(slots=4, lease_s=1.0)
+    liar = raw_dealer(srv.cfg.endpoint)
+    assert ask(liar, pack({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "name": "liar", "hit_path": True}))["ok"]
+    assert ask(liar, pack({"v": PROTOCOL_VERSION, "op": "begin_token", "id": 2}))["ok"]   # synced: it saw all
+    rid = 3
+    with k3client.connect(srv.cfg.endpoint, name="honest") as c:
+        want = {}
+        for i in range(24):
+            c.begin_token()
+            layer, e = i % 4, (i * 5) % 16
+            ex = c.fetch(layer, [e])[0]                     # a miss, most of the time
+            want.setdefault((layer, e), bytes(ex.memory()))
+            assert bytes(ex.memory()) == want[(layer, e)]
+            bogus = [[layer2, [e2], [s]] for s in range(4) for layer2, e2 in [((i + s) % 4, s)]]
+            liar.send(pack({"v": PROTOCOL_VERSION, "op": "hits", "id": rid, "hits": bogus,
+                            "seen": 10 ** 9 if i % 2 else 0}))
+            rid += 1
+        st = c.status()
+        assert st["stats"]["misses"] >= 12 and st["stats"]["bad_reports"] > 0
+        assert [cl["name"] for cl in st["clients"]] == ["honest"] and st["stats"]["clients_dead"] == 1
+    liar.close()

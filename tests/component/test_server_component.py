@@ -21,7 +21,7 @@ import zmq
 import k3client
 from conftest import SCRATCH
 from helpers import ROOT, expert_bytes, poll_for, reference as reference_reader
-from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
+from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 from k3d.config import DEFAULT_PATTERN, resolve
 from k3d.memory.arena import Arena
 from k3d.observe.metrics import HELP
@@ -235,7 +235,6 @@ def ask(s, payload: bytes):
     (pack({"v": PROTOCOL_VERSION, "op": "explode", "id": 1}), "bad_request", "unknown op 'explode'"),
     (pack({"v": 99, "op": "hello", "id": 1}), "version_mismatch", "protocol 99"),
     (pack({"v": PROTOCOL_VERSION, "op": "fetch", "id": 1, "keys": [[0, 1]]}), "not_attached", "hello first"),
-    (b"\x00" * (MAX_MESSAGE_BYTES + 1), "bad_request", "exceeds"),
 ])
 def test_malformed_messages_get_one_line_errors(server, payload, code, words):
     srv = server()

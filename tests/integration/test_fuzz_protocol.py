@@ -144,11 +144,12 @@ def test_fuzzed_frames_get_error_replies_and_daemon_keeps_serving(checkpoint, st
                     a = ex.array("w2.weight_packed").copy()
                     ref.setdefault((ex.layer, ex.expert), a)
                     assert np.array_equal(a, ref[(ex.layer, ex.expert)])
-        # one frame over the decoder's limit (under ZeroMQ's hard cap): a clear error
+        # one frame over the limit: ZeroMQ ends the connection unanswered (MAXMSGSIZE);
+        # the socket reconnects and its next request is answered
         s.send(b"\x00" * (MAX_MESSAGE_BYTES + 1))
-        assert s.poll(1000)
-        big = unpack(s.recv())
-        assert not big["ok"] and "exceeds" in big["error"]["message"]
+        s.send(pack({"v": PROTOCOL_VERSION, "op": "status", "id": 98}))
+        assert s.poll(10000)
+        assert unpack(s.recv())["id"] == 98
         print(f"{counts['error']} error replies, {counts['ok']} ok, slowest {slowest * 1000:.1f} ms")
         assert counts["error"] > 1000
         st = good.status()

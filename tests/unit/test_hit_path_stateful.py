@@ -543,3 +543,21 @@ def test_views_held_long_keep_their_bytes_and_the_lease_thread_frees_the_rest():
             yield
         assert m.store.policy.held((b.id, 0)) == {b.views[0][0], b.views[1][0]}
     scenario(steps)
+
+
+def test_a_client_whose_count_lags_past_a_lease_is_named():
+    """A client below the count of a slot that has waited longer than the lease holds
+    everyone's reuse back: ``lagging`` names it (the server drops it); a client blocked in
+    a request, or one that reported the count, is not named."""
+    index = SharedIndex(1, 4)
+    try:
+        store = two_readers(index)
+        r = store.reuse
+        store.want = 1
+        store.make_room(5.0)                  # a slot waits from t=5 for client 2 (and 1)
+        assert r.lagging(before=5.0) == [] and sorted(r.lagging(before=16.0)) == [1, 2]
+        r.waiting(1, 9)                       # blocked in a request: reads nothing
+        assert r.seen(2, r.retired)           # its lease thread's report
+        assert r.lagging(before=16.0) == []
+    finally:
+        index.close()
