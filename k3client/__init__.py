@@ -7,6 +7,7 @@ from .errors import (
     DaemonNotRunning,
     DaemonRestarted,
     K3Error,
+    Mismatch,
     NotAttached,
     PermissionDenied,
     ProtocolMismatch,
@@ -24,7 +25,7 @@ from .protocol import PROTOCOL_VERSION
 
 __all__ = [
     "Client", "Expert", "connect", "TensorSpec", "PROTOCOL_VERSION",
-    "K3Error", "BadRequest", "CacheFull", "DaemonNotRunning", "DaemonRestarted",
+    "K3Error", "Mismatch", "BadRequest", "CacheFull", "DaemonNotRunning", "DaemonRestarted",
     "NotAttached", "PermissionDenied", "ProtocolMismatch", "QuotaExceeded",
     "ReadFailed", "ShuttingDown", "SlotsBusy", "Starting", "Timeout", "UnknownExpert", "Untrusted",
 ]

@@ -402,6 +402,13 @@ class Client:
     def status(self) -> dict:
         return self._call("status")["status"]
 
+    def verify(self, path: str) -> dict:
+        """Raise ``Mismatch`` (one line) unless the checkpoint at ``path`` holds the experts
+        this daemon serves: same layout and the same sampled bytes (``k3client.verify``);
+        returns the digest both share."""
+        from .verify import verify
+        return verify(self, path)
+
     def close(self):
         """Say bye (the daemon releases this client's pins) and release the mapping. Idempotent."""
         if self._closed:

@@ -108,6 +108,12 @@ class Starting(K3Error):
     code = "starting"
 
 
+class Mismatch(Exception):
+    """The daemon serves another checkpoint than the one a client loads (one line naming both).
+
+    Raised on the client side only (``Client.verify``, the loaders' fingerprint); never on the wire."""
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (

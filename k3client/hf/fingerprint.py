@@ -11,9 +11,9 @@ layer into the per-expert layout the daemon would serve:
 
 Daemon side: the client's ``layout_of(layer)`` (what ``hello`` said), the layers and the
 expert count it serves.  ``check`` compares layers, experts, names, dtypes and
-shapes and raises ``Mismatch`` with one line naming both sides.  Two checkpoints
-of one architecture with equal shapes (a fine-tune) pass: the daemon does not
-report a content hash.
+shapes and raises ``Mismatch`` (``k3client.errors``) with one line naming both
+sides.  Two checkpoints of one architecture with equal shapes (a fine-tune) pass
+here; the loaders call ``Client.verify`` first, which compares sampled bytes too.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..errors import Mismatch
+
+__all__ = ["Mismatch", "LocalLayer", "check", "local_layers"]
+
 PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(.+)$")
-
-
-class Mismatch(Exception):
-    """The daemon serves another checkpoint (one line)."""
 
 
 @dataclass

@@ -10,10 +10,14 @@ How loading works (transformers 5, safetensors checkpoints):
    (``rename_source_key``, the function transformers itself uses) and drops the
    keys that land in an experts module.  Only the headers are parsed and the
    other tensors are read by byte range without readahead (``checkpoint``), so
-   no byte or page of an expert tensor is read;
+   no byte of an expert tensor is loaded (step 3's verify reads its samples,
+   at most 32 KiB a tensor, and drops their pages again);
 3. before anything else is loaded, the daemon's layers, experts and layouts are
    compared with the checkpoint's headers (``fingerprint.check``): another
-   checkpoint is refused in one line;
+   checkpoint is refused in one line.  Before that, right after connecting and
+   before any model is built, ``Client.verify`` compares the daemon's content
+   digest with the checkpoint's sampled bytes, so a fine-tune with the served
+   model's shapes is refused too (a hub id: once its files are local, in step 2);
 4. ``_finalize_model_loading`` takes the expert parameters out of the missing keys
    (so nothing allocates or initialises them), then they are turned into plain
    meta tensors, no longer parameters: ``model.to(device)`` and ``state_dict``
@@ -78,6 +82,7 @@ class _Plan:
         self.client, self.path = client, path
         self.expert_params: set[str] = set()
         self.layers: dict[int, MoeLayer] = {}
+        self.verified = False         # Client.verify passed (a local path: before anything is built)
 
 
 def _split_state_dict(model, checkpoint_files, load_config, plan: _Plan, files: Files):
@@ -122,6 +127,8 @@ def _make_loader_class(cls, plan: _Plan):
             raise families.FamilyError(
                 f"model type {model_type!r} ({type(model).__name__}) has no experts module that dispatches "
                 f"through transformers' ExpertsInterface; k3client.hf computes: {families.supported()}")
+        if not plan.verified:
+            plan.client.verify(os.path.dirname(checkpoint_files[0]))
         files = Files()
         try:
             kept, expert_keys = _split_state_dict(model, checkpoint_files, load_config, plan, files)
@@ -183,10 +190,13 @@ def load_model(path: str, endpoint: str | None = None, name: str | None = None, 
         raise ValueError("load_model uses experts_implementation='k3d'; use from_pretrained for others")
     client = connect(endpoint, name=name or f"hf-{os.getpid()}")
     try:
+        if os.path.exists(path):          # a hub id is verified once its files are local (_load_pretrained_model)
+            client.verify(path)
         config = from_pretrained_kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
         base = from_pretrained_kwargs.pop("model_class", None) or AutoModelForCausalLM._model_mapping[type(config)]
         _dequantized_by_default(config, from_pretrained_kwargs)
         plan = _Plan(client, os.path.abspath(path))
+        plan.verified = os.path.exists(path)
         cls = _make_loader_class(base, plan)
         model = cls.from_pretrained(path, config=config, experts_implementation=IMPLEMENTATION,
                                     **from_pretrained_kwargs)

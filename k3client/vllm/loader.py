@@ -11,7 +11,10 @@ load formats, the ones vLLM's ``DefaultModelLoader`` serves.  Without
    routed-expert keys (``layers.{l}. ... .experts.``; shared experts are
    ``shared_expert(s)`` and stay) from the rest, and compares them with what the
    daemon serves (``k3client.hf.fingerprint.check``: another checkpoint is the
-   one-line ``Mismatch``);
+   one-line ``Mismatch``), then the sampled bytes of every expert tensor with the
+   daemon's content digest (``Client.verify``: a fine-tune of the served model,
+   same shapes and other values, is the one-line ``Mismatch`` too), all before
+   vLLM builds the model;
 3. lets vLLM build the model (``experts.K3dRoutedExperts`` allocates no expert
    storage) and load every other tensor through the model's own ``load_weights``,
    each read by ``pread`` of its own byte range without readahead, so no page of
@@ -77,6 +80,7 @@ class K3dLoader(DefaultModelLoader):
     """See the module docstring."""
 
     _k3d_plan = None            # [(file, data start, key, header info)] of the non-expert tensors
+    _k3d_dir = None             # the directory of the checkpoint's weight files
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         st = settings.from_config(vllm_config)
@@ -89,6 +93,7 @@ class K3dLoader(DefaultModelLoader):
             expert_keys = self._plan(files, model_config)
             num_experts = _num_experts(model_config.hf_config)
             fingerprint.check(client, path, fingerprint.local_layers(expert_keys), num_experts)
+            client.verify(path if os.path.isdir(path) else self._k3d_dir)
             model = super().load_model(vllm_config, model_config, prefix)
             rt = _bind(model, client, st, sorted(expert_keys), path)
             model.k3d = rt
@@ -120,6 +125,7 @@ class K3dLoader(DefaultModelLoader):
             raise FamilyError(f"{model_config.model}: no routed-expert tensors (layers.N. ... .experts.) in the "
                               "checkpoint; serve it without the k3d additional_config")
         self._k3d_plan = (files, kept)
+        self._k3d_dir = os.path.dirname(weight_files[0])     # a hub id's snapshot directory
         return experts
 
     def get_all_weights(self, model_config, model):

@@ -104,6 +104,17 @@ def _layers(layers: list) -> str:
     return ",".join(str(x) for x in layers) or "none"
 
 
+def _digest(d) -> str:
+    """The content digest line (``k3d.sources.digest``): prefix, rule, what it cost."""
+    if not isinstance(d, dict):
+        return "-"
+    if "hex" not in d:
+        return f"none: {d.get('error', '?')}"
+    how = "from the state directory" if d.get("cached") else \
+        f"{show_size(d.get('bytes_read', 0))} read in {d.get('seconds', 0):.2f}s"
+    return f"{d['hex'][:16]} ({d.get('rule')}, {len(d.get('parts') or [])} tensor groups; {how})"
+
+
 def render(st: dict) -> str:
     if st.get("state") == "starting":
         return render_starting(st)
@@ -115,6 +126,7 @@ def render(st: dict) -> str:
         f"k3d {st['version']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  {st['endpoint']}",
         f"model   {m['kind']} {m['path']}:{' ' + m['family'] if m.get('family') else ''} {m['count']} experts, "
         f"layers {_layers(m['layers'])}",
+        f"digest  {_digest(m.get('digest'))}",
         f"arena   {show_size(a['bytes'])}: {a['slots']} slots x {show_size(a['slot_bytes'])}"
         f"{_pages(a)}, "
         f"used {a['used']}, pinned {a['pinned']}, loading {a['loading']}",

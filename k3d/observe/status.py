@@ -3,7 +3,9 @@
 Sections (memcached/Redis style: clients skip fields they do not know; new
 sections may be added, existing fields keep their meaning):
 - top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``,
-  ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model``;
+  ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model`` (the source's
+  ``describe()``; ``model.digest`` is the content digest: ``rule``, ``hex``, ``parts``,
+  ``cached``, ``bytes_read``, ``seconds``, or ``error``: ``k3d.sources.digest``);
 - ``arena``: sizes, plus the store's gauges (``used``, ``pinned``, ``loading``, ``free``);
 - ``stats``: the monotonic counters (``stats.Counters``, and ``replies_dropped``: replies
   ZeroMQ would not take, counted by ``wire.Replies``);

@@ -41,6 +41,7 @@ from k3d.sizes import show_size
 
 from ..reads.plan import readers_for
 from ..sources import SourceError, open_source
+from ..sources.digest import RULE as DIGEST_RULE, for_source as digest_for, threads_for as digest_threads
 from .notify import Notifier
 from .sizing import arena_warnings
 from .starting import Progress, ProgressPrinter, StartupResponder, describe
@@ -315,6 +316,8 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
                  source.path, len(source.keys), source.expert_bytes, slots, slot_bytes, cfg.readers, chosen)
         arena = build_arena(cfg, slots, slot_bytes, progress, notifier, check_stop,
                             lambda: board.publish(responder.status()))
+        # after every check a bad start fails (its one line stays the only one), before any client
+        source.digest = digest_of(source, cfg, progress, check_stop)
         try:
             server = Server(cfg, source, arena, arena_sock, notifier, board, sock=responder.hand_over())
         except zmq.ZMQError as e:
@@ -352,6 +355,23 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         notifier.close()
         if lock is not None:
             lock.release()
+
+
+def digest_of(source, cfg, progress, check_stop) -> dict:
+    """The source's content digest (``k3d.sources.digest``), on ``digest_threads`` threads.
+
+    A source that cannot be read for it (an origin down at start, EIO) does not stop
+    the start: the digest then carries ``error``, and ``Client.verify`` refuses in one
+    line naming it."""
+    def tick(done, total):
+        check_stop()
+        progress.update("digest of the expert bytes", done, total)
+
+    try:
+        return digest_for(source, cfg.state_dir, digest_threads(source, cfg.readers), tick)
+    except (SourceError, OSError) as e:
+        log.warning("cannot compute the content digest of %s: %s (clients cannot verify it)", source.path, e)
+        return {"rule": DIGEST_RULE, "error": str(e)}
 
 
 def with_readers(cfg, source):

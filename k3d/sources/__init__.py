@@ -5,6 +5,8 @@
 - ``safetensors``, ``gguf``, ``packed``: local formats, one reader each;
   ``packwrite`` writes packed files (``k3d pack`` itself is ``k3d.commands.pack``);
 - ``checksum``: crc32 (zlib-ng), part combination, the per-reader crc pipeline;
+- ``digest``: the content digest of what a source serves (``k3client.digest``'s rule:
+  layout and sampled bytes), computed at start-up and cached in the state directory;
 - ``identity``: each local file's identity, recorded as it opens, and the watch
   the server checks it with (a file changed while served);
 - ``remote/``: HTTP(S) and S3 origins: header images, the tiers (disk cache,

@@ -19,6 +19,10 @@ size.  Sources that know a single layout set only ``layout`` (``layouts`` empty)
 Family: ``family`` (name, rule, how it was matched, top-k) from
 ``k3d.sources.families``, or None for formats that carry no family (GGUF, packs).
 
+Digest: ``digest`` is the content digest of what the source serves
+(``k3d.sources.digest``: layout and sampled bytes of every expert tensor), set
+once by the daemon at start-up before clients attach; ``describe`` includes it.
+
 Invariants a subclass keeps: an expert's extents fill its slot's layout
 ranges (one extent per non-empty tensor; a packed expert is one extent of its
 whole stride, zero padding included) and never reach past ``expert_bytes``
@@ -73,6 +77,7 @@ class Source:
         self.layer_tensor_types: dict[int, dict[str, str]] = {}
         self.family = None            # k3d.sources.families.Family, where the format has one
         self.family_fields: dict = {}   # a pack's record of its source's family (describe's fields)
+        self.digest: dict | None = None   # k3d.sources.digest.for_source's, set once at start-up
 
     @property
     def expert_bytes(self) -> int:
@@ -120,6 +125,8 @@ class Source:
              "family_rule": f"{self.family.rule.id} ({self.family.how})" if self.family else None,
              "top_k": self.family.top_k if self.family else None}
         d.update(self.family_fields)
+        if self.digest is not None:
+            d["digest"] = self.digest
         if not self.uniform:
             d["layouts"] = self.layout_groups()
         return d

@@ -109,7 +109,7 @@ def test_family_without_implementation_named(start_daemon, tmp_path):
                            num_local_experts=4, num_experts_per_tok=1)
     path = str(tmp_path / "llama4")
     Llama4ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    d = start_daemon(checkpoint("qwen3_moe"), *daemon_args("qwen3_moe"))
+    d = start_daemon(path, *daemon_args("llama4"))        # the daemon serves it: verify passes, then this
     with pytest.raises(FamilyError) as e:
         load_model(path, endpoint=d.endpoint, model_class=Llama4ForCausalLM)
     msg = str(e.value)

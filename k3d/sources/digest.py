@@ -1,0 +1,286 @@
+"""The content digest of what a source serves (``k3client.digest``'s rule), computed and cached.
+
+``compute`` reads, for every expert tensor of every expert, the bytes the rule
+samples (at most 32 KiB a tensor), mapping each sampled range of the slot onto
+the expert's extents: the file bytes the daemon would read into that part of
+the slot.  So every kind of source (safetensors, GGUF, packed, HTTP, S3) gives
+the digest of the bytes it serves, and a pack gives its source's digest.  The
+reads of one expert are merged where file-contiguous (remote: also across gaps
+of at most ``REMOTE_GAP`` bytes, one request instead of several) and run on a
+thread pool (``threads_for``: the reader count, at least ``LOCAL_THREADS`` for
+local files, whose scattered 4 KiB reads are latency-bound); local files are read with ``pread`` on
+descriptors of their own (the very files the source opened, readahead off, the
+pages dropped after: the arena is the cache), remote ones with the source's
+retrying ``fetch_into`` (the disk tier is bypassed: it holds whole experts only).
+
+Cache: ``<state_dir>/digest-<key>.json``, ``key`` a hash of the files' identity
+(local: path, st_dev, st_ino, st_size, st_mtime_ns of the open descriptor;
+remote: URL, size and validator — ETag or Last-Modified) and of the layout the
+source found (kind, keys, layouts), so a restart on the same files reads
+nothing and a changed file (or ``--pattern``) computes anew.  Writes are atomic
+(temporary file + rename).  ``prune`` (after a new digest is saved) deletes only
+the cached digests of local checkpoints whose files are gone or changed, which no
+start can use again, and crashed saves' temporary files; it touches no other
+file (warm-restart state is ``k3d.cache.warm``'s, whose prune leaves these alone).
+
+Thread: ``for_source`` runs on the main thread at start-up, before the server
+exists; its pool threads only read the (read-only) source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+from k3client.digest import RULE, assemble, sample_ranges, tensor_hash
+
+from .base import PAGE, SourceError, read_fully
+
+log = logging.getLogger("k3d")
+
+FORMAT, VERSION = "k3d-digest-cache", 1
+REMOTE_GAP = 256 << 10          # a remote request per gap this size or larger; smaller gaps are read through
+# Local sampling is scattered 4 KiB reads: latency-bound, not CPU- or bandwidth-bound, so it
+# wants more reads in flight than the reader count (bench/digest_cost.py, 2-core VM, 1.2 GB:
+# 4 threads 0.37x the sequential full read's time, 16 threads 0.08x).
+LOCAL_THREADS = 16
+
+
+def identity(source) -> list:
+    """What makes the cached digest this source's: the files as opened, and the layout found."""
+    if getattr(source, "validators", None) is not None and not source.fds:      # remote
+        files = [[url, size, sorted((v or {}).items())]
+                 for url, size, v in zip(source.files, source.sizes, source.validators)]
+    else:
+        files = []
+        for path, fd in zip(source.files, source.fds):
+            st = os.fstat(fd)
+            files.append([os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns])
+    layout = hashlib.blake2b(repr((source.kind, sorted(source.keys),
+                                   [(l, source.layout_of(l)) for l in sorted({k[0] for k in source.keys})])).encode(),
+                             digest_size=16).hexdigest()
+    return [RULE, source.kind, files, layout]
+
+
+def cache_path(state_dir: str, ident: list) -> str:
+    key = hashlib.blake2b(json.dumps(ident, default=str).encode(), digest_size=8).hexdigest()
+    return os.path.join(state_dir, f"digest-{key}.json")
+
+
+def load_cached(path: str, ident: list) -> dict | None:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if (not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != VERSION
+            or doc.get("identity") != json.loads(json.dumps(ident, default=str))):
+        return None
+    d = doc.get("digest")
+    return d if isinstance(d, dict) and d.get("rule") == RULE and isinstance(d.get("parts"), list) else None
+
+
+def save_cached(path: str, ident: list, digest: dict) -> None:
+    d = os.path.dirname(path)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    doc = {"format": FORMAT, "version": VERSION, "identity": ident,
+           "digest": {k: digest[k] for k in ("rule", "hex", "parts")}}
+    fd, tmp = tempfile.mkstemp(prefix=".digest-", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, separators=(",", ":"), default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _pieces(extents, start: int, length: int, dest: int):
+    """``(file, file offset, dest offset, length)`` covering slot bytes [start, start + length)."""
+    out, end, covered = [], start + length, 0
+    for e in extents:
+        lo, hi = max(start, e.slot_offset), min(end, e.slot_offset + e.length)
+        if lo < hi:
+            out.append((e.file, e.offset + lo - e.slot_offset, dest + lo - start, hi - lo))
+            covered += hi - lo
+    if covered != length:
+        raise SourceError(f"internal: slot bytes [{start}, {end}) are not all in the expert's extents")
+    return out
+
+
+def _expert_hashes(source, key, fds) -> tuple[dict[str, bytes], int]:
+    """{name: tensor_hash} of one expert, and the bytes read for it."""
+    extents = source.keys[key]
+    layout = source.layout_of(key[0])
+    wanted, ranges, size = [], [], 0
+    for spec in layout:
+        rs = sample_ranges(spec.nbytes)
+        wanted.append((spec, [n for _, n in rs]))
+        for s, n in rs:
+            ranges.extend(_pieces(extents, spec.offset + s, n, size))
+            size += n
+    buf = bytearray(size)
+    view = memoryview(buf)
+    gap = REMOTE_GAP if fds is None else 0
+    ranges.sort()
+    nread, i = 0, 0
+    while i < len(ranges):
+        fi, off, _, _ = ranges[i]
+        end, j = off + ranges[i][3], i + 1
+        while j < len(ranges) and ranges[j][0] == fi and ranges[j][1] - end <= gap:
+            end = max(end, ranges[j][1] + ranges[j][3])
+            j += 1
+        run = ranges[i:j]
+        if len(run) == 1:
+            _read(source, fi, off, [view[run[0][2]:run[0][2] + run[0][3]]], fds)
+        else:
+            tmp = bytearray(end - off)
+            _read(source, fi, off, [memoryview(tmp)], fds)
+            for _, o, d, n in run:
+                view[d:d + n] = tmp[o - off:o - off + n]
+        nread += end - off
+        i = j
+    out, pos = {}, 0
+    for spec, rs in wanted:
+        chunks = []
+        for n in rs:
+            chunks.append(view[pos:pos + n])
+            pos += n
+        out[spec.name] = tensor_hash(spec.nbytes, chunks)
+    return out, nread
+
+
+def _read(source, fi: int, off: int, bufs, fds) -> None:
+    if fds is None:
+        source.fetch_into(fi, off, bufs)
+        return
+    n = read_fully(fds[fi], bufs, off, source.files[fi])
+    lo = off // PAGE * PAGE             # whole pages: DONTNEED keeps partial ones
+    os.posix_fadvise(fds[fi], lo, -(-(off + n - lo) // PAGE) * PAGE, os.POSIX_FADV_DONTNEED)
+
+
+def _open_local(source) -> list[int]:
+    """Own descriptors on the source's files, readahead off (a sampled block must not pull in
+    its neighbours), checked to be the very files the source opened."""
+    fds = []
+    try:
+        for path, sfd in zip(source.files, source.fds):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fds.append(fd)
+            a, b = os.fstat(fd), os.fstat(sfd)
+            if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+                raise SourceError(f"{path}: replaced since k3d opened it; start again")
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def compute(source, threads: int, progress=None) -> tuple[dict, int]:
+    """The digest of ``source`` (``k3client.digest.assemble``'s dict) and the bytes read.
+
+    ``progress(done, total)`` is called on the calling thread as experts finish."""
+    fds = _open_local(source) if source.fds else None       # None: a remote source, read by fetch_into
+    layers = sorted({l for l, _ in source.keys})
+    specs = {l: [(s.name, s.dtype, s.shape) for s in source.layout_of(l)] for l in layers}
+    hashes, nread = {}, 0
+    keys = sorted(source.keys)
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="k3d-digest") as pool:
+            futures = {pool.submit(_expert_hashes, source, k, fds): k for k in keys}
+            try:
+                for n, fut in enumerate(as_completed(futures), 1):
+                    hashes[futures[fut]], got = fut.result()
+                    nread += got
+                    if progress is not None and (n % 256 == 0 or n == len(keys)):
+                        progress(n, len(keys))
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    finally:
+        for fd in fds or []:
+            os.close(fd)
+    return assemble(specs, hashes), nread
+
+
+def threads_for(source, readers: int) -> int:
+    """Digest threads: the reader count; for local files at least ``LOCAL_THREADS``."""
+    return max(readers, LOCAL_THREADS) if source.fds else readers
+
+
+def prune(state_dir: str, keep: str) -> list[str]:
+    """Delete the cached digests of local checkpoints that are gone or changed (a file missing, or
+    another inode, size or mtime: that digest can never be used again), and temporary files of
+    saves that crashed over an hour ago; never ``keep``, never a remote source's.  Returns the
+    paths deleted."""
+    gone, now = [], time.time()
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return gone
+    for name in names:
+        path = os.path.join(state_dir, name)
+        try:
+            if name.startswith(".digest-") and name.endswith(".tmp"):
+                if now - os.stat(path).st_mtime > 3600:
+                    gone.append(path)
+                continue
+            if not (name.startswith("digest-") and name.endswith(".json")) or path == keep:
+                continue
+            with open(path) as f:
+                files = json.load(f)["identity"][2]
+            if any(len(f) == 5 and not _same_file(*f) for f in files):
+                gone.append(path)
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            continue                  # another daemon's save in flight, or not ours to judge
+    for path in gone:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return gone
+
+
+def _same_file(path, dev, ino, size, mtime_ns) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (dev, ino, size, mtime_ns)
+
+
+def for_source(source, state_dir: str, threads: int, progress=None) -> dict:
+    """The source's digest, from the cache in ``state_dir`` when the files are the same,
+    else computed (and cached) on ``threads`` threads; logs time and bytes.  Never raises
+    for a cache it cannot use or write (a log line); a source it cannot read raises
+    (SourceError, OSError)."""
+    t0 = time.monotonic()
+    ident = identity(source)
+    path = cache_path(state_dir, ident) if state_dir else ""
+    cached = load_cached(path, ident) if path else None
+    if cached is not None:
+        log.info("digest %s of %s: from %s (same files)", cached["hex"][:16], source.path, path)
+        return {**cached, "cached": True, "bytes_read": 0, "seconds": round(time.monotonic() - t0, 3)}
+    digest, nread = compute(source, threads, progress)
+    secs = time.monotonic() - t0
+    log.info("digest %s of %s: %d expert tensors, %d bytes read in %.2fs (%d threads)",
+             digest["hex"][:16], source.path, sum(p[4] for p in digest["parts"]), nread, secs, threads)
+    if path:
+        try:
+            save_cached(path, ident, digest)
+            for old in prune(state_dir, path):
+                log.info("digest cache: removed %s (its checkpoint's files are gone or changed)", old)
+        except OSError as e:
+            log.warning("cannot keep the digest in %s: %s (the next start computes it again)", path, e)
+    return {**digest, "cached": False, "bytes_read": nread, "seconds": round(secs, 3)}
