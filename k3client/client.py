@@ -141,8 +141,9 @@ class Client:
         self._chan = Channel(self._ctx, self.endpoint)
         self.gen = None
         try:
+            self._asked_hit_path = self.hit_path == "client"
             h = self._chan.request("hello", connect_timeout, name=self.name, pid=os.getpid(),
-                                   hit_path=self.hit_path == "client")
+                                   hit_path=self._asked_hit_path)
         except errors.Timeout:
             raise errors.DaemonNotRunning(
                 f"k3d daemon not running at {self.endpoint}: no answer in {connect_timeout:g}s") from None
@@ -171,6 +172,12 @@ class Client:
         self.pin_quota = h.get("pin_quota", 0)
         self._hb_wake.set()         # a (re)attach: beat now, at this daemon's lease from here on
         self._attach_arena(arena_socket, h["arena_bytes"], h["index_bytes"])
+        if self._asked_hit_path and self._hits is None:
+            # The index could not be mapped: the daemon counts this client as one that
+            # reads it, and would wait for its index counts.  Say hello again without.
+            h = self._chan.request("hello", connect_timeout, name=self.name, pid=os.getpid(), hit_path=False)
+            self.client_id = h["client_id"]
+            self._lease = (self.client_id, self.gen)
 
     def _disconnect(self) -> None:
         with self._io:
@@ -251,7 +258,12 @@ class Client:
                     if hits is not None:
                         hits.open = False
                         fields.update(hits.take())
-                    reply = self._chan.request(op, self.timeout, **fields)
+                    rid = self._chan.post(op, **fields)
+                    if hits is not None:
+                        hits.sent()
+                        if op == "begin_token":
+                            hits.new_token()
+                    reply = self._chan.wait(rid, op, self.timeout)
             except Gone as e:
                 self._reattach(str(e))
                 continue
@@ -284,8 +296,9 @@ class Client:
                 fields = hits.sync()
                 if fields:
                     chan.send("hits", **fields)
+                    hits.sent()
         except zmq.ZMQError:
-            pass                              # a closing socket: the client's thread carries on
+            hits.unsend()                     # a closing socket: the client's thread carries on
         finally:
             self._io.release()
 
@@ -315,16 +328,22 @@ class Client:
         until its next call.  A restart found then re-attaches and begins the epoch there."""
         self.settle()
         hits = self._hits
-        if hits is not None:
-            hits.new_token()             # the caller's views of the ending token end here
         if wait or self._chan is None or self._closed:
             return self._call("begin_token")["epoch"]
-        with self._io:
-            fields = {}
-            if hits is not None:         # shut until settle() reads the reply
-                hits.open = False
-                fields = hits.take()
-            self._pending = self._chan.post("begin_token", **fields)
+        try:
+            with self._io:
+                fields = {}
+                if hits is not None:         # shut until settle() reads the reply
+                    hits.open = False
+                    fields = hits.take()
+                self._pending = self._chan.post("begin_token", **fields)
+                if hits is not None:
+                    hits.sent()
+                    hits.new_token()
+        except BaseException:
+            if hits is not None:
+                hits.failed()
+            raise
         return None
 
     def settle(self) -> None:
@@ -375,12 +394,19 @@ class Client:
                     with self._io:
                         fields = hits.take()
                         if fields:
-                            self._chan.send("hits", **fields)
+                            try:
+                                self._chan.send("hits", **fields)
+                            except BaseException:
+                                hits.unsend()
+                                raise
+                            hits.sent()
                 return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
         fields = {"keys": [[layer, e] for e in experts]}
         if preds:
             fields["predicted"] = preds
         slots = self._call("fetch", **fields)["slots"]
+        if hits is not None and hits is self._hits:
+            hits.held_by_daemon(slots)
         return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
 
     def layer_resident(self, layer: int, n: int) -> bool:

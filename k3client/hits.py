@@ -70,6 +70,7 @@ class LocalHits:
             self._exited.register(pidfd, select.POLLIN)
         self.reports: list = []          # [layer, experts, slots], in the order they were answered
         self.reported = 0
+        self.inflight: list = []         # reports taken for a message not yet sent (``sent``/``unsend``)
         self.open = True                 # the window (module docstring)
         self.quota = quota
         self.token_slots: set[int] = set()    # with a quota: slots answered for this token
@@ -103,13 +104,34 @@ class LocalHits:
         return slots
 
     def failed(self) -> None:
-        """A request failed (its window stays shut); with a quota, this token's count is
-        no longer known: answer nothing here until the next token."""
+        """A request failed (its window stays shut; reports it did not send go back first
+        in line); with a quota, this token's count is no longer known: answer nothing here
+        until the next token."""
         self.open = False
+        self.unsend()
         if self.quota:
             self.token_slots = set(range(self.quota + 1))
 
+    def sent(self) -> None:
+        """The message carrying the reports last taken left (they are the daemon's now)."""
+        self.inflight = []
+
+    def unsend(self) -> None:
+        """The message meant to carry the reports last taken did not leave (an interrupt,
+        a closing socket): they go first in the next one, in their order."""
+        if self.inflight:
+            with self.lock:
+                self.reports[:0] = self.inflight
+                self.reported += sum(len(r[1]) for r in self.inflight)
+                self.inflight = []
+
+    def held_by_daemon(self, slots) -> None:
+        """With a quota: slots the daemon answered (and pinned) count toward it here too."""
+        if self.quota:
+            self.token_slots = self.token_slots.union(slots)
+
     def new_token(self) -> None:
+        """The ``begin_token`` request left: the daemon's count starts again, so ours does."""
         self.token_slots = set()
 
     def not_resident(self, keys: list[list[int]]) -> list[list[int]]:
@@ -143,6 +165,7 @@ class LocalHits:
             if not self.reports:
                 return {}
             out, self.reports, self.reported = self.reports, [], 0
+            self.inflight = out
         return {"hits": out}
 
     def sync(self) -> dict | None:
@@ -157,6 +180,7 @@ class LocalHits:
             if seen == self.synced and not self.reports:
                 return None
             out, self.reports, self.reported = self.reports, [], 0
+            self.inflight = out
         self.synced = seen
         return {"hits": out, "seen": seen} if out else {"seen": seen}
 

@@ -92,6 +92,12 @@ class Parked:
         try:
             slots = checked_slots(self.store, p.keys, p.slots)
             if p.session.holder != p.holder:
+                if not self.store.reuse.awaited(p.session.client_id, p.rid):
+                    # A hit-path client that began a token after this request gave up
+                    # on it (k3client waits for every reply): pinning it in the new
+                    # token would count against the quota the client counts itself.
+                    raise errors.K3Error("fetch answered after this client began a new token "
+                                         "and sent other requests; fetch again")
                 # The client began a new token before this reply (a pipelining
                 # client): its old pins are gone, so pin for the token it reads in,
                 # within that token's quota like any fetch in it.

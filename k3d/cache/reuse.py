@@ -127,6 +127,12 @@ class Reuse:
             if ok:
                 r.synced = self.retired
 
+    def awaited(self, client: int, rid) -> bool:
+        """Whether ``client`` may still wait for request ``rid``: not a hit-path client, or
+        ``rid`` is its latest request (a later one means it gave up on ``rid``: C1)."""
+        r = self.viewers.get(client)
+        return r is None or r.pending == rid
+
     def seen(self, client: int, count) -> bool:
         """A ``hits`` message said the client read the retirement count ``count`` after
         taking its reports (applied just before): later lookups see every clear up to it.
@@ -167,6 +173,11 @@ class Reuse:
             r.claims.clear()
 
     # -- slots --------------------------------------------------------------------
+    def unpublished(self) -> None:
+        """A key left the index that no client could have read (it was never READY): the
+        count moves with the index's, whose header clients report as ``seen``; no slot waits."""
+        self.retired += 1
+
     def retire(self, slot: int, now: float = 0.0) -> bool:
         """``slot``'s key left the index.  True: reuse it now; False: it waits (``reclaim``)."""
         self.retired += 1

@@ -153,7 +153,7 @@ class Store(PredictionBook, ReportedHits):
             if need > len(self.free):
                 self.pressed = now
             if need > available:
-                if need <= len(self.free) + evictable + len(self.reuse.limbo):
+                if need <= len(self.free) + evictable + self.reuse.coming():
                     self.want = max(self.want, need)
                     self.stats.slots_busy += 1
                     raise SlotsBusy(
@@ -339,6 +339,7 @@ class Store(PredictionBook, ReportedHits):
             self.index.ready(load.key, s)
         else:
             self.index.clear(load.key)     # never READY: no client read it, so the slot is free now
+            self.reuse.unpublished()       # (one count with the index's: clients report it as ``seen``)
             self.stats.errors += counted
             del self.key_slot[load.key]
             self.resident.discard(load.key)
@@ -364,4 +365,5 @@ class Store(PredictionBook, ReportedHits):
             assert (self.state[s] != FREE) == self.policy.has(s)
         assert len(self.free) == len(set(self.free))
         assert not set(self.free) & self.reuse.limbo.keys()
+        assert self.index.retired() in (None, self.reuse.retired), "the index's count is not reuse's"
         assert self.stats.hits + self.stats.misses >= self.stats.waited

@@ -58,6 +58,10 @@ class SharedIndex:
         self._set(key, 0)
         self._words[RETIRED] += 1
 
+    def retired(self) -> int:
+        """The header's count of unpublished entries (``Store.check``: equal to ``Reuse.retired``)."""
+        return self._words[RETIRED]
+
     def close(self) -> None:
         """Tell the clients that still map it that this daemon stopped, and let go of it."""
         if self._words is not None:
@@ -83,3 +87,6 @@ class NoIndex:
 
     def clear(self, key) -> None:
         pass
+
+    def retired(self) -> None:
+        return None

@@ -20,16 +20,24 @@ what the daemon does, one message at a time:
   client has begun a token since);
 - a client **holds** its views for as long as hypothesis likes: nothing but its
   own ``begin_token`` ends them (there is no clock: no lease bound);
-- read completions, the daemon settling (reclaim, make room), a client dying, a
-  client attaching, the daemon restarting (every client re-attaches; views of
-  the old arena keep the old mapping, which nobody writes);
+- read completions and failed reads (their entries cleared, their fetches
+  answered ``ReadFailed``), the daemon settling (reclaim, make room), a client
+  dying, a client attaching, the daemon restarting (every client re-attaches;
+  views of the old arena keep the old mapping, which nobody writes);
 - a misbehaving client sending reports of slots it never read and ``seen``
   counts it never saw.
 
 Invariant (the guarantee): every view an honest client holds in its current
 token shows the key it was taken for: the slot was neither rewritten nor given to
-another key.  And the store's own invariants (``Store.check``), plus: a slot
-waiting for reuse is in neither the free list nor the index.
+another key.  An honest client's ``seen`` is never refused (it would hold reuse
+back).  And the store's own invariants (``Store.check``: the count clients read
+is the count ``Reuse`` keeps), plus: a slot waiting for reuse is in neither the
+free list nor the index.
+
+The scenarios below the machine replay, step by step, the issue's reproductions
+and the holes a review found in the first version of this protocol (a failed
+read's count, slots the daemon answered under a quota, a fetch given up on and
+answered in the next token, an interrupt between taking reports and sending them).
 """
 
 from hypothesis import HealthCheck, settings, strategies as st
@@ -113,6 +121,7 @@ class HitPathMachine(RuleBasedStateMachine):
         c.hits.open = False
         c.rid += 1
         c.outbox.append({"op": op, "rid": c.rid, "hits": c.hits.take().get("hits", []), **fields})
+        c.hits.sent()
         c.waiting = c.rid
 
     @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st)
@@ -159,6 +168,7 @@ class HitPathMachine(RuleBasedStateMachine):
             return
         c.hits.open = True
         if slots is not None:
+            c.hits.held_by_daemon(slots)    # (k3client's fetch: they count toward its quota)
             c.views += [(s, k, self.written[s]) for k, s in zip(keys, slots)]
 
     @rule(data=st.data())
@@ -172,12 +182,14 @@ class HitPathMachine(RuleBasedStateMachine):
         fields = c.hits.sync()
         if fields:
             c.outbox.append({"op": "hits", **fields})
+            c.hits.sent()
 
     @rule(data=st.data())
     def flush_reports(self, data):
         c = self.pick(data, lambda c: c.hits.reports)
         if c is not None:
             c.outbox.append({"op": "hits", **c.hits.take()})
+            c.hits.sent()
 
     # -- the daemon side --------------------------------------------------------------
     def reply(self, c, rid, ok, slots=None, keys=None):
@@ -226,6 +238,19 @@ class HitPathMachine(RuleBasedStateMachine):
         self.store.reclaim(0.0)
         self.store.make_room(0.0)
 
+    @rule(data=st.data())
+    def fail_a_read(self, data):
+        """A read fails (an I/O error, a changed file, the origin): its fetches get ``ReadFailed``."""
+        if self.store.loads:
+            self.fail_read(data.draw(st.sampled_from(sorted(self.store.loads))))
+
+    def fail_read(self, s):
+        self.store.complete(s, "EIO")
+        for p in [p for p in self.parked if s in p[4]]:
+            self.parked.remove(p)
+            self.reply(self.clients[p[0]], p[1], False)
+        self.settle()
+
     @rule()
     def finish_reads(self):
         for s in sorted(self.store.loads):
@@ -239,6 +264,8 @@ class HitPathMachine(RuleBasedStateMachine):
                 ok = True
                 if (c.id, c.epoch) != holder:            # parked.py: pin for the token it reads in
                     try:
+                        if not self.store.reuse.awaited(c.id, rid):
+                            raise QuotaExceeded("given up on")
                         self.store.repin((c.id, c.epoch), slots)
                     except QuotaExceeded:
                         ok = False
@@ -464,11 +491,11 @@ def test_claims_count_toward_the_pin_quota():
         index.close()
 
 
-def scenario(steps) -> HitPathMachine:
+def scenario(steps, quota: int = 0) -> HitPathMachine:
     """Run the model machine through ``steps(m, a, b)`` with two clients (a 4-slot arena):
     the issue's reproductions, step by step, with the model's invariants after each."""
     m = HitPathMachine()
-    m.setup(n=2, quota=0)
+    m.setup(n=2, quota=quota)
     try:
         a, b = m.clients[1], m.clients[2]
         for _ in steps(m, a, b):
@@ -561,3 +588,119 @@ def test_a_client_whose_count_lags_past_a_lease_is_named():
         assert r.lagging(before=16.0) == []
     finally:
         index.close()
+
+
+def fill(m, c, keys):
+    """``c`` fetches ``keys`` (misses), reads them, begins its next token (they are unpinned)."""
+    m.send(c, "fetch", keys=keys)
+    m.handle(c)
+    m.finish_reads()
+    m.receive(c)
+    m.begin(c)
+    m.handle(c)
+    m.receive(c)
+
+
+def miss(m, a, key, b):
+    """A fetches ``key`` (a miss), retrying ``SlotsBusy`` as k3client does; ``b``'s lease
+    thread reports in between."""
+    for _ in range(6):
+        m.send(a, "fetch", keys=[key])
+        m.handle(a)
+        m.finish_reads()
+        while a.inbox:
+            m.receive(a)
+        if a.hits.open:
+            return
+        m.sync(b)
+        while b.outbox:
+            m.handle(b)
+    raise AssertionError("A's miss never completed")
+
+
+def test_a_failed_read_moves_the_count_clients_read_and_reuse_keeps_alike():
+    """A failed read clears a LOADING entry: the index's count moves, and so must reuse's,
+    or a ``seen`` read before an eviction would cover it (and an honest one be refused)."""
+    def steps(m, a, b):
+        fill(m, a, [(0, 0), (0, 1)])
+        m.send(a, "fetch", keys=[(1, 0)])
+        m.handle(a)
+        m.fail_read(m.parked[0][4][0])
+        m.receive(a)                           # ReadFailed
+        yield
+        m.sync(b)                              # B's lease thread reads the count ...
+        m.answer(b, 0, [0])                    # ... then answers (0, 0) itself
+        assert len(b.views) == 1
+        yield
+        fill(m, a, [(1, 1), (1, 2)])
+        m.send(a, "fetch", keys=[(1, 3)])      # SlotsBusy; (0, 0) is evicted, waits for B
+        m.handle(a)
+        m.receive(a)
+        yield
+        m.handle(b)                            # B's count, read before that eviction
+        yield
+        miss(m, a, (1, 3), b)
+        yield
+    scenario(steps)
+
+
+def test_with_a_quota_the_client_counts_the_slots_the_daemon_answered():
+    """Quota 2: B's two misses answered by the daemon fill its quota, so it answers no more
+    itself (the daemon would refuse those reports, and nothing would keep their slots)."""
+    def steps(m, a, b):
+        m.send(b, "fetch", keys=[(0, 0), (0, 1)])
+        m.handle(b)
+        m.finish_reads()
+        m.receive(b)
+        fill(m, a, [(0, 2), (0, 3)])
+        m.answer(b, 0, [2, 3])
+        assert len(b.views) == 2               # not answered here: over the quota
+        yield
+        miss(m, a, (1, 0), b)
+        yield
+    scenario(steps, quota=2)
+
+
+def test_a_fetch_given_up_on_is_not_pinned_in_the_next_token():
+    """Quota 2: B gives up on a cold fetch and begins a token; the fetch completes after
+    that.  Pinning it in B's new token would count against a quota B counts without it."""
+    def steps(m, a, b):
+        fill(m, a, [(0, 0), (0, 1)])
+        m.send(b, "fetch", keys=[(1, 0)])
+        m.handle(b)                            # parked
+        m.interrupt(b)                         # Timeout / Ctrl-C
+        m.begin(b)
+        m.handle(b)
+        m.receive(b)
+        yield
+        m.finish_reads()                       # answered with an error, not pinned
+        m.receive(b)
+        assert not m.store.policy.held((b.id, b.epoch))
+        m.answer(b, 0, [0, 1])
+        assert len(b.views) == 2
+        m.sync(b)
+        m.handle(b)
+        assert m.store.stats.bad_reports == 0
+        yield
+        fill(m, a, [(1, 1)])
+        miss(m, a, (1, 2), b)
+        yield
+    scenario(steps, quota=2)
+
+
+def test_reports_taken_for_a_message_that_never_left_go_with_the_next():
+    """A KeyboardInterrupt between taking the reports and sending them: they go back first
+    in line, so the lease thread's next message carries them before its count."""
+    def steps(m, a, b):
+        fill(m, a, [(0, 0), (0, 1)])
+        m.answer(b, 0, [0])
+        yield
+        b.hits.open = False                    # Client._call, inside ``with self._io``
+        b.hits.take()                          # ... KeyboardInterrupt here, before the send
+        b.hits.failed()
+        assert b.hits.reports
+        yield
+        fill(m, a, [(1, 0), (1, 1)])
+        miss(m, a, (1, 2), b)
+        yield
+    scenario(steps)
