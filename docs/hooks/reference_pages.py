@@ -322,12 +322,14 @@ def python_api_page() -> str:
         else:
             out += [f"## `k3client.{name}`", "", f"`{obj!r}`", ""]
     out += ["## Errors", "",
-            "Every error is one line a person can act on.  All derive from `K3Error`; the wire code "
-            "picks the class (see [the protocol](protocol.md#errors)).", "",
+            "Every error is one line a person can act on.  The daemon's derive from `K3Error`; the "
+            "wire code picks the class (see [the protocol](protocol.md#errors)).  `Mismatch` is "
+            "the client's own (a checkpoint that is not what the daemon serves): no wire code.", "",
             "| class | wire code | meaning |", "|---|---|---|"]
     for name in error_names:
         cls = getattr(errors, name)
-        out.append(f"| `{name}` | `{cls.code}` | {_cell(inspect.cleandoc(cls.__dict__.get('__doc__') or ''))} |")
+        code = f"`{cls.code}`" if hasattr(cls, "code") else "—"
+        out.append(f"| `{name}` | {code} | {_cell(inspect.cleandoc(cls.__dict__.get('__doc__') or ''))} |")
     out.append("")
     return "\n".join(out)
 
