@@ -49,7 +49,7 @@ def test_among_layers_ahead_the_least_likely_per_step_goes():
     # serving layer 0: layers 1..7 are ahead; 5 is hot, the cold ones are alike but
     # (7, 0) is furthest away, so it buys the fewest hits per slot-step
     assert p.victim() == 7
-    assert p.rate((5, 0)) > 0.5 > p.rate((6, 0))
+    assert p.usage.rate((5, 0)) > 0.5 > p.usage.rate((6, 0))
     p.check()
 
 
@@ -75,7 +75,7 @@ def test_predictions_are_not_uses_and_admission_compares_expected_reuse():
             p.visit(layer)
             p.insert(layer, (layer, 0)) if _ == 0 else p.touch(layer, (layer, 0))
     p.insert(4, (1, 5), predicted=True)
-    assert p.rate((1, 5)) < p.rate((1, 0))
+    assert p.usage.rate((1, 5)) < p.usage.rate((1, 0))
     p.visit(0)                                      # serving 0: (1, x) is next
     # a confident prediction for layer 1 may displace a cold key far ahead, not a hot one
     assert p.admits((1, 5), 4, confidence=0.9)      # its own slot: rarely used
@@ -109,7 +109,7 @@ def test_export_restore_round_trip_and_refuses_garbage():
     q = CyclePolicy()
     q.restore(p.export())
     assert q.ranking() == p.ranking()
-    assert all(abs(q.rate(k) - p.rate(k)) < 1e-9 for k in p.ranking())
+    assert all(abs(q.usage.rate(k) - p.usage.rate(k)) < 1e-9 for k in p.ranking())
     with pytest.raises(ValueError):
         CyclePolicy().restore({"keys": [["a", 1, 2, 3]]})
     with pytest.raises(ValueError):

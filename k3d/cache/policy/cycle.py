@@ -1,4 +1,5 @@
-"""The MoE-aware policy (``--policy cycle``, the default).  Pure: see ``base``.
+"""The MoE-aware policy (``--policy cycle``, the default): residents, pins and the
+victim index.  Pure: see ``base``.
 
 MoE layers run in a fixed cycle 0..L-1 per token, so where an expert's layer lies in
 the cycle bounds its next use: an expert of a layer the current token has passed
@@ -16,29 +17,31 @@ Victim order (largest first, ties: lower slot)::
 - ``d``: layer steps until the key's layer is served again (1 = the next layer,
   L = the one being served now).
 - ``p``: the chance the key is picked when its layer comes: a decayed count of its
-  uses (LRFU-style forgetting, ``half_life`` visits of its layer), shrunk towards
-  the layer's mean rate so one use is not trusted as a sure thing.  ``d / p`` is
-  the layer steps per expected hit the slot would buy.
+  uses (``half_life`` visits of its layer), shrunk towards the layer's mean rate, as
+  ``self.usage`` (``usage.UsageStats``) keeps it.  ``d / p`` is the layer steps per
+  expected hit the slot would buy.
 
-Visits are counted per layer (``visit``, once per fetch per layer), and the layer
-being served is the last one visited, so several clients count as chances for a key
-and share one notion of "now".  Statistics are kept for every key seen, resident or
-not (a returning expert keeps its history): one small record per expert.
+Two parts, composed: ``self.usage`` knows keys and layers, never slots; this class
+knows the residents (``_key``, ``_by_layer``), the pins (``PinTable``) and the
+index below, and asks ``usage`` for rates and orders.  Visits are counted per layer
+(``visit``, once per fetch per layer), and the layer being served is the last one
+visited (``_current``; ``_first`` starts the pass), so several clients count as
+chances for a key and share one notion of "now".
 
-Index (so a victim costs O(L), not O(slots)): residents are grouped by layer; within
-a layer ``d`` is shared, so the layer's candidate is its unpinned resident with the
-lowest decayed count.  A key's order within its layer (``_forward``: its log count
-scaled to visit 0) changes only when it is used, so it is kept in its record (None
-after a use, computed again when its unpinned slot is filed: a use costs no log,
-and every reported hit is a use), and
-each layer keeps its unpinned residents with that value (``_free``) and their
-least (``_best``), updated as they change: a change to any other slot moves the
-least only if the new value is below it, so the layer is scanned again only when
-its least itself is pinned, evicted or used (a slot inserted waits in ``_fresh``
-until the next victim, so a fetch's miss, pinned right away, is never filed).  The
-candidate's rate changes with every visit and use of its layer, so it is cached
-apart (``_cand``), until then; ``victim`` keeps each layer's score while the
-cycle's position stays.  All of it yields the victims of a full scan (``check``).
+Index (so a victim costs O(L), not O(slots)): within a layer ``d`` is shared, so the
+layer's candidate is its unpinned resident with the least ``usage.order`` (its
+decayed count, comparable within a layer and changing only when the key is used).
+Each layer keeps its unpinned residents with that value (``_free``) and their least
+(``_best``), updated as they change: a change to any other slot moves the least
+only if the new value is below it, so the layer is scanned again only when its
+least itself is pinned, evicted or used.  A slot inserted waits in ``_fresh`` until
+the next victim (a fetch's miss, pinned right away, is never filed); an unpinned
+resident used waits in ``_moves`` (a use only raises its order, so a batch of them
+has one outcome in any order).  The candidate's rate changes with every visit and
+use of its layer, so it is cached apart (``_cand``), until then; ``victim`` keeps
+each layer's score while the cycle's position stays (``_stamp``), rescoring the
+layers in ``_dirty``.  ``check`` recomputes all of it from scratch and compares:
+it yields the victims of a full scan.
 
 Background reads (``admits``): a prediction may evict a slot only if the slot's
 score is larger than the prediction's own (its layer's distance, the predicting
@@ -47,31 +50,23 @@ client's measured precision as ``p``).
 
 from __future__ import annotations
 
-import math
-
 from k3d.cache.policy.base import PinTable
-from k3d.cache.policy.cycle_state import CycleState
+from k3d.cache.policy.usage import UsageStats
 
 _STALE = object()                                 # a cache entry to compute again
 
 
-class CyclePolicy(CycleState, PinTable):
+class CyclePolicy(PinTable):
     name = "cycle"
 
     def __init__(self, layers: int = 0, half_life: float = 8.0, prior_weight: float = 1.0):
         super().__init__()
         self.layers = layers                          # L; grows with the keys seen
-        self._decay = 0.5 ** (1.0 / half_life)
-        self._log_decay = math.log(self._decay)
-        self._prior_weight = prior_weight
-        self._visits: dict[int, int] = {}             # layer -> visits so far
-        self._picks: dict[int, int] = {}              # layer -> keys used in those visits
-        self._experts: dict[int, int] = {}            # layer -> highest expert id + 1 seen
-        self._stat: dict[tuple, list] = {}            # key -> [decayed count, last update's visit, _forward or None]
+        self.usage = UsageStats(half_life, prior_weight)
         self._key: dict[int, tuple] = {}              # resident slot -> key
         self._by_layer: dict[int, set[int]] = {}      # layer -> resident slots
-        self._free: dict[int, dict[int, float]] = {}  # layer -> {unpinned resident slot: its _forward}
-        self._best: dict[int, tuple | None] = {}      # layer -> least (_forward, slot) of _free (absent: stale)
+        self._free: dict[int, dict[int, float]] = {}  # layer -> {unpinned resident slot: its usage.order}
+        self._best: dict[int, tuple | None] = {}      # layer -> least (order, slot) of _free (absent: stale)
         self._cand: dict[int, tuple | None] = {}      # layer -> (slot, rate) of _best's slot (absent: stale)
         self._pscores: dict[int, tuple] = {}          # passed layer -> its candidate's victim order
         self._nscores: dict[int, tuple] = {}          # the same for layers ahead, when _ahead
@@ -86,7 +81,7 @@ class CyclePolicy(CycleState, PinTable):
     # -- requests -------------------------------------------------------------
     def visit(self, layer: int) -> None:
         """A fetch for ``layer`` begins: one more chance for each of its experts."""
-        self._visits[layer] = self._visits.get(layer, 0) + 1
+        self.usage.visit(layer)
         if layer <= self._current or self._first < 0:
             self._first = layer                       # the cycle wrapped: a new token
         self._current = layer
@@ -121,30 +116,18 @@ class CyclePolicy(CycleState, PinTable):
             i = j
 
     def _used_layer(self, layer: int, keys, slots) -> None:
-        """Each of ``keys``, all of ``layer`` (resident in ``slots``), was used, in order: its
-        decayed count (its ``_forward`` goes stale; an unpinned slot's is refiled by
-        ``_flush_moves``) and the layer's picks.  The one copy of this arithmetic.  The
-        caller has marked the layer's candidate stale (``visit`` does).  Per key it is a
-        few dictionary operations, because every reported hit of every client costs the
-        daemon this; the highest expert id is checked only for a key seen the first time
-        (``restore`` keeps it above every key's).  A used key is usually pinned already (a
-        fetch pins before it touches), so its layer's least unpinned value rarely moves."""
-        stat, moves, decay = self._stat, self._moves, self._decay
-        v = self._visits.get(layer, 0)
-        free = self._free.get(layer, ())
-        self._picks[layer] = self._picks.get(layer, 0) + len(keys)
-        for key, slot in zip(keys, slots):
-            st = stat.get(key)
-            if st is None:
-                st = stat[key] = [1.0, v, None]
-                if key[1] >= self._experts.get(layer, 0):
-                    self._experts[layer] = key[1] + 1
-            else:
-                st[0] = st[0] * decay ** (v - st[1]) + 1.0
-                st[1] = v
-                st[2] = None
-            if slot in free:
-                moves.add(slot)
+        """Each of ``keys``, all of ``layer`` (resident in ``slots``), was used, in order:
+        ``usage`` counts it, and an unpinned slot's order is refiled by ``_flush_moves``.
+        The caller has marked the layer's candidate stale (``visit`` does).  A used key
+        is usually pinned already (a fetch pins before it touches), so its layer's least
+        unpinned value rarely moves."""
+        self.usage.used(layer, keys)
+        free = self._free.get(layer)
+        if free:
+            moves = self._moves
+            for slot in slots:
+                if slot in free:
+                    moves.add(slot)
 
     def insert(self, slot: int, key=None, predicted: bool = False) -> None:
         layer = key[0]
@@ -161,24 +144,20 @@ class CyclePolicy(CycleState, PinTable):
         self._used_all((self._key[slot] if key is None else key,), (slot,))
 
     def _flush_moves(self) -> None:
-        """File the new ``_forward`` of the unpinned residents used since the last victim.
-        Deferred because a use only raises a key's ``_forward``, so a batch of them has
-        one outcome in any order: each slot's last value, and the layer's least kept
-        unless the least itself was used (then scanned again); a hit then costs no log."""
+        """File the new order of the unpinned residents used since the last victim.
+        Deferred because a use only raises a key's order, so a batch of them has one
+        outcome in any order: each slot's last value, and the layer's least kept unless
+        the least itself was used (then scanned again); a hit then costs no log."""
         moves, self._moves = self._moves, set()
-        key_of, stat, frees = self._key, self._stat, self._free
+        key_of, order, frees = self._key, self.usage.order, self._free
         for s in moves:
             key = key_of.get(s)
             if key is None or s not in frees.get(key[0], ()):
                 continue                              # evicted or pinned since
-            st = stat[key]
-            f = st[2]
-            if f is None:
-                f = st[2] = self._forward(st)
-            self._moved(key[0], s, f)
+            self._moved(key[0], s, order(key))
 
     def _moved(self, layer: int, slot: int, f: float) -> None:
-        """Unpinned resident ``slot``'s ``_forward`` is ``f`` now (a use while unpinned)."""
+        """Unpinned resident ``slot``'s order is ``f`` now (a use while unpinned)."""
         self._free[layer][slot] = f
         b = self._best.get(layer, _STALE)
         if b is not _STALE and b is not None:
@@ -234,19 +213,13 @@ class CyclePolicy(CycleState, PinTable):
 
     def _unpinned_all(self, slots) -> None:
         """``slots`` may be victims now (their last pin went, or ``_file_fresh``)."""
-        key_of, stat, frees, bests = self._key, self._stat, self._free, self._best
+        key_of, order, frees, bests = self._key, self.usage.order, self._free, self._best
         for s in slots:
             key = key_of.get(s)
             if key is None:
                 continue
             layer = key[0]
-            st = stat.get(key)
-            if st is None:
-                f = -math.inf
-            else:
-                f = st[2]
-                if f is None:                         # used while pinned: computed now
-                    f = st[2] = self._forward(st)
+            f = order(key)                            # (used while pinned: computed now)
             free = frees.get(layer)
             if free is None:
                 free = frees[layer] = {}
@@ -258,19 +231,6 @@ class CyclePolicy(CycleState, PinTable):
                 self._dirty.add(layer)
 
     # -- scoring --------------------------------------------------------------
-    def rate(self, key) -> float:
-        """Estimated chance that ``key`` is picked when its layer comes."""
-        layer = key[0]
-        v = self._visits.get(layer, 0)
-        experts = self._experts.get(layer, 1)
-        prior = self._picks.get(layer, 0) / v / experts if v else 1.0 / experts
-        d = self._decay
-        seen = (1.0 - d ** v) / (1.0 - d)             # decayed number of visits observed
-        st = self._stat.get(key)
-        count = st[0] * d ** (v - st[1]) if st else 0.0
-        w = self._prior_weight
-        return (count + w * prior) / (seen + w)
-
     def distance(self, layer: int) -> int:
         """Layer steps until ``layer`` is served again (1 = next, L = the current one)."""
         return (layer - self._current - 1) % max(self.layers, 1) + 1
@@ -282,13 +242,8 @@ class CyclePolicy(CycleState, PinTable):
 
     def score(self, key, p: float | None = None) -> tuple[bool, float]:
         """Victim order, largest first: (passed, layer steps per expected hit)."""
-        p = self.rate(key) if p is None else p
+        p = self.usage.rate(key) if p is None else p
         return self.passed(key[0]), self.distance(key[0]) / max(p, 1e-9)
-
-    def _forward(self, st: list) -> float:
-        """A key's log count scaled to visit 0: its order within the layer holds between
-        updates (-inf for a zero count, which only ``restore`` can give)."""
-        return math.log(st[0]) - st[1] * self._log_decay if st[0] > 0 else -math.inf
 
     def _candidate(self, layer: int):
         """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
@@ -301,10 +256,10 @@ class CyclePolicy(CycleState, PinTable):
         except KeyError:
             pass
         b = self._best.get(layer, _STALE)
-        if b is _STALE:                  # least (_forward, slot): ties go to the lower slot
+        if b is _STALE:                  # least (order, slot): ties go to the lower slot
             free = self._free.get(layer)
             b = self._best[layer] = min(zip(free.values(), free)) if free else None
-        cand = None if b is None else (b[1], max(self.rate(self._key[b[1]]), 1e-9))
+        cand = None if b is None else (b[1], max(self.usage.rate(self._key[b[1]]), 1e-9))
         self._cand[layer] = cand
         return cand
 
@@ -371,3 +326,52 @@ class CyclePolicy(CycleState, PinTable):
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         return self.score(self._key[slot]) > self.score(key, p=confidence)
+
+    # -- warm restart and audit -------------------------------------------------
+    def ranking(self, slot_key=None) -> list[tuple]:
+        """Every key seen, most likely to be picked first (``usage.ranking``)."""
+        return self.usage.ranking()
+
+    def export(self) -> dict:
+        return self.usage.export()
+
+    def restore(self, state: dict) -> None:
+        """Take saved statistics (ValueError, nothing changed, if malformed) and file the
+        residents afresh by them: every cached order, least and score may have moved."""
+        self.layers = max(self.layers, self.usage.restore(state))
+        self._fresh.clear()
+        self._moves.clear()
+        self._free = self._refiled()
+        self._best.clear()
+        self._cand.clear()
+        self._stamp = None
+
+    def _refiled(self) -> dict:
+        """``_free`` computed afresh from the residents, pins and ``usage``."""
+        free: dict[int, dict[int, float]] = {}
+        order = self.usage.order
+        for s, key in self._key.items():
+            if s not in self._holders:
+                free.setdefault(key[0], {})[s] = order(key)
+        return free
+
+    def check(self) -> None:
+        """Audit: the pins, ``usage``, and this index against one built from scratch."""
+        self.check_pins()
+        assert not self._fresh & set(self._holders), "a pinned slot waits to be filed"
+        self._file_fresh()
+        self._flush_moves()
+        assert set(self._holders) <= set(self._key), "a pin on a slot the policy does not hold"
+        for layer, slots in self._by_layer.items():
+            assert all(self._key[s][0] == layer for s in slots)
+        assert sum(len(v) for v in self._by_layer.values()) == len(self._key)
+        self.usage.check()
+        assert {l: f for l, f in self._free.items() if f} == self._refiled(), "unpinned residents misfiled"
+        for layer, b in self._best.items():
+            free = self._free.get(layer)
+            assert b == (min(zip(free.values(), free)) if free else None), f"stale least kept for layer {layer}"
+        for layer, s in list(self._cand.items()):
+            del self._cand[layer]
+            self._best.pop(layer, None)
+            self._stamp = None
+            assert self._candidate(layer) == s, f"stale candidate cached for layer {layer}"
