@@ -50,3 +50,16 @@ def test_restore_takes_an_export_back_or_changes_nothing():
         with pytest.raises(ValueError, match="cycle-policy statistics"):
             q.restore(bad)
         assert q.export() == saved
+
+
+def test_a_restored_layer_visited_but_never_used_rates_its_keys():
+    """A saved state whose layer was visited but never used says 0 experts for it: a key
+    of that layer must still get a rate (it once divided by zero in the victim choice)."""
+    from k3d.cache.policy.cycle import CyclePolicy
+
+    p = CyclePolicy()
+    p.visit(0)
+    q = CyclePolicy()
+    q.restore(p.export())
+    q.insert(0, (0, 0), predicted=True)
+    assert q.victim() == 0

@@ -78,7 +78,7 @@ class UsageStats:
         """Estimated chance that ``key`` is picked when its layer comes."""
         layer = key[0]
         v = self._visits.get(layer, 0)
-        experts = self._experts.get(layer, 1)
+        experts = self._experts.get(layer, 1) or 1    # (a restored layer visited, never used, says 0)
         prior = self._picks.get(layer, 0) / v / experts if v else 1.0 / experts
         d = self._decay
         seen = (1.0 - d ** v) / (1.0 - d)             # decayed number of visits observed
