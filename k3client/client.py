@@ -255,10 +255,15 @@ class Client:
             fields.pop("hits", None)          # a retry's were applied with the first try
             try:
                 with self._io:
-                    if hits is not None:
-                        hits.open = False
-                        fields.update(hits.take())
-                    rid = self._chan.post(op, **fields)
+                    try:
+                        if hits is not None:
+                            hits.open = False
+                            fields.update(hits.take())
+                        rid = self._chan.post(op, **fields)
+                    except BaseException:
+                        if hits is not None:     # under _io: the lease thread must not send a
+                            hits.failed()        # count before these reports go again
+                        raise
                     if hits is not None:
                         hits.sent()
                         if op == "begin_token":
@@ -330,20 +335,20 @@ class Client:
         hits = self._hits
         if wait or self._chan is None or self._closed:
             return self._call("begin_token")["epoch"]
-        try:
-            with self._io:
+        with self._io:
+            try:
                 fields = {}
                 if hits is not None:         # shut until settle() reads the reply
                     hits.open = False
                     fields = hits.take()
                 self._pending = self._chan.post("begin_token", **fields)
-                if hits is not None:
-                    hits.sent()
-                    hits.new_token()
-        except BaseException:
+            except BaseException:
+                if hits is not None:         # (under _io, as in _call)
+                    hits.failed()
+                raise
             if hits is not None:
-                hits.failed()
-            raise
+                hits.sent()
+                hits.new_token()
         return None
 
     def settle(self) -> None:
@@ -396,17 +401,17 @@ class Client:
                         if fields:
                             try:
                                 self._chan.send("hits", **fields)
+                                hits.sent()
                             except BaseException:
                                 hits.unsend()
                                 raise
-                            hits.sent()
                 return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
         fields = {"keys": [[layer, e] for e in experts]}
         if preds:
             fields["predicted"] = preds
         slots = self._call("fetch", **fields)["slots"]
-        if hits is not None and hits is self._hits:
-            hits.held_by_daemon(slots)
+        if self._hits is not None:           # the session that answered (after a re-attach, a new one)
+            self._hits.held_by_daemon(slots)
         return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
 
     def layer_resident(self, layer: int, n: int) -> bool:

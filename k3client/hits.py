@@ -162,24 +162,24 @@ class LocalHits:
         """The reports as a message field (``{}`` when there are none), now handed over.
         The caller sends them next on the request socket, before any other message."""
         with self.lock:
-            if not self.reports:
+            out = self.inflight + self.reports    # an interrupted message's first, never dropped
+            if not out:
                 return {}
-            out, self.reports, self.reported = self.reports, [], 0
+            self.reports, self.reported = [], 0
             self.inflight = out
         return {"hits": out}
 
     def sync(self) -> dict | None:
-        """The lease thread's message fields: the reports so far and ``seen``, the
-        retirement count read after taking them (under ``lock``: no lookup falls between
-        the two); None when nothing was retired since the last ``seen`` and nothing is
-        reported (the daemon's bound on this client is already as high)."""
+        """The lease thread's message fields: the reports so far (an interrupted message's
+        first) and ``seen``, the retirement count read after taking them (under ``lock``:
+        no lookup falls between the two).  Sent every heartbeat, even unchanged: a ``seen``
+        the daemon could not apply (over its intake cap) must come again."""
         with self.lock:
             if self.index.closed_here:
                 return None
             seen = self.index.retired()
-            if seen == self.synced and not self.reports:
-                return None
-            out, self.reports, self.reported = self.reports, [], 0
+            out = self.inflight + self.reports
+            self.reports, self.reported = [], 0
             self.inflight = out
         self.synced = seen
         return {"hits": out, "seen": seen} if out else {"seen": seen}

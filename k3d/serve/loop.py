@@ -187,6 +187,8 @@ class Server:
                         self._drop(s, reason, dead=True)
                     patience = max([self.live.lease_s, *(s.lease_s for s in self.sessions)])
                     for c in self.store.reuse.lagging(now - patience):
+                        if self.intake.turns.queued(self.sessions.by_id[c].routing):
+                            continue                # its count may wait in its turn (over the cap, refused: resent)
                         self._drop(self.sessions.by_id[c], "reported no index count for a lease while slots "
                                    "it held back waited (k3d/cache/reuse.py)", dead=True)
                     self.cache.settle(now)          # slots no client can read any more (a dead one left)

@@ -704,3 +704,26 @@ def test_reports_taken_for_a_message_that_never_left_go_with_the_next():
         miss(m, a, (1, 2), b)
         yield
     scenario(steps)
+
+
+def test_the_lease_thread_between_take_and_the_failure_sends_the_reports_first():
+    """Ctrl-C after the client took its reports; its lease thread gets the socket before
+    the failure is handled: its message carries those reports before its count."""
+    def steps(m, a, b):
+        fill(m, a, [(0, 0), (0, 1)])
+        fill(m, a, [(1, 0), (1, 1)])           # 4 slots full, none pinned
+        m.answer(b, 0, [0, 1])
+        yield
+        m.send(a, "fetch", keys=[(1, 2)])      # SlotsBusy: (0, 0)'s slot evicted, waits for B
+        m.handle(a)
+        m.receive(a)
+        yield
+        b.hits.open = False
+        b.hits.take()                          # ... KeyboardInterrupt before the post
+        m.sync(b)                              # the lease thread: the reports, then the count
+        b.hits.failed()
+        yield
+        m.handle(b)
+        miss(m, a, (1, 2), b)
+        yield
+    scenario(steps)
