@@ -9,12 +9,11 @@ import time
 
 import pytest
 import zmq
+from test_intake_caps import request, server  # noqa: F401  (fixture)
 
 import k3client
 from k3client.errors import SlotsBusy
 from k3client.protocol import unpack
-
-from test_intake_caps import request, server  # noqa: F401  (fixture)
 
 
 def hello(ctx, endpoint):
