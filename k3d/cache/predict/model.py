@@ -383,7 +383,8 @@ class CoPredictor:
             for name, arr in views.items():
                 for row in state[name]:
                     *idx, val = (int(x) for x in row)
-                    if val < 0 or len(idx) != arr.ndim or any(not 0 <= i < s for i, s in zip(idx, arr.shape)):
+                    if not 0 <= val < new.window or len(idx) != arr.ndim or \
+                            any(not 0 <= i < s for i, s in zip(idx, arr.shape)):
                         raise ValueError(f"{name} entry out of range")
                     arr[tuple(idx)] = val
             cal_n = np.array([int(x) for x in state["cal_n"]], np.int64)
