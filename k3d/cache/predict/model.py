@@ -80,6 +80,11 @@ class CoPredictor:
         self.learned = 0                        # fetches folded into the counts, ever
         self._fold_at = MIN_FOLD                # fold once this many fetches were learned since the last
         self._fetched = [False] * self.layers   # layers ever fetched (live, not folded)
+        # passes that ended at a layer / went on past it: next_layer proposes only where
+        # passes usually go on (a prediction is released at its token's end, unused)
+        self._ends = [0] * self.layers
+        self._goes = [0] * self.layers
+        self._starts: dict[int, tuple] = {}     # client -> (its last pass's first layer, the one before's)
         self._tables: dict[int, Tables] = {}    # fetch size -> tables of the current fold
         self._recent: dict[int, list] = {}      # client -> [(layer, picks)] of this pass, newest last
         self._prev: dict[int, list] = {}        # client -> the same for its previous pass
@@ -167,6 +172,11 @@ class CoPredictor:
         if hist and hist[-1][0] >= m:              # a new pass without end_pass (a new token)
             self.end_pass(client)
             hist = self._recent[client]
+        if hist:
+            self._goes[hist[-1][0]] += 1
+        else:                                      # the pass's first layer
+            st = self._starts.get(client)
+            self._starts[client] = (m, st[0] if st else None)
         c.learn(m, self._context(client, m)[1], picks)
         self._fetched[m] = True
         if hist is None:
@@ -180,6 +190,7 @@ class CoPredictor:
         takes this pass's last layers as context."""
         hist = self._recent.get(client)
         if hist:
+            self._ends[hist[-1][0]] += 1
             self._prev[client] = hist
             self._recent[client] = []
             self._ctx.pop(client, None)
@@ -204,7 +215,7 @@ class CoPredictor:
 
     def forget(self, client: int) -> None:
         """``client`` left: its context goes (what it taught stays)."""
-        for d in (self._recent, self._prev, self._pending, self._k, self._ctx):
+        for d in (self._recent, self._prev, self._pending, self._k, self._ctx, self._starts):
             d.pop(client, None)
 
     # -- predicting ---------------------------------------------------------------
@@ -306,23 +317,34 @@ class CoPredictor:
     def next_layer(self, client: int) -> int | None:
         """The first layer after ``client``'s last fetch in this pass that has been
         fetched before (a model may have dense layers between its MoE layers); None:
-        none yet, or the last fetch was the last such layer (the next one is in the
-        next token: ``first_layer``)."""
+        none yet, the last fetch was the last such layer (the next one is in the
+        next token: ``first_layer``), or passes (every client's) more often ended at
+        the last fetch's layer than went on past it: its next fetch is likely a new
+        token's, and a prediction is released unused at the token's end."""
         hist = self._recent.get(client)
         if not hist:
             return None
+        last = hist[-1][0]
+        if self._ends[last] > self._goes[last]:
+            return None
         f = self._fetched
-        for m in range(hist[-1][0] + 1, self.layers):
+        for m in range(last + 1, self.layers):
             if f[m]:
                 return m
         return None
 
     def first_layer(self, client: int) -> int | None:
-        """The layer ``client``'s next pass begins with (the lowest ever fetched), when
-        its current pass is over (``end_pass``) and it has one before; else None."""
+        """The layer ``client``'s next pass begins with (the one its last pass began
+        with), when its current pass is over (``end_pass``) and it has one before whose
+        first layer was that of the pass before it (or it has had one pass only); else
+        None: passes that begin at changing layers (a client fetching one layer per
+        token) say nothing of where the next begins."""
         if self._recent.get(client) or not self._prev.get(client):
             return None
-        return next((m for m in range(self.layers) if self._fetched[m]), None)
+        st = self._starts.get(client)
+        if st is None or (st[1] is not None and st[0] != st[1]):
+            return None
+        return st[0]
 
     def remaining(self, client: int) -> int:
         """Keys ``client``'s current pass still needs (layers after its last, times its
@@ -351,6 +373,8 @@ class CoPredictor:
         self.c = Counts(L, E, self.depth, self.window)
         self.c.take(old)
         self._fetched += [False] * (L - len(self._fetched))
+        self._ends += [0] * (L - len(self._ends))
+        self._goes += [0] * (L - len(self._goes))
         self._reset_derived()
 
     def _reset_derived(self) -> None:
@@ -399,4 +423,5 @@ class CoPredictor:
         self.learned = int(new.visits.sum())
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
         self._fetched = [bool(v) for v in new.visits.tolist()]
+        self._ends, self._goes = [0] * L, [0] * L
         self._reset_derived()
