@@ -46,6 +46,13 @@ tables alone say can give nothing reads neither the residency nor the caller's
 schedule is a function of the stream alone, so the daemon and ``k3d replay`` fold
 at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 
+Memory, bounded by the model's layers ``L`` x experts ``E``: the counts take
+``counts.nbytes`` (int16, ~2 * depth * L * E**2 bytes), with the depth from
+``depth_for`` so at most max(16 MiB, 2 * L * (E**2 + 2 * E)) bytes; a fold's
+scoring tables ~400 * L * E bytes per fetch size in use (``counts.Tables``); the
+float64 q rows (8 * depth * L * E**2) only while they fit in ``score.Q_BYTES``
+(32 MiB); per client, a few passes' picks.  At DeepSeek-V3's 58 x 256: ~21 MB.
+
 Per client it keeps only its current and previous pass's last ``depth`` layers
 (``forget`` drops them).  ``state``/``restore`` carry the counts across a restart
 (JSON-able, validated; ``state`` reports the counts as folded, without folding).
@@ -59,20 +66,33 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3d.cache.predict.counts import BINS, HIT, Counts, Tables
+from k3d.cache.predict.counts import BINS, HIT, Counts, Tables, nbytes
 from k3d.cache.predict.score import SMALL, bins_of, dense, resolve, small
 from k3d.cache.resident import residency
 
 MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
+DEPTH = 4               # context layers, where the counts fit in COUNTS_BYTES
+COUNTS_BYTES = 16 << 20  # the counts' memory, above which the context is shallower (down to 1 layer)
+
+
+def depth_for(layers: int, experts: int) -> int:
+    """The context depth for a model of ``layers`` x ``experts``: ``DEPTH``, or as many
+    layers as keep the counts (``counts.nbytes``, ~2 * depth * L * E**2 bytes) within
+    ``COUNTS_BYTES``, at least 1.  So the counts take at most
+    max(COUNTS_BYTES, 2 * L * (E**2 + 2 * E)) bytes: 6.3 MB at Qwen3-30B's 48 x 128
+    (depth 4), 15.3 MB at DeepSeek-V3's 58 x 256 (depth 2), 18.1 MB at Kimi-K2's
+    61 x 384 (depth 1)."""
+    return max(1, min(DEPTH, COUNTS_BYTES // nbytes(layers, experts, 1)))
 CAL_EVERY = 2           # a deferred proposal's candidates feed the calibration one in this many, weighted so
 
 
 class CoPredictor:
     name = "coact"
 
-    def __init__(self, layers: int = 1, experts: int = 1, depth: int = 4, prior: float = 2.0,
+    def __init__(self, layers: int = 1, experts: int = 1, depth: int | None = None, prior: float = 2.0,
                  window: int = 4096, min_prob: float = 0.3, cal_every: int = CAL_EVERY):
         self.layers, self.experts = max(1, layers), max(1, experts)
+        depth = depth_for(self.layers, self.experts) if depth is None else depth
         self.depth, self.prior, self.window, self.min_prob = depth, prior, window, min_prob
         self.cal_every = max(1, cal_every)
         self._deferrals = 0                     # proposals deferred (_defer), ever
