@@ -168,3 +168,33 @@ def test_whole_passes_still_name_their_next_and_first_layers():
                 assert p.next_layer(1) == (layer + 1 if layer + 1 < L else None)
         p.end_pass(1)
         assert p.first_layer(1) == 0
+
+
+def test_a_skipped_clients_token_keeps_its_room():
+    """A client in a skipped token is forgotten by the predictor, yet its token still
+    needs slots: the room other clients' predictions may take leaves a whole pass for it."""
+    store, auto = fresh(4 * L * 2)
+    drive(store, auto, [pattern_token(t) for t in range(3)])   # client 1: fetch size 2, ends token 3
+    room = auto._room()
+    auto.skip = 2                                        # its 4th token (3 ended: 3 % 2) is skipped
+    auto.end_token(1)                                    # ... and its 5th (4 % 2 == 0) is not
+    assert auto._room() == room
+    auto.end_token(1)                                    # the 6th: 5 % 2, skipped
+    assert 1 not in auto.predictor.clients()             # (forgotten: it would reserve nothing) ...
+    assert auto._room() == room                          # ... yet its whole pass is still reserved
+
+
+@pytest.mark.parametrize("extra", [0, 2, 6])
+def test_two_clients_backed_off_never_fill_the_cache(quick, extra):
+    """Clients interleaved token by token, one predictable and one not, so the predictor
+    backs off with the two in different phases: no fetch ever finds the cache full."""
+    rng = random.Random(extra)
+    ev = []
+    for t in range(400):
+        routes = {1: pattern_token(t), 2: random_token(rng)}
+        for layer in range(L):
+            for c in (1, 2):
+                ev.append(Event(FETCH, c, [(layer, e) for e in routes[c][layer]]))
+        ev += [Event(BEGIN, 1), Event(BEGIN, 2)]
+    r = run(ev, "cycle", 2 * L * 2 + extra, predictor="coact")
+    assert r.cache_full == 0

@@ -88,6 +88,7 @@ class AutoPrefetch:
         self._keys = self._used = self._judged = 0
         self._judge_at = JUDGE_KEYS              # (the halved keys carried over, plus JUDGE_KEYS new)
         self._tokens: dict[int, int] = {}        # client -> tokens it ended (worked on: % skip == 0)
+        self._size: dict[int, int] = {}          # client -> its fetch size when it was last forgotten
         self.gone = PredictionStats()            # the daemon's figures for clients that left
         # The loop thread's CPU in these hooks (and in starting their reads), ns: the
         # daemon's caller (k3d.cache.fetch) adds it; replay, which has no such thread, never does
@@ -209,6 +210,7 @@ class AutoPrefetch:
         self._release(client)
         n = self._tokens[client] = self._tokens.get(client, 0) + 1
         if n % self.skip:                        # the next token is skipped: no context carried over
+            self._size[client] = self.predictor.fetch_size(client) or self._size.get(client, 0)
             self.predictor.forget(client)
         else:
             self.predictor.end_pass(client)
@@ -231,6 +233,7 @@ class AutoPrefetch:
         self._release(client)
         self.predictor.forget(client)
         self._tokens.pop(client, None)
+        self._size.pop(client, None)
         q = self.store.quality.pop(auto_id(client), None)
         if q is not None:
             for name in vars(q):
@@ -244,9 +247,13 @@ class AutoPrefetch:
 
     def _room(self) -> int:
         """Slots a prediction may take now: free + evictable, less what every client's
-        current token still needs."""
+        current token still needs (a client in a skipped token, which the predictor
+        forgot: a whole pass of its last fetch size, as at a pass's start)."""
         st, p = self.store, self.predictor
         need = sum(p.remaining(c) for c in p.clients())
+        if self.skip > 1:
+            tokens = self._tokens
+            need += p.layers * sum(k for c, k in self._size.items() if tokens.get(c, 0) % self.skip)
         return len(st.free) + st.policy.evictable() - need
 
     # -- figures ---------------------------------------------------------------------
