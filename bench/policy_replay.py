@@ -8,7 +8,7 @@ than the shared Mixtral trace (more experts, top-6/8, other skew and reuse); siz
 fractions of the model's experts (never below one token's pins).  Everything goes
 through ``k3d.replay.engine.run`` (the daemon's Store and policy classes).
 
-    python bench/policy_replay.py [--speed] [--cost]
+    python bench/policy_replay.py [--speed] [--cost] [--targets [TRACE]]
 
 ``--speed``: replay time of 1,024,000 accesses per policy, with and without the
 predictor (ratio: against the same policy without it, in the same run).
@@ -18,6 +18,12 @@ planning of a fetch, in the same run; on the shared trace and on generated ones.
 Split in two: learning and proposing (the predictor and its glue), and
 ``Store.predict`` (the read-ahead itself: choosing victims and slots, pinning, the
 same work a demand miss of that key would cost the store).
+``--targets``: issue 34's gain targets for the predictor on the fine-grained Qwen3
+trace (``QWEN3``: ``traces/``, else the shared ``../shared/traces/`` beside the
+checkout or its worktree; or TRACE): at 10 % of the experts,
+``cycle`` + the predictor >= OPT's hit rate, at 20 % >= 0.95x OPT, with total
+reads (misses + reads ahead) <= 1.2x ``cycle`` alone at both.  Deterministic
+(replay): no medians needed.
 """
 
 from __future__ import annotations
@@ -47,6 +53,12 @@ TRACES = {   # name: (tokens, router arguments)
                                                              rho=0.9)),
 }
 FRACTIONS = (0.25, 0.3, 0.4, 0.5, 0.6, 0.75)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN3 = next((p for p in (os.path.join(_ROOT, *up, "traces", "qwen3-30b-a3b-k6.trace")
+                          for up in ((), ("..", "shared"), ("..", "..", "shared")))
+              if os.path.exists(p)), os.path.join(_ROOT, "traces", "qwen3-30b-a3b-k6.trace"))
+TARGETS = ((0.10, 1.0), (0.20, 0.95))   # (share of experts, least share of OPT's hit rate)
+READS = 1.2                             # total reads at most this many times cycle's alone
 
 
 def write_trace(path: str, tokens: int, predict: bool = False, **kw) -> dict:
@@ -150,11 +162,39 @@ def cost(name: str, events, slots: int) -> None:
           f"({t_pred / t_fetch:.2f}x) per fetch | read ahead {auto.totals().prefetched}", flush=True)
 
 
+def targets(path: str) -> bool:
+    """Issue 34's rows on ``path``: LRU, cycle, OPT, cycle + the predictor, the reads ratio."""
+    events = read(path)
+    L, E = layers_of(events), experts_of(events)
+    print(f"targets: {os.path.basename(path)}, {L} layers x {E} experts, "
+          f"{sum(len(e.keys) for e in events if e.kind == FETCH)} accesses")
+    print(f"{'share':>6} {'slots':>6} {'lru':>6} {'cycle':>6} {'opt':>6} {'+coact':>7} {'/opt':>6} "
+          f"{'reads/cycle':>11} {'read ahead':>10} {'unused':>7}")
+    ok = True
+    for share, least in TARGETS:
+        s = int(round(share * L * E))
+        r = {p: run(events, p, s, predictions=False, layers=L, predictor="none") for p in ("lru", "cycle", "opt")}
+        a = run(events, "cycle", s, predictions=False, layers=L, predictor="coact")
+        gain, reads = a.hit_rate / r["opt"].hit_rate, (a.misses + a.prefetched) / r["cycle"].misses
+        good = gain >= least - 1e-9 and reads <= READS
+        ok &= good
+        print(f"{share:6.0%} {s:>6} {100 * r['lru'].hit_rate:5.1f}% {100 * r['cycle'].hit_rate:5.1f}% "
+              f"{100 * r['opt'].hit_rate:5.1f}% {100 * a.hit_rate:6.1f}% {gain:6.3f} {reads:11.2f} "
+              f"{a.prefetched:>10} {a.prefetch_unused:>7}  (targets >= {least}x opt, <= {READS}x reads) "
+              f"{'PASS' if good else 'FAIL'}", flush=True)
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--speed", action="store_true", help="only the ~10^6-access speed run")
     ap.add_argument("--cost", action="store_true", help="only the predictor's cost per fetch")
+    ap.add_argument("--targets", nargs="?", const=QWEN3, default=None, metavar="TRACE",
+                    help=f"only issue 34's predictor targets on the Qwen3 trace (default {QWEN3})")
     args = ap.parse_args()
+    if args.targets:
+        targets(args.targets)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         if args.cost:
             print("cost per fetch (cycle; the predictor's hooks against Store.fetch of the same fetches):")

@@ -35,7 +35,15 @@ it is far less noisy than the difference above, and leaves out what the reads
 ahead themselves cost (extra reads, reported as bytes read for nothing).
 ``--hidden 2880 --inter 2880``: experts of gpt-oss's size (~13 MB in MXFP4), where a
 fetch's reads cost what they cost users.
-No target beyond "small against a fetch": the ratios are printed.
+
+``--router L,E,K [--tokens N] [--share F]``: instead of the Mixtral trace,
+``k3d.demo.routing.routes`` at a fine-grained shape (e.g. ``58,256,8``: DeepSeek-V3's
+counts), an arena of ``F`` of the experts (default 0.3).  The daemon's RSS at the
+end of each replay is printed too, with auto's against client's.
+
+Target (issue 34): where the predictor raises the hit rate by under 2 points, auto
+costs <= 1.15x client's daemon CPU per fetch and RSS (it backs off:
+``k3d.cache.predict.prefetch``; ``skip`` in the last line says how far).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ import psutil  # noqa: E402
 from loop_cost import measured  # noqa: E402
 
 import k3client  # noqa: E402
+from k3d.demo.routing import routes  # noqa: E402
 from k3d.observe.trace import BEGIN, FETCH, read  # noqa: E402
 
 TRACE = os.path.join(harness.ROOT, "traces", "mixtral8x7b-gsm8k.trace")
@@ -80,9 +89,12 @@ def replay_once(ckpt: str, mode: str, slots: int, hit_path: str, stream) -> tupl
                 time.sleep(0.002)
 
         t0 = time.perf_counter()
-        proc_s, main_s = measured(psutil.Process(d.pid), replay, fetches)
+        proc = psutil.Process(d.pid)
+        proc_s, main_s = measured(proc, replay, fetches)
         wall = time.perf_counter() - t0
-        return proc_s, main_s, wall, c.status()
+        st = c.status()
+        st["rss"] = proc.memory_info().rss
+        return proc_s, main_s, wall, st
 
 
 def bought(st: dict) -> str:
@@ -106,19 +118,32 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=100)
     ap.add_argument("--hidden", type=int, default=256, help="expert shape (MXFP4); 2880 x 2880: gpt-oss's")
     ap.add_argument("--inter", type=int, default=128)
+    ap.add_argument("--router", default=None, help="L,E,K: synthetic routing at this shape instead of the trace")
+    ap.add_argument("--tokens", type=int, default=300, help="--router: tokens")
+    ap.add_argument("--share", type=float, default=0.3, help="--router: the arena's share of the experts")
     a = ap.parse_args()
-    events = read(TRACE)
     stream = []
-    for e in events:
-        if e.kind == FETCH:
-            stream.append((FETCH, (e.keys[0][0], [x for _, x in e.keys])))
-        elif e.kind == BEGIN:
-            stream.append((BEGIN, None))
-    layers = 1 + max(k[0] for e in events if e.kind == FETCH for k in e.keys)
-    experts = 1 + max(k[1] for e in events if e.kind == FETCH for k in e.keys)
+    if a.router:
+        layers, experts, topk = (int(x) for x in a.router.split(","))
+        route, _ = routes(a.tokens, layers=layers, experts=experts, topk=topk, seed=3)
+        for token in route.tolist():
+            stream += [(FETCH, (layer, picks)) for layer, picks in enumerate(token)] + [(BEGIN, None)]
+        a.slots = int(a.share * layers * experts)
+        source = f"routes({a.tokens} tokens, {layers}x{experts} top-{topk})"
+    else:
+        events = read(TRACE)
+        for e in events:
+            if e.kind == FETCH:
+                stream.append((FETCH, (e.keys[0][0], [x for _, x in e.keys])))
+            elif e.kind == BEGIN:
+                stream.append((BEGIN, None))
+        layers = 1 + max(k[0] for e in events if e.kind == FETCH for k in e.keys)
+        experts = 1 + max(k[1] for e in events if e.kind == FETCH for k in e.keys)
+        source = os.path.basename(TRACE)
     fetches = sum(1 for op, _ in stream if op == FETCH)
     ckpt = harness.checkpoint(layers=layers, experts=experts, hidden=a.hidden, inter=a.inter, seed=3)
     runs: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
+    rss_of: dict[str, list[dict]] = {m: [] for m in MODES}
     own: list[float] = []                   # the auto runs' predictor CPU, s/fetch
     last: dict[str, dict] = {}
     t_start = time.perf_counter()
@@ -127,6 +152,7 @@ def main() -> int:
             for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
                 p, m, w, st = replay_once(ckpt, mode, a.slots, a.hit_path, stream)
                 runs[mode].append((p, m, w))
+                rss_of[mode].append(st)
                 last[mode] = st
                 if mode == "auto":
                     own.append(st["prediction"]["daemon"]["cpu_s"] / fetches)
@@ -135,7 +161,7 @@ def main() -> int:
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
     med = harness.median
-    print(f"predict_cost: {os.path.basename(TRACE)}, {fetches} fetches, {layers}x{experts} experts, "
+    print(f"predict_cost: {source}, {fetches} fetches, {layers}x{experts} experts, "
           f"{a.slots} slots, hit path {a.hit_path}; {a.reps} reps alternating auto/client, "
           f"{time.perf_counter() - t_start:.0f}s in all")
     print(f"{'predict':>8} {'daemon us CPU/fetch':>20} {'loop thread us':>15} {'replay wall s':>14}")
@@ -144,7 +170,14 @@ def main() -> int:
         print(f"{mode:>8} {med([r[0] for r in rs]) * 1e6:>20.1f} {med([r[1] for r in rs]) * 1e6:>15.1f} "
               f"{med([r[2] for r in rs]):>14.2f}")
     for mode in MODES:
-        print(f"  {mode}: {bought(last[mode])}")
+        print(f"  {mode}: {bought(last[mode])}; RSS {last[mode]['rss'] / 2**20:.0f} MiB")
+    rss = [a_["rss"] / c_["rss"] for a_, c_ in zip(rss_of["auto"], rss_of["client"])]
+    cpu = [x[0] / y[0] for x, y in zip(runs["auto"], runs["client"])]
+    hit = {m: 100 * last[m]["stats"]["hits"] / max(1, last[m]["stats"]["hits"] + last[m]["stats"]["misses"])
+           for m in MODES}
+    print(f"predict_cost: auto/client daemon CPU per fetch {med(cpu):.2f}x, RSS {med(rss):.2f}x; hit rate "
+          f"{hit['auto'] - hit['client']:+.1f} points; skip {last['auto']['prediction']['daemon'].get('skip')} "
+          f"(target: <= 1.15x both unless >= +2 points)")
     for i, what in ((0, "daemon"), (1, "loop thread")):
         diff = [(x[i] - y[i]) for x, y in zip(runs["auto"], runs["client"])]
         ratio = [d / y[i] for d, y in zip(diff, runs["client"])]

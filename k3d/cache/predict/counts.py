@@ -19,7 +19,12 @@ stays fixed between folds and is computed once per fold.  The owner
 decides when to fold; any schedule that is a function of the stream keeps the
 predictor deterministic.
 
-Invariants (between folds and after one): every count is a non-negative int64;
+Memory: the counts are int16 (``DTYPE``), one block of ``E + D * E + D * E * E``
+per layer: ``2 * L * (E + D * E + D * E**2)`` bytes, about ``2 * D * L * E**2``
+(``nbytes``); int16 holds them because a fold halves every layer that reached
+``window`` (at most ``MAX_WINDOW``) and one fold adds at most ``MAX_ADD`` to a count.
+
+Invariants (between folds and after one): every count is a non-negative integer;
 ``pop[m] <= visits[m]``, ``co[m, r] <= seen[m, r] <= visits[m]``; ``cal_hit <= cal_n``;
 after a fold every ``visits[m] < window`` (a layer that reaches it has all its counts
 halved, floor, so old behaviour fades and counts stay integers).  ``snapshot`` gives
@@ -34,15 +39,26 @@ import numpy as np
 BINS = 20                               # calibration bins over the raw probability
 CAL_PRIOR = 10.0                        # pseudo-candidates at the base rate in each bin
 HIT = BINS + 1                          # a picked candidate's offset in the calibration buffer
-BIG = 1 << 16                           # counts (int64s) above which a long fold counts by layer
+BIG = 1 << 16                           # counts above which a long fold counts by layer
+DTYPE = np.int16                        # the counts' type (calibration and visits: int64)
+MAX_WINDOW = 8192                       # the largest window: a count is below it after a fold ...
+MAX_ADD = 16384                         # ... and a fold adds at most this many fetches (its owner's bound)
+
+
+def nbytes(layers: int, experts: int, depth: int) -> int:
+    """The counts' bytes for a model of ``layers`` x ``experts`` and a context ``depth``."""
+    E = experts
+    return np.dtype(DTYPE).itemsize * layers * (E + depth * E + depth * E * E)
 
 
 class Counts:
     def __init__(self, layers: int, experts: int, depth: int, window: int):
+        if not 0 < window <= MAX_WINDOW:
+            raise ValueError(f"window {window}: 1 to {MAX_WINDOW} (the counts are {np.dtype(DTYPE).name})")
         self.layers, self.experts, self.depth, self.window = layers, experts, depth, window
         E, R = experts, depth * experts
         self.B = B = E + R + R * E              # one layer's block: pop (E), seen (R), co (R x E)
-        self.blk = np.zeros((layers, B), np.int64)
+        self.blk = np.zeros((layers, B), DTYPE)
         self.flat = self.blk.reshape(-1)
         self.visits = np.zeros(layers, np.int64)
         self.pop = self.blk[:, :E]

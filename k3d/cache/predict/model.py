@@ -46,6 +46,13 @@ tables alone say can give nothing reads neither the residency nor the caller's
 schedule is a function of the stream alone, so the daemon and ``k3d replay`` fold
 at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 
+Memory, bounded by the model's layers ``L`` x experts ``E``: the counts take
+``counts.nbytes`` (int16, ~2 * depth * L * E**2 bytes), with the depth from
+``depth_for`` so at most max(16 MiB, 2 * L * (E**2 + 2 * E)) bytes; a fold's
+scoring tables ~400 * L * E bytes per fetch size in use (``counts.Tables``); the
+float64 q rows (8 * depth * L * E**2) only while they fit in ``score.Q_BYTES``
+(32 MiB); per client, a few passes' picks.  At DeepSeek-V3's 58 x 256: ~21 MB.
+
 Per client it keeps only its current and previous pass's last ``depth`` layers
 (``forget`` drops them).  ``state``/``restore`` carry the counts across a restart
 (JSON-able, validated; ``state`` reports the counts as folded, without folding).
@@ -59,20 +66,33 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3d.cache.predict.counts import BINS, HIT, Counts, Tables
+from k3d.cache.predict.counts import BINS, HIT, Counts, Tables, nbytes
 from k3d.cache.predict.score import SMALL, bins_of, dense, resolve, small
 from k3d.cache.resident import residency
 
 MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
+DEPTH = 4               # context layers, where the counts fit in COUNTS_BYTES
+COUNTS_BYTES = 16 << 20  # the counts' memory, above which the context is shallower (down to 1 layer)
+
+
+def depth_for(layers: int, experts: int) -> int:
+    """The context depth for a model of ``layers`` x ``experts``: ``DEPTH``, or as many
+    layers as keep the counts (``counts.nbytes``, ~2 * depth * L * E**2 bytes) within
+    ``COUNTS_BYTES``, at least 1.  So the counts take at most
+    max(COUNTS_BYTES, 2 * L * (E**2 + 2 * E)) bytes: 6.3 MB at Qwen3-30B's 48 x 128
+    (depth 4), 15.3 MB at DeepSeek-V3's 58 x 256 (depth 2), 18.1 MB at Kimi-K2's
+    61 x 384 (depth 1)."""
+    return max(1, min(DEPTH, COUNTS_BYTES // nbytes(layers, experts, 1)))
 CAL_EVERY = 2           # a deferred proposal's candidates feed the calibration one in this many, weighted so
 
 
 class CoPredictor:
     name = "coact"
 
-    def __init__(self, layers: int = 1, experts: int = 1, depth: int = 4, prior: float = 2.0,
+    def __init__(self, layers: int = 1, experts: int = 1, depth: int | None = None, prior: float = 2.0,
                  window: int = 4096, min_prob: float = 0.3, cal_every: int = CAL_EVERY):
         self.layers, self.experts = max(1, layers), max(1, experts)
+        depth = depth_for(self.layers, self.experts) if depth is None else depth
         self.depth, self.prior, self.window, self.min_prob = depth, prior, window, min_prob
         self.cal_every = max(1, cal_every)
         self._deferrals = 0                     # proposals deferred (_defer), ever
@@ -80,6 +100,11 @@ class CoPredictor:
         self.learned = 0                        # fetches folded into the counts, ever
         self._fold_at = MIN_FOLD                # fold once this many fetches were learned since the last
         self._fetched = [False] * self.layers   # layers ever fetched (live, not folded)
+        # passes that ended at a layer / went on past it: next_layer proposes only where
+        # passes usually go on (a prediction is released at its token's end, unused)
+        self._ends = [0] * self.layers
+        self._goes = [0] * self.layers
+        self._starts: dict[int, tuple] = {}     # client -> (its last pass's first layer, the one before's)
         self._tables: dict[int, Tables] = {}    # fetch size -> tables of the current fold
         self._recent: dict[int, list] = {}      # client -> [(layer, picks)] of this pass, newest last
         self._prev: dict[int, list] = {}        # client -> the same for its previous pass
@@ -167,6 +192,11 @@ class CoPredictor:
         if hist and hist[-1][0] >= m:              # a new pass without end_pass (a new token)
             self.end_pass(client)
             hist = self._recent[client]
+        if hist:
+            self._goes[hist[-1][0]] += 1
+        else:                                      # the pass's first layer
+            st = self._starts.get(client)
+            self._starts[client] = (m, st[0] if st else None)
         c.learn(m, self._context(client, m)[1], picks)
         self._fetched[m] = True
         if hist is None:
@@ -180,6 +210,7 @@ class CoPredictor:
         takes this pass's last layers as context."""
         hist = self._recent.get(client)
         if hist:
+            self._ends[hist[-1][0]] += 1
             self._prev[client] = hist
             self._recent[client] = []
             self._ctx.pop(client, None)
@@ -204,7 +235,7 @@ class CoPredictor:
 
     def forget(self, client: int) -> None:
         """``client`` left: its context goes (what it taught stays)."""
-        for d in (self._recent, self._prev, self._pending, self._k, self._ctx):
+        for d in (self._recent, self._prev, self._pending, self._k, self._ctx, self._starts):
             d.pop(client, None)
 
     # -- predicting ---------------------------------------------------------------
@@ -306,23 +337,34 @@ class CoPredictor:
     def next_layer(self, client: int) -> int | None:
         """The first layer after ``client``'s last fetch in this pass that has been
         fetched before (a model may have dense layers between its MoE layers); None:
-        none yet, or the last fetch was the last such layer (the next one is in the
-        next token: ``first_layer``)."""
+        none yet, the last fetch was the last such layer (the next one is in the
+        next token: ``first_layer``), or passes (every client's) more often ended at
+        the last fetch's layer than went on past it: its next fetch is likely a new
+        token's, and a prediction is released unused at the token's end."""
         hist = self._recent.get(client)
         if not hist:
             return None
+        last = hist[-1][0]
+        if self._ends[last] > self._goes[last]:
+            return None
         f = self._fetched
-        for m in range(hist[-1][0] + 1, self.layers):
+        for m in range(last + 1, self.layers):
             if f[m]:
                 return m
         return None
 
     def first_layer(self, client: int) -> int | None:
-        """The layer ``client``'s next pass begins with (the lowest ever fetched), when
-        its current pass is over (``end_pass``) and it has one before; else None."""
+        """The layer ``client``'s next pass begins with (the one its last pass began
+        with), when its current pass is over (``end_pass``) and it has one before whose
+        first layer was that of the pass before it (or it has had one pass only); else
+        None: passes that begin at changing layers (a client fetching one layer per
+        token) say nothing of where the next begins."""
         if self._recent.get(client) or not self._prev.get(client):
             return None
-        return next((m for m in range(self.layers) if self._fetched[m]), None)
+        st = self._starts.get(client)
+        if st is None or (st[1] is not None and st[0] != st[1]):
+            return None
+        return st[0]
 
     def remaining(self, client: int) -> int:
         """Keys ``client``'s current pass still needs (layers after its last, times its
@@ -351,6 +393,8 @@ class CoPredictor:
         self.c = Counts(L, E, self.depth, self.window)
         self.c.take(old)
         self._fetched += [False] * (L - len(self._fetched))
+        self._ends += [0] * (L - len(self._ends))
+        self._goes += [0] * (L - len(self._goes))
         self._reset_derived()
 
     def _reset_derived(self) -> None:
@@ -383,7 +427,8 @@ class CoPredictor:
             for name, arr in views.items():
                 for row in state[name]:
                     *idx, val = (int(x) for x in row)
-                    if val < 0 or len(idx) != arr.ndim or any(not 0 <= i < s for i, s in zip(idx, arr.shape)):
+                    if not 0 <= val < new.window or len(idx) != arr.ndim or \
+                            any(not 0 <= i < s for i, s in zip(idx, arr.shape)):
                         raise ValueError(f"{name} entry out of range")
                     arr[tuple(idx)] = val
             cal_n = np.array([int(x) for x in state["cal_n"]], np.int64)
@@ -398,4 +443,5 @@ class CoPredictor:
         self.learned = int(new.visits.sum())
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
         self._fetched = [bool(v) for v in new.visits.tolist()]
+        self._ends, self._goes = [0] * L, [0] * L
         self._reset_derived()

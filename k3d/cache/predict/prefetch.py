@@ -31,6 +31,14 @@ Guarantees:
 - Predictions never cross a token boundary: the next token's first layer is
   proposed at ``begin_token``, never before (a proposal made earlier would be
   demoted at the token's start, before its fetch).
+- It pays its way (``_judge``): every ``JUDGE_KEYS`` keys fetched in the tokens it
+  works on, it compares the predictions used (in time or late) with those keys.
+  Below ``GAIN_POINTS`` hit-rate points (used * 100 < GAIN_POINTS * keys) it backs
+  off: it works on one token in ``skip`` per client (doubled at each such
+  judgement, up to ``MAX_SKIP``), and in the others neither learns nor proposes
+  (a fetch costs it a counter; the predictor forgets the client's context, so a
+  token it skipped never teaches a wrong one).  At or above, ``skip`` is 1 again.
+  Every figure is a count of the stream, so replay backs off where the daemon does.
 
 The daemon's predictions are kept under a client id of their own per client,
 ``-1 - client`` (``auto_id``), so the store's per-client prediction quality keeps
@@ -43,6 +51,11 @@ Pure: the store, the predictor and integers; the caller starts the reads.
 from __future__ import annotations
 
 from k3d.observe.stats import PredictionStats
+
+JUDGE_KEYS = 2048       # keys fetched in worked-on tokens between two judgements of usefulness
+GAIN_POINTS = 2         # hit-rate points (used predictions per 100 keys) below which it backs off
+MAX_SKIP = 16           # backed off the furthest: one token in this many per client
+WARM_UP = 8             # judgements that only measure: a predictor learns before it can be useful
 
 
 def auto_id(client: int) -> int:
@@ -69,6 +82,13 @@ class AutoPrefetch:
         self._out: dict[int, tuple] = {}         # slot -> (client, key, fetch count when predicted)
         self.used_in_time = 0
         self.used_late = 0
+        # usefulness (_judge): keys fetched and predictions used since the last judgement
+        self.skip = 1                            # works on one token in this many per client
+        self.backoffs = 0                        # judgements that found it below GAIN_POINTS
+        self._keys = self._used = self._judged = 0
+        self._judge_at = JUDGE_KEYS              # (the halved keys carried over, plus JUDGE_KEYS new)
+        self._tokens: dict[int, int] = {}        # client -> tokens it ended (worked on: % skip == 0)
+        self._size: dict[int, int] = {}          # client -> its fetch size when it was last forgotten
         self.gone = PredictionStats()            # the daemon's figures for clients that left
         # The loop thread's CPU in these hooks (and in starting their reads), ns: the
         # daemon's caller (k3d.cache.fetch) adds it; replay, which has no such thread, never does
@@ -88,6 +108,7 @@ class AutoPrefetch:
                 if o is None or o[1] != key:
                     continue
                 del out[s]
+                self._used += 1
                 if self.read_lead is None:
                     late = store.state[s] == "loading"
                 else:
@@ -96,10 +117,13 @@ class AutoPrefetch:
                     self.used_late += 1
                 else:
                     self.used_in_time += 1
-        if self._all_resident():
+        if self._tokens.get(client, 0) % self.skip or self._all_resident():
             return [], []
         p = self.predictor
         p.observe(client, keys)
+        self._keys += len(keys)
+        if self._keys >= self._judge_at:
+            self._judge()
         if not predict:
             return [], []
         layer = p.next_layer(client)
@@ -110,7 +134,7 @@ class AutoPrefetch:
     def after_reports(self, client: int, reports) -> None:
         """``after_fetch`` without predicting, for each of ``client``'s reported fetches
         (``[(keys, slots), ...]``); nothing per report while nothing can come of it."""
-        if not self._out and self._all_resident():
+        if not self._out and (self._tokens.get(client, 0) % self.skip or self._all_resident()):
             self.fetches += len(reports)
             return
         for keys, slots in reports:
@@ -119,7 +143,7 @@ class AutoPrefetch:
     def begin_token(self, client: int, now: float = 0.0) -> tuple[list, list[int]]:
         """``client`` began its next token (after ``end_token``): predict the first layer
         of the token from the last layers of the one before.  Returns as ``after_fetch``."""
-        if self._all_resident():
+        if self._tokens.get(client, 0) % self.skip or self._all_resident():
             return [], []
         p = self.predictor
         layer = p.first_layer(client)
@@ -184,11 +208,32 @@ class AutoPrefetch:
         """``client``'s token is over: the daemon's predictions for it go (demoted and
         counted when unused), and its next fetch begins a new pass."""
         self._release(client)
-        self.predictor.end_pass(client)
+        n = self._tokens[client] = self._tokens.get(client, 0) + 1
+        if n % self.skip:                        # the next token is skipped: no context carried over
+            self._size[client] = self.predictor.fetch_size(client) or self._size.get(client, 0)
+            self.predictor.forget(client)
+        else:
+            self.predictor.end_pass(client)
+
+    def _judge(self) -> None:
+        """Usefulness since the last judgement: back off (``skip`` doubles) below
+        ``GAIN_POINTS`` used predictions per 100 keys fetched, else work on every token."""
+        self._judged += 1
+        if self._judged > WARM_UP:
+            if self._used * 100 < GAIN_POINTS * self._keys:
+                self.skip = min(MAX_SKIP, 2 * self.skip)
+                self.backoffs += 1
+            else:
+                self.skip = 1
+        self._keys //= 2                         # an average over judgements, the latest weighing most
+        self._used //= 2
+        self._judge_at = self._keys + JUDGE_KEYS
 
     def drop(self, client: int) -> None:
         self._release(client)
         self.predictor.forget(client)
+        self._tokens.pop(client, None)
+        self._size.pop(client, None)
         q = self.store.quality.pop(auto_id(client), None)
         if q is not None:
             for name in vars(q):
@@ -202,9 +247,13 @@ class AutoPrefetch:
 
     def _room(self) -> int:
         """Slots a prediction may take now: free + evictable, less what every client's
-        current token still needs."""
+        current token still needs (a client in a skipped token, which the predictor
+        forgot: a whole pass of its last fetch size, as at a pass's start)."""
         st, p = self.store, self.predictor
         need = sum(p.remaining(c) for c in p.clients())
+        if self.skip > 1:
+            tokens = self._tokens
+            need += p.layers * sum(k for c, k in self._size.items() if tokens.get(c, 0) % self.skip)
         return len(st.free) + st.policy.evictable() - need
 
     # -- figures ---------------------------------------------------------------------
@@ -219,13 +268,15 @@ class AutoPrefetch:
 
     def as_dict(self) -> dict:
         """For status and metrics: issued, used in time, used late, unused, refused, bytes read
-        for nothing; what it cost: ``cpu_s`` over ``fetches`` (every fetch it learned)."""
+        for nothing; what it cost: ``cpu_s`` over ``fetches`` (every fetch it saw); how far
+        it backed off: ``skip`` (one token in this many worked on), ``backoffs``."""
         q = self.totals()
         return {"predictor": self.predictor.name, "issued": q.prefetched, "used": q.prefetch_hits,
                 "used_in_time": self.used_in_time, "used_late": self.used_late,
                 "unused": q.prefetch_unused, "unused_bytes": q.unused_bytes, "refused": q.refused,
                 "precision": round(q.prefetch_hits / q.prefetched, 4) if q.prefetched else None,
-                "fetches": self.fetches, "cpu_s": self.cpu_ns / 1e9}
+                "fetches": self.fetches, "cpu_s": self.cpu_ns / 1e9,
+                "skip": self.skip, "backoffs": self.backoffs}
 
 
 class _Resident:

@@ -41,6 +41,7 @@ SMALL = 16              # models of at most this many experts score with lists
 SUBSETS = 128           # a context layer's picks: every set of their size tabulated at once up to this many
 Q_ROWS_FROM = 128       # dense: keep a layer's q rows for the fold once folds are this many fetches apart
 CHUNK = 8192            # bins_of: q values (proposals x context layers x experts) per step: 64 KiB
+Q_BYTES = 32 << 20      # dense: whole layers' q rows are kept only while all layers' fit in this (float64)
 
 _subsets_of: dict[tuple, tuple] = {}       # (experts, size) -> subsets' answer
 _averaging: dict[tuple, np.ndarray] = {}   # context group sizes -> the matrix averaging each group
@@ -181,7 +182,7 @@ def bins_of(p, items) -> np.ndarray:
         step = max(1, CHUNK // (len(sizes) * E))
         rest = []
         for m, run in by_layer.items():
-            if m not in t.q and 2 * len(run) * n < R:
+            if m not in t.q and (2 * len(run) * n < R or not keeps_q(p)):
                 rest += run
                 continue
             qm = layer_q(p, t, m)
@@ -245,6 +246,13 @@ def layer_q(p, t: Tables, m: int) -> np.ndarray:
     return got
 
 
+def keeps_q(p) -> bool:
+    """Whole layers' q rows may be kept (``layer_q``): all of them (8 * L * D * E**2
+    bytes) fit in ``Q_BYTES``.  Above it (DeepSeek-, Kimi-sized models) a fetch gathers
+    only its rows, and the predictor's memory stays its counts' (``counts.nbytes``)."""
+    return 8 * p.c.co.size <= Q_BYTES
+
+
 def q_rows(p, t: Tables, m: int, rows) -> np.ndarray:
     """``rows`` of layer ``m``'s q rows (``layer_q``).  Once the folds are far enough
     apart to pay for it (``Q_ROWS_FROM`` fetches or more), the whole layer's are
@@ -253,7 +261,7 @@ def q_rows(p, t: Tables, m: int, rows) -> np.ndarray:
     got = t.q.get(m)
     if got is not None:
         return got.take(rows, 0)
-    if p.fold_every() >= Q_ROWS_FROM:
+    if p.fold_every() >= Q_ROWS_FROM and keeps_q(p):
         return layer_q(p, t, m).take(rows, 0)
     c = p.c
     idx = np.array(rows, np.int64)
