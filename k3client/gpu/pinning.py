@@ -97,7 +97,7 @@ class Pinning:
             if api.read_only_supported(d.index or 0) is False:
                 return self._fail(key, f"{d} cannot register read-only host memory (device attribute 113 is 0)")
         base, t0, done = address_of(mm), time.perf_counter(), []
-        for off, n in plan_chunks(len(mm), slot_bytes):
+        for off, n in plan_chunks(len(mm), slot_bytes, CHUNK_LIMIT):
             err = api.register(base + off, n, REGISTER_PORTABLE | REGISTER_READ_ONLY)
             if err:
                 api.last_error()                  # the runtime's copy of err: not left pending
