@@ -107,3 +107,29 @@ def test_a_cpu_model_makes_no_cuda_call(start_daemon):
     finally:
         model.k3d.client.close()
     assert d.stop() == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_the_cuda_layer_loop_equals_eager_bit_for_bit_run_on_cpu(family, start_daemon):
+    """``GpuSide.run_layer`` (one sort per layer, no torch.where per expert) run on CPU tensors:
+    the order of experts and of each expert's tokens is eager's, so the logits are its bits."""
+    pytest.importorskip("transformers", minversion="5")
+    from hf_common import checkpoint as hf_checkpoint, daemon_args, eager, prompt
+
+    from k3client.hf import load_model
+
+    path = hf_checkpoint(family)
+    d = start_daemon(path, *daemon_args(family))
+    ref = eager(path)
+    model = load_model(path, endpoint=d.endpoint, dtype=torch.bfloat16)
+    rt = model.k3d
+    rt.run_layer = lambda ml, *a: rt.gpu.run_layer(rt, ml, *a)
+    try:
+        with torch.no_grad():
+            for seed in range(3):
+                ids = prompt(batch=3, length=11, seed=seed)
+                assert torch.equal(ref(ids).logits, model(ids).logits), f"seed {seed}"
+        assert rt.stats.forwards == 3 and rt.gpu.devices == set()
+    finally:
+        rt.client.close()
+    assert d.stop() == 0
