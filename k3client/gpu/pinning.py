@@ -23,6 +23,9 @@ Invariants:
   PROT_READ), so it needs device attribute 113 on every device the model uses;
   without it the arena is not registered (warned).
 
+A client dropped without ``close()`` skips ``release``: its last registration, and the
+pages it pins, then last until the process exits.
+
 Owner: the thread that runs the model (the client's thread).
 """
 

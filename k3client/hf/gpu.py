@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..gpu.cuda import CudaApi
-from ..gpu.pinning import Pinning
+from ..gpu.pinning import Pinning, address_of  # noqa: F401  (address_of: tests read it here)
 from ..gpu.streams import Copier
 
 
@@ -86,11 +86,12 @@ class GpuSide:
         if device.type != "cuda":
             return groups
         self.use(client, (device,))
-        return self._staged(groups, device)
+        return self._staged(client, groups, device)
 
-    def _staged(self, groups, device):
+    def _staged(self, client, groups, device):
         for group in groups:
             self.mark(device)
+            self.follow(client)      # a restart during that fetch: the new arena, registered first
             yield self.copier.stage(group, device)
 
     def run_layer(self, rt, ml, hidden_states, top_k_index, top_k_weights):
