@@ -8,7 +8,7 @@ stays pinned until its next ``begin_token``):
 
 - every forward is one epoch.  It begins right after the last MoE layer of the
   forward before (``_begin_next``): no view of that epoch is read again (CPU: the
-  compute ran; GPU: the stream is synchronised first), so ``begin_token`` is sent
+  compute ran; GPU: its devices are synchronised first), so ``begin_token`` is sent
   then without waiting, and its reply comes back while the model runs its head,
   samples, and starts the next forward; the next forward's first fetch reads it
   (``Client.settle``), so no view is answered before the daemon began the epoch.
@@ -19,7 +19,7 @@ stays pinned until its next ``begin_token``):
   are read only between its fetch and the next ``begin_token``;
 - when the next group would not fit beside what this epoch already pinned
   (``held``), the compute of every earlier group is complete (CPU: it ran; GPU:
-  the stream is synchronised first), so a new epoch starts and the group goes on.
+  its devices are synchronised first), so a new epoch starts and the group goes on.
   A ``CacheFull``/``QuotaExceeded`` reply (other clients' pins, a quota) does
   the same, then halves the group, then waits for others' epochs to end.  So
   any arena works, down to one slot; none raises ``CacheFull`` to the caller.
