@@ -80,6 +80,38 @@ def test_device_bytes_equal_the_checkpoint_across_a_restart_onto_another_checkpo
     assert d.stop() == 0
 
 
+def test_a_failed_registration_leaves_no_pending_error_and_names_it():
+    """Two registrations of one range: the driver refuses the second (712); the warning names it
+    and the next, unrelated kernel launch does not raise it."""
+    import mmap
+
+    from k3client.gpu.pinning import Pinning
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    fd = os.memfd_create("k3d-test-arena")          # shared, read-only: as an arena is mapped
+    os.ftruncate(fd, 16 << 20)
+    mm = mmap.mmap(fd, 16 << 20, prot=mmap.PROT_READ)
+    os.close(fd)
+    first, second = Pinning(_api), Pinning(_api)
+    try:
+        assert first.register(mm, 1, 1 << 20, {dev})
+        with pytest.warns(RuntimeWarning, match="cudaErrorHostMemoryAlreadyRegistered .712: "):
+            assert not second.register(mm, 1, 1 << 20, {dev})
+        x = torch.ones(4, device=dev)
+        x.add_(1)                                     # raised the pending error before issue 36
+        torch.cuda.synchronize()
+        assert x.sum().item() == 8
+    finally:
+        first.release(mm, torch.cuda.synchronize)
+        mm.close()
+
+
+def _api():
+    from k3client.gpu.cuda import CudaApi
+
+    return CudaApi()
+
+
 def _models(path, endpoint):
     from k3client.hf import load_model
 
