@@ -91,6 +91,9 @@ class Client:
         self.layout = None
         self.layouts: dict[int, list[TensorSpec]] = {}   # every layer's layout when layers differ, else {}
         self._mm = None
+        # callables(mmap) run before an arena mapping is unmapped (close, a re-attach): a GPU
+        # runtime unregisters it there (k3client/gpu/pinning.py); they must not raise
+        self.before_unmap: list = []
         self._ctx = zmq.Context()
         self._chan: Channel | None = None    # the connection to the daemon attached now
         self._pending: int | None = None     # id of a begin_token(wait=False) whose reply is not read
@@ -191,10 +194,14 @@ class Client:
                 self._hits = None
         if self._mm is not None:
             try:
-                self._mm.close()
-            except BufferError:
-                pass  # views still alive; the old mapping goes when they do
-            self._mm = None
+                for hook in self.before_unmap:
+                    hook(self._mm)
+            finally:
+                try:
+                    self._mm.close()
+                except BufferError:
+                    pass  # views still alive; the old mapping goes when they do
+                self._mm = None
 
     def _reattach(self, why: str) -> None:
         """Attach to the restarted daemon within ``reconnect_timeout`` or raise."""

@@ -1,54 +1,128 @@
-"""GPU hosts: the arena mapping registered once per process as pinned host memory.
+"""A runtime's CUDA side: which devices the model uses, the arena's registration, the copies.
 
-``cudaHostRegister`` (through torch's own cudart binding, ``torch.cuda.cudart()``)
-page-locks the read-only arena mapping with ``cudaHostRegisterReadOnly`` (the GPU
-may only read it, as the kernel already enforces for the process), so H2D copies
-of expert views run at pinned speed and asynchronously (``non_blocking=True``).
-One registration per mapping: a re-attach after a daemon restart maps a new arena
-and registers that one; a mapping is unregistered when the client closes it
-(the kernel drops the registration with the mapping in any case).
+``GpuSide`` is created with every ``Runtime`` and does nothing until the model's tensors
+are on a CUDA device (``use``): the device decides, not ``torch.cuda.is_available()``,
+so a CPU model on a GPU host behaves as on a CPU host (no registration, no CUDA call).
+Then:
 
-Called only where ``torch.cuda.is_available()``; CPU hosts never import CUDA state.
-A failed registration (e.g. a locked-memory limit) warns and leaves copies pageable:
-correct, only slower.
+- registration (``k3client.gpu.pinning``): at load when the model is already on a CUDA
+  device (``device_map``, vLLM), else in the first forward that runs on one; again for
+  each new arena after a daemon restart (``follow``, from the runtime's restart check);
+  the client calls ``before_unmap`` before it unmaps an arena (``close``, a re-attach),
+  which synchronises every device the model used and unregisters that mapping;
+- copies (``k3client.gpu.streams``): each fetched group's views go to the device on a
+  copy stream, one event per expert that the compute stream waits on;
+- the pin rule: ``sync`` synchronises every device with copies or compute queued since
+  the last one (not only the current device: a model on ``cuda:1``, or split across
+  GPUs), and the runtime calls it before every ``begin_token`` (a forward's or a
+  mid-forward epoch's).
+
+``run_layer`` is the transformers experts call on a CUDA device: the eager loop's
+experts in ascending order and, within one, its tokens in ``torch.where``'s order,
+from one stable sort per layer (one device-to-host read of the counts instead of one
+``torch.where`` sync per expert), so the copies of later groups overlap the compute.
+
+Owner: the model's thread.  ``api_factory`` builds the CUDA calls on first use
+(``k3client.gpu.cuda.CudaApi``; tests pass a stand-in).
 """
 
 from __future__ import annotations
 
-import warnings
-
-import numpy as np
 import torch
 
-REGISTER_PORTABLE = 0x01
-REGISTER_READ_ONLY = 0x08
-
-_registered: dict[int, int] = {}    # address -> bytes, this process
-
-
-def address_of(mm) -> int:
-    """Start address of a (read-only) mmap, without a writable buffer."""
-    return int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
+from ..gpu.cuda import CudaApi
+from ..gpu.pinning import Pinning, address_of  # noqa: F401  (address_of: tests read it here)
+from ..gpu.streams import Copier
 
 
-def host_register(mm) -> bool:
-    """Page-lock ``mm`` for the GPU once; True when registered (now or before)."""
-    if mm is None:
-        return False
-    addr, size = address_of(mm), len(mm)
-    if addr in _registered:
-        return True
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(addr, size, REGISTER_PORTABLE | REGISTER_READ_ONLY)
-    if int(err) != 0:
-        warnings.warn(f"k3client.hf: cudaHostRegister of the {size}-byte arena failed ({err}); "
-                      "expert copies to the GPU stay pageable (slower, still correct)", stacklevel=2)
-        return False
-    _registered[addr] = size
-    return True
+class GpuSide:
+    def __init__(self, client, api_factory=None):
+        self.pinning = Pinning(api_factory or CudaApi)
+        self.copier = Copier()
+        self.devices: set[torch.device] = set()    # CUDA devices the model has used
+        self._work: set[torch.device] = set()      # ... with work queued since the last sync
+        # no reference to the client from here: a client dropped without close() is collected
+        client.before_unmap.append(self.before_unmap)
+
+    # -- registration -------------------------------------------------------------
+    def use(self, client, devices) -> None:
+        """The model runs on ``devices`` (CUDA ones count): register the arena for them."""
+        new = {torch.device(d) for d in devices} - self.devices
+        if not any(d.type == "cuda" for d in new):
+            return
+        self.devices |= {d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+                         for d in new if d.type == "cuda"}
+        self.follow(client)
+
+    def follow(self, client) -> None:
+        """Register the arena the client maps now, once per mapping and generation (attribute 113
+        is checked on the devices known then)."""
+        if self.devices and client.arena is not None:
+            self.pinning.register(client.arena, client.gen, client.slot_bytes, self.devices)
+
+    def before_unmap(self, mm) -> None:
+        """The client's hook: ``mm`` is about to be unmapped."""
+        self.pinning.release(mm, self.sync_all)
+
+    # -- the pin rule -----------------------------------------------------------------
+    def mark(self, device: torch.device) -> None:
+        self._work.add(device)
+
+    def sync(self) -> None:
+        """Wait for every device with copies or compute queued since the last sync."""
+        if self._work:
+            api = self.pinning.api
+            for d in sorted(self._work, key=str):
+                api.synchronize(d)
+            self._work.clear()
+
+    def sync_all(self) -> None:
+        self._work |= self.devices
+        self.sync()
+
+    # -- copies -----------------------------------------------------------------------
+    def groups(self, client, groups, device: torch.device):
+        """``groups`` unchanged off CUDA; on it, each group staged on the copy stream."""
+        if device.type != "cuda":
+            return groups
+        self.use(client, (device,))
+        return self._staged(client, groups, device)
+
+    def _staged(self, client, groups, device):
+        for group in groups:
+            self.mark(device)
+            self.follow(client)      # a restart during that fetch: the new arena, registered first
+            yield self.copier.stage(group, device)
+
+    def run_layer(self, rt, ml, hidden_states, top_k_index, top_k_weights):
+        """``Runtime.run_layer`` on a CUDA device (module docstring)."""
+        module, device = ml.module, hidden_states.device
+        tokens = top_k_index.shape[0]
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            # position k*tokens + t: eager's torch.where over expert_mask[e] ([k, tokens]) yields
+            # an expert's pairs in this order, which a stable sort keeps
+            flat = top_k_index.t().reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=module.num_experts + 1).tolist()
+        starts, at = {}, 0
+        for e, c in enumerate(counts):
+            starts[e] = at
+            at += c
+        experts = [e for e in range(module.num_experts) if counts[e]]
+        rt._score_prediction(ml.layer, experts)
+        predicted = rt._predict_next(ml, hidden_states) if rt.predict else None
+        for group in self.groups(rt.client, rt._groups(ml, experts, predicted), device):
+            for e, views in group:
+                w = ml.family.weights(module, views, device, ml.dtype)
+                pos = order[starts[e]:starts[e] + counts[e]]
+                token_idx, top_k_pos = pos % tokens, pos // tokens
+                ml.family.compute(module, w, hidden_states[token_idx], token_idx, top_k_pos, top_k_weights, out)
+        if ml.next is None:
+            rt._begin_next()
+        return out
 
 
-def host_unregister(mm) -> None:
-    addr = address_of(mm)
-    if _registered.pop(addr, None) is not None:
-        torch.cuda.cudart().cudaHostUnregister(addr)
+def cuda_devices(module) -> set[torch.device]:
+    """The CUDA devices holding ``module``'s parameters or buffers."""
+    return {t.device for t in (*module.parameters(), *module.buffers()) if t.device.type == "cuda"}

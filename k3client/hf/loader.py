@@ -202,8 +202,10 @@ def load_model(path: str, endpoint: str | None = None, name: str | None = None, 
                                     **from_pretrained_kwargs)
         model.__class__ = base
         _strip_expert_params(model, plan)
-        register = gpu.host_register if torch.cuda.is_available() else None
-        rt = Runtime(client, plan.layers, predict=predict, host_register=register)
+        rt = Runtime(client, plan.layers, predict=predict)
+        rt.gpu.use(client, gpu.cuda_devices(model))     # a model loaded onto CUDA: registered now
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.disable_compile = True   # k3client/gpu/guards.py
         for ml in plan.layers.values():
             ml.module._k3d = (rt, ml)
         _decoder(model, plan).register_forward_pre_hook(lambda mod, args: rt.begin_forward())
@@ -214,8 +216,10 @@ def load_model(path: str, endpoint: str | None = None, name: str | None = None, 
         raise
 
 
+@torch.compiler.disable
 def k3d_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """The ``"k3d"`` experts implementation: ``fn(self, hidden_states, top_k_index, top_k_weights)``."""
+    """The ``"k3d"`` experts implementation: ``fn(self, hidden_states, top_k_index, top_k_weights)``;
+    never traced by Dynamo (fetches, IPC: ``k3client/gpu/guards.py``)."""
     bound = getattr(self, "_k3d", None)
     if bound is None:
         raise RuntimeError(f"{type(self).__name__} uses experts_implementation='k3d' but was not loaded by "

@@ -8,7 +8,7 @@ stays pinned until its next ``begin_token``):
 
 - every forward is one epoch.  It begins right after the last MoE layer of the
   forward before (``_begin_next``): no view of that epoch is read again (CPU: the
-  compute ran; GPU: the stream is synchronised first), so ``begin_token`` is sent
+  compute ran; GPU: its devices are synchronised first), so ``begin_token`` is sent
   then without waiting, and its reply comes back while the model runs its head,
   samples, and starts the next forward; the next forward's first fetch reads it
   (``Client.settle``), so no view is answered before the daemon began the epoch.
@@ -19,7 +19,7 @@ stays pinned until its next ``begin_token``):
   are read only between its fetch and the next ``begin_token``;
 - when the next group would not fit beside what this epoch already pinned
   (``held``), the compute of every earlier group is complete (CPU: it ran; GPU:
-  the stream is synchronised first), so a new epoch starts and the group goes on.
+  its devices are synchronised first), so a new epoch starts and the group goes on.
   A ``CacheFull``/``QuotaExceeded`` reply (other clients' pins, a quota) does
   the same, then halves the group, then waits for others' epochs to end.  So
   any arena works, down to one slot; none raises ``CacheFull`` to the caller.
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import errors
-from . import families
+from . import families, gpu
 
 WAIT_STEP_S = 0.002
 
@@ -84,17 +84,16 @@ class MoeLayer:
 class Runtime:
     """Fetches experts for the forward in progress; see the module docstring."""
 
-    def __init__(self, client, layers: dict[int, MoeLayer], predict: bool = True, host_register=None):
+    def __init__(self, client, layers: dict[int, MoeLayer], predict: bool = True):
         self.client = client
         self.layers = layers
         self.predict = predict
-        self.host_register = host_register     # callable(mmap) on a CUDA host, else None
+        self.gpu = gpu.GpuSide(client)         # idle until the model runs on a CUDA device
         self.stats = Stats()
         self.held = 0                          # slots this epoch pinned (client side count)
         self._restarts = client.restarts
         self._gen = None
         self._pending_prediction: tuple[int, set[int]] | None = None
-        self._device_work = False              # GPU copies/compute queued since the last sync
         self._early = False                    # the next forward's epoch was begun by the last MoE layer
         order = sorted(layers)
         for a, b in itertools.pairwise(order):
@@ -129,23 +128,24 @@ class Runtime:
         self._restarts = self.client.restarts
 
     def _sync_device(self) -> None:
-        """The pin rule on a GPU: no queued copy may outlive the epoch that pinned its slot."""
-        if self._device_work:
-            torch.cuda.synchronize()
-            self._device_work = False
+        """The pin rule on a GPU: no queued copy may outlive the epoch that pinned its slot
+        (every device with work queued: ``GpuSide.sync``)."""
+        self.gpu.sync()
 
     def _check_restart(self) -> None:
         self.client.settle()                         # a restart it finds is seen just below
         if self.client.restarts != self._restarts:   # a new daemon: no pins held there
             self._restarts = self.client.restarts
             self.held = 0
-        if self.host_register is not None and self._gen != self.client.gen:
-            self.host_register(self.client.arena)
+        if self._gen != self.client.gen:
+            self.gpu.follow(self.client)             # a new arena: registered where the model is on CUDA
             self._gen = self.client.gen
 
     # -- the experts call --------------------------------------------------------
     def run_layer(self, ml: MoeLayer, hidden_states, top_k_index, top_k_weights):
         """The eager loop of ``ml``'s family over arena views, in groups that fit."""
+        if hidden_states.device.type == "cuda":
+            return self.gpu.run_layer(self, ml, hidden_states, top_k_index, top_k_weights)
         module = ml.module
         num_experts = module.num_experts
         out = torch.zeros_like(hidden_states)
@@ -162,8 +162,6 @@ class Runtime:
                 w = ml.family.weights(module, views, device, ml.dtype)
                 top_k_pos, token_idx = torch.where(expert_mask[e])
                 ml.family.compute(module, w, hidden_states[token_idx], token_idx, top_k_pos, top_k_weights, out)
-            if device.type == "cuda":
-                self._device_work = True
         if ml.next is None:
             self._begin_next()
         return out

@@ -36,8 +36,9 @@ warning and installs nothing: that vLLM runs plain, the ``k3d`` key unused.
 
 Caller's obligations: a ``k3d start`` serving the same checkpoint; eager mode
 (``enforce_eager=True`` / ``--enforce-eager``: the only mode tested; a CUDA graph
-would replay a step without its Python fetches); one rank per engine (no tensor or
-expert parallelism).
+would replay a step without its Python fetches, so a CUDA engine without it is
+refused at load in one line: ``k3client.gpu.guards``); one rank per engine (no
+tensor or expert parallelism).
 """
 
 from __future__ import annotations

@@ -241,11 +241,12 @@ class VllmRuntime(Runtime):
     left it when ``run_layer`` returns or raises; ``stats.epochs == stats.forwards``
     while no mid-forward epoch was needed."""
 
-    def __init__(self, client, layers, predict=True, host_register=None, native_kernel=True):
-        super().__init__(client, layers, predict=predict, host_register=host_register)
+    def __init__(self, client, layers, predict=True, native_kernel=True):
+        super().__init__(client, layers, predict=predict)
         self.stats = VllmStats()
-        # compiled (or found cached) here, at load, not in the first forward
-        self._rowmm = native.load() if native_kernel and host_register is None else None
+        # compiled (or found cached) here, at load, not in the first forward (the loader passes
+        # False for a model on a CUDA device)
+        self._rowmm = native.load() if native_kernel else None
         self.stats.native_kernel = self._rowmm is not None
 
     def run_layer(self, ml, hidden_states, top_k_index, top_k_weights):
@@ -287,7 +288,7 @@ class VllmRuntime(Runtime):
         xf = xs.float() if rowmm is not None else None        # rowmm's input: converted once per step
         mkldnn = on = torch.backends.mkldnn.enabled
         try:
-            for group in self._groups(ml, experts, predicted):
+            for group in self.gpu.groups(self.client, self._groups(ml, experts, predicted), device):
                 for e, views in group:
                     n = counts[e]
                     if rowmm is not None and n <= NATIVE_MAX_ROWS:
@@ -309,8 +310,6 @@ class VllmRuntime(Runtime):
                     else:
                         out.add_(h)                      # one token: its experts in ascending order
                     at += n
-                if device.type == "cuda":
-                    self._device_work = True
         finally:
             torch.backends.mkldnn.enabled = mkldnn
         if parts:

@@ -41,6 +41,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from k3client.client import connect
+from k3client.gpu import guards
 from k3client.hf import fingerprint, gpu
 from k3client.hf.checkpoint import Files, LazyTensor
 from k3client.hf.families import FamilyError, GptOss, Standard
@@ -86,6 +87,9 @@ class K3dLoader(DefaultModelLoader):
         st = settings.from_config(vllm_config)
         if st is None:
             return super().load_model(vllm_config, model_config, prefix)
+        refusal = guards.vllm_config_refusal(vllm_config)
+        if refusal:
+            raise ValueError(refusal)
         client = connect(st.endpoint, name=st.name or f"vllm-{os.getpid()}")
         files = Files()
         try:
@@ -159,8 +163,9 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRun
         raise FamilyError(f"k3client.vllm cannot compute the experts of model type {_model_type(model)!r} "
                           f"(vLLM builds them with {', '.join(own) or 'no RoutedExperts'}; the checkpoint has "
                           f"routed experts in layers {checkpoint_layers}); {SUPPORTED}")
-    register = gpu.host_register if torch.cuda.is_available() else None
-    rt = VllmRuntime(client, layers, predict=st.predict, host_register=register, native_kernel=st.native)
+    on_cuda = gpu.cuda_devices(model)     # the device decides: a CPU engine on a GPU host keeps rowmm
+    rt = VllmRuntime(client, layers, predict=st.predict, native_kernel=st.native and not on_cuda)
+    rt.gpu.use(client, on_cuda)           # registered at load, not in the first step
     for layer, mod in modules.items():
         mod._k3d = (rt, layers[layer])
     return rt
