@@ -1,0 +1,193 @@
+"""Answers as experts become ready: time per decode token, whole fetches against ``fetch_iter``.
+
+    python bench/as_ready.py [--size small|gptoss] [--layers N] [--experts N] [--topk K]
+                             [--share 0.3] [--tokens 24] [--reps 3]
+
+Checkpoint: synthetic MXFP4 experts (``k3d.demo.synthetic``), page-cache
+resident (read once before measuring): ``small`` is hidden 256 x inter 256
+(~0.1 MB per expert, 8 layers x 64 experts, top-8), ``gptoss`` hidden 2880 x
+inter 2880 (13.2 MB per expert, gpt-oss's size; 4 layers x 32 experts, top-4).
+A real ``k3d start`` (defaults: ``--predict auto``, default readers) with an
+arena of ``--share`` of all experts, one client decoding single tokens routed by
+``k3d.demo.routing.SyntheticRouter``, gate-ahead predictions sent with each
+layer's fetch (as ``k3client.hf``'s runtime does).
+
+Per layer, each mode computes the layer's experts on one token vector (MXFP4
+decoded by ``k3client.mxfp4``, then SwiGLU) and sums their weighted outputs in
+ascending expert order:
+- ``whole``: ``fetch`` (every expert in the arena), then compute in order (before);
+- ``as_ready``: ``fetch_iter``, each expert computed as it arrives, the outputs
+  added in ascending order (after).  Both modes' outputs of every layer are
+  checked equal (``torch.equal``) to the same layer computed from the arena views
+  in order after the fact; the script exits 1 otherwise.
+Floor, same run: the same tokens' decode + compute with every expert's bytes
+already in process memory (no fetch at all).  Modes alternate token block by
+block (``--tokens`` each, after a warm-up block of each); reported: the median ms
+per token of each mode, their ratio to the floor, and as_ready / whole (the
+median of the per-rep ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import harness  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import k3client  # noqa: E402
+from k3client.mxfp4 import dequantize  # noqa: E402
+from k3d.demo.routing import SyntheticRouter  # noqa: E402
+
+SIZES = {"small": dict(hidden=256, inter=256, layers=8, experts=64, topk=8),
+         "gptoss": dict(hidden=2880, inter=2880, layers=4, experts=32, topk=4)}
+NAMES = ("w1", "w3", "w2")
+
+
+def expert_out(tensors, x, gate):
+    """One expert on token ``x``: MXFP4 decoded, SwiGLU, times its routing weight."""
+    w1, w3, w2 = (dequantize(tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]) for m in NAMES)
+    return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T * gate
+
+
+def tensors_of(ex):
+    return {f"{m}.{k}": ex.tensor(f"{m}.{k}") for m in NAMES for k in ("weight_packed", "weight_scale")}
+
+
+def layer_whole(c, layer, experts, predicted, x, gates):
+    exs = c.fetch(layer, experts, predicted=predicted)
+    out = torch.zeros_like(x)
+    for ex, g in zip(exs, gates):
+        out += expert_out(tensors_of(ex), x, g)
+    return out, exs
+
+
+def layer_as_ready(c, layer, experts, predicted, x, gates):
+    got, nxt, out, exs = {}, 0, torch.zeros_like(x), [None] * len(experts)
+    for i, ex in c.fetch_iter(layer, experts, predicted=predicted):
+        exs[i] = ex
+        got[i] = expert_out(tensors_of(ex), x, gates[i])
+        while nxt in got:                      # ascending order, whatever the arrival order
+            out += got.pop(nxt)
+            nxt += 1
+    return out, exs
+
+
+def token_inputs(router, hidden, rng):
+    route, predicted = router.token()
+    xs = [torch.from_numpy(rng.standard_normal(hidden).astype(np.float32) * 0.05) for _ in route]
+    return [sorted(r) for r in route], predicted, xs
+
+
+def run_block(c, mode, router, rng, n, hidden, check: bool) -> list[float]:
+    fn = layer_whole if mode == "whole" else layer_as_ready
+    times = []
+    for _ in range(n):
+        route, predicted, xs = token_inputs(router, hidden, rng)
+        gates = [torch.full((), 1.0 / len(r)) for r in route]
+        t0 = time.perf_counter()
+        c.begin_token()
+        outs = []
+        for layer, experts in enumerate(route):
+            pred = [(layer + 1, e) for e in predicted[layer]] or None
+            outs.append(fn(c, layer, experts, pred, xs[layer], [gates[layer]] * len(experts)))
+        times.append(time.perf_counter() - t0)
+        if check:      # the same views, in order, after the fact (still pinned: same token)
+            for (out, exs), x, g in zip(outs, xs, gates):
+                want = torch.zeros_like(x)
+                for ex in exs:
+                    want += expert_out(tensors_of(ex), x, g)
+                if not torch.equal(out, want):
+                    raise SystemExit(f"{mode}: a layer's output differs from the in-order sum")
+    return times
+
+
+def floor_block(ckpt_tensors, router, rng, n, hidden) -> list[float]:
+    times = []
+    for _ in range(n):
+        route, _, xs = token_inputs(router, hidden, rng)
+        t0 = time.perf_counter()
+        for layer, experts in enumerate(route):
+            out = torch.zeros_like(xs[layer])
+            for e in experts:
+                out += expert_out(ckpt_tensors[(layer, e)], xs[layer], 1.0 / len(experts))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--experts", type=int)
+    ap.add_argument("--topk", type=int)
+    ap.add_argument("--share", type=float, default=0.3)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--check", action="store_true", help="check every token's outputs (slower)")
+    a = ap.parse_args()
+    shape = dict(SIZES[a.size])
+    for k in ("layers", "experts", "topk"):
+        if getattr(a, k):
+            shape[k] = getattr(a, k)
+    torch.set_num_threads(1)
+    harness.banner("as_ready", f"{a.size}: {shape}, arena {a.share:.0%} of the experts; "
+                   f"CPU: {os.cpu_count()} cores ({harness_cpu()})")
+    path = harness.checkpoint(shape["layers"], shape["experts"], shape["hidden"], shape["inter"], seed=3)
+    try:
+        from safetensors.torch import load_file
+        file = os.path.join(path, "model.safetensors")
+        harness.warm_page_cache(file)
+        flat = load_file(file)
+        mine = {}
+        for name, t in flat.items():
+            p = name.split(".")
+            if ".mlp.experts." in name:
+                mine.setdefault((int(p[2]), int(p[5])), {})[".".join(p[6:])] = t
+        del flat
+        slots = max(shape["topk"] * 2, round(a.share * shape["layers"] * shape["experts"]))
+        router = SyntheticRouter(shape["layers"], shape["experts"], shape["topk"], seed=5)
+        rng = np.random.default_rng(11)
+        res = {"whole": [], "as_ready": [], "floor": [], "ratio": []}
+        with harness.Daemon(path, "--slots", slots) as d, k3client.connect(d.endpoint, name="as_ready") as c:
+            for mode in ("whole", "as_ready"):          # warm-up: the cache reaches its steady state
+                run_block(c, mode, router, rng, a.tokens, shape["hidden"], check=True)
+            for _ in range(a.reps):
+                w = harness.median(run_block(c, "whole", router, rng, a.tokens, shape["hidden"], a.check))
+                r = harness.median(run_block(c, "as_ready", router, rng, a.tokens, shape["hidden"], a.check))
+                f = harness.median(floor_block(mine, router, rng, a.tokens, shape["hidden"]))
+                res["whole"].append(w)
+                res["as_ready"].append(r)
+                res["floor"].append(f)
+                res["ratio"].append(r / w)
+            st = c.status()["stats"]
+        med = {k: harness.median(v) for k, v in res.items()}
+        print(f"slots {slots}; hits {st['hits']}, misses {st['misses']}")
+        print(f"floor (compute only)  {med['floor'] * 1e3:8.2f} ms/token")
+        print(f"whole fetch           {med['whole'] * 1e3:8.2f} ms/token  {med['whole'] / med['floor']:5.2f}x floor")
+        print(f"fetch_iter (as_ready) {med['as_ready'] * 1e3:8.2f} ms/token  "
+              f"{med['as_ready'] / med['floor']:5.2f}x floor")
+        print(f"as_ready / whole      {med['ratio']:8.3f}  (median of {a.reps} reps' ratios)")
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return 0
+
+
+def harness_cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
