@@ -1,30 +1,32 @@
 """Answers as experts become ready: time per decode token, whole fetches against ``fetch_iter``.
 
     python bench/as_ready.py [--size small|gptoss] [--layers N] [--experts N] [--topk K]
-                             [--share 0.3] [--tokens 24] [--reps 3]
+                             [--share 0.3] [--tokens 24] [--reps 3] [--check]
 
-Checkpoint: synthetic MXFP4 experts (``k3d.demo.synthetic``), page-cache
-resident (read once before measuring): ``small`` is hidden 256 x inter 256
-(~0.1 MB per expert, 8 layers x 64 experts, top-8), ``gptoss`` hidden 2880 x
-inter 2880 (13.2 MB per expert, gpt-oss's size; 4 layers x 32 experts, top-4).
-A real ``k3d start`` (defaults: ``--predict auto``, default readers) with an
-arena of ``--share`` of all experts, one client decoding single tokens routed by
-``k3d.demo.routing.SyntheticRouter``, gate-ahead predictions sent with each
-layer's fetch (as ``k3client.hf``'s runtime does).
+Checkpoint: float32 SwiGLU experts (w1, w3: inter x hidden; w2: hidden x inter)
+in one safetensors file, page-cache resident (read once before measuring):
+``small`` is hidden 256 x inter 128 (0.39 MB per expert; 8 layers x 64 experts,
+top-8), ``gptoss`` hidden 1024 x inter 1080 (13.3 MB per expert, gpt-oss's
+expert size; 4 layers x 32 experts, top-4).  A real ``k3d start`` at its defaults
+with an arena of ``--share`` of all experts; one client decodes single tokens
+routed by ``k3d.demo.routing.SyntheticRouter``, with the gate-ahead guess of the
+next layer sent as ``predicted=`` with each layer's fetch (as ``k3client.hf``
+does).
 
-Per layer, each mode computes the layer's experts on one token vector (MXFP4
-decoded by ``k3client.mxfp4``, then SwiGLU) and sums their weighted outputs in
-ascending expert order:
-- ``whole``: ``fetch`` (every expert in the arena), then compute in order (before);
-- ``as_ready``: ``fetch_iter``, each expert computed as it arrives, the outputs
-  added in ascending order (after).  Both modes' outputs of every layer are
-  checked equal (``torch.equal``) to the same layer computed from the arena views
-  in order after the fact; the script exits 1 otherwise.
-Floor, same run: the same tokens' decode + compute with every expert's bytes
-already in process memory (no fetch at all).  Modes alternate token block by
-block (``--tokens`` each, after a warm-up block of each); reported: the median ms
-per token of each mode, their ratio to the floor, and as_ready / whole (the
-median of the per-rep ratios).
+Per layer each mode computes the layer's experts on one token vector
+(``silu(x w1^T) * (x w3^T) w2^T``, times its routing weight) from the arena views
+and sums the outputs in ascending expert order:
+- ``whole`` (before): ``fetch``, every expert in the arena, then compute in order;
+- ``as_ready`` (after): ``fetch_iter``, each expert computed as it arrives, the
+  outputs added in ascending order as soon as every one before is in.
+``--check`` recomputes every layer in order from the same views after the token
+and exits 1 unless the outputs are equal (``torch.equal``); the warm-up blocks
+are always checked.  Floor, same run: the same kind of tokens' compute with every
+expert already in process memory (no fetch).  Modes alternate block by block
+(``--tokens`` each, after a warm-up block of each, so the cache is in its steady
+state); reported: the median ms per token of each mode (the median over reps of
+each block's median), their ratio to the floor, and as_ready / whole (the median
+of the per-rep ratios).
 """
 
 from __future__ import annotations
@@ -44,22 +46,41 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import k3client  # noqa: E402
-from k3client.mxfp4 import dequantize  # noqa: E402
 from k3d.demo.routing import SyntheticRouter  # noqa: E402
 
-SIZES = {"small": dict(hidden=256, inter=256, layers=8, experts=64, topk=8),
-         "gptoss": dict(hidden=2880, inter=2880, layers=4, experts=32, topk=4)}
-NAMES = ("w1", "w3", "w2")
+SIZES = {"small": dict(hidden=256, inter=128, layers=8, experts=64, topk=8),
+         "gptoss": dict(hidden=1024, inter=1080, layers=4, experts=32, topk=4)}
+NAMES = ("w1.weight", "w3.weight", "w2.weight")
+PATTERN = "model.layers.{layer}.mlp.experts.{expert}.{name}"
 
 
-def expert_out(tensors, x, gate):
-    """One expert on token ``x``: MXFP4 decoded, SwiGLU, times its routing weight."""
-    w1, w3, w2 = (dequantize(tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]) for m in NAMES)
-    return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T * gate
+def write_checkpoint(layers, experts, hidden, inter) -> tuple[str, dict]:
+    """A float32 checkpoint in a fresh temp dir (the caller removes it) and its experts as
+    torch tensors in this process (the floor's)."""
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(3)
+    path = tempfile.mkdtemp(prefix="k3d-bench-ckpt-", dir="/tmp")
+    tensors, mine = {}, {}
+    for layer in range(layers):
+        for e in range(experts):
+            ws = {n: (rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[1])))
+                  for n, shape in zip(NAMES, ((inter, hidden), (inter, hidden), (hidden, inter)))}
+            mine[(layer, e)] = {n: torch.from_numpy(w) for n, w in ws.items()}
+            tensors.update({PATTERN.format(layer=layer, expert=e, name=n): w for n, w in ws.items()})
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return path, mine
+
+
+def expert_out(w, x, gate):
+    """One expert on token ``x``: SwiGLU, times its routing weight."""
+    return (F.silu(x @ w["w1.weight"].T) * (x @ w["w3.weight"].T)) @ w["w2.weight"].T * gate
 
 
 def tensors_of(ex):
-    return {f"{m}.{k}": ex.tensor(f"{m}.{k}") for m in NAMES for k in ("weight_packed", "weight_scale")}
+    return {n: ex.tensor(n) for n in NAMES}
 
 
 def layer_whole(c, layer, experts, predicted, x, gates):
@@ -141,18 +162,9 @@ def main() -> int:
     torch.set_num_threads(1)
     harness.banner("as_ready", f"{a.size}: {shape}, arena {a.share:.0%} of the experts; "
                    f"CPU: {os.cpu_count()} cores ({harness_cpu()})")
-    path = harness.checkpoint(shape["layers"], shape["experts"], shape["hidden"], shape["inter"], seed=3)
+    path, mine = write_checkpoint(shape["layers"], shape["experts"], shape["hidden"], shape["inter"])
     try:
-        from safetensors.torch import load_file
-        file = os.path.join(path, "model.safetensors")
-        harness.warm_page_cache(file)
-        flat = load_file(file)
-        mine = {}
-        for name, t in flat.items():
-            p = name.split(".")
-            if ".mlp.experts." in name:
-                mine.setdefault((int(p[2]), int(p[5])), {})[".".join(p[6:])] = t
-        del flat
+        harness.warm_page_cache(os.path.join(path, "model.safetensors"))
         slots = max(shape["topk"] * 2, round(a.share * shape["layers"] * shape["experts"]))
         router = SyntheticRouter(shape["layers"], shape["experts"], shape["topk"], seed=5)
         rng = np.random.default_rng(11)

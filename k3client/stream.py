@@ -91,7 +91,9 @@ def stream(client, layer: int, experts: list[int], preds: list) -> object:
             pause = min(0.05, pause * 2)
             continue
         except BaseException:                    # Timeout, an error reply, an interrupt, GeneratorExit
-            if hits is not None:
+            # (a stream another request ended, collected later, leaves the window to that
+            # request: it is the latest one now)
+            if hits is not None and client._stream is token:
                 hits.failed()
             raise
         if hits is not None and hits is client._hits and client._stream is token:
