@@ -1,7 +1,7 @@
 """Answers as experts become ready: time per decode token, whole fetches against ``fetch_iter``.
 
     python bench/as_ready.py [--size small|gptoss] [--layers N] [--experts N] [--topk K]
-                             [--share 0.3] [--tokens 24] [--reps 3] [--check]
+                             [--share 0.3] [--tokens 8] [--reps 15] [--check]
 
 Checkpoint: float32 SwiGLU experts (w1, w3: inter x hidden; w2: hidden x inter)
 in one safetensors file, page-cache resident (read once before measuring):
@@ -151,8 +151,8 @@ def main() -> int:
     ap.add_argument("--experts", type=int)
     ap.add_argument("--topk", type=int)
     ap.add_argument("--share", type=float, default=0.3)
-    ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--check", action="store_true", help="check every token's outputs (slower)")
     a = ap.parse_args()
     shape = dict(SIZES[a.size])
@@ -180,6 +180,8 @@ def main() -> int:
                 res["as_ready"].append(r)
                 res["floor"].append(f)
                 res["ratio"].append(r / w)
+                print(f"  rep: floor {f * 1e3:.2f}, whole {w * 1e3:.2f}, as_ready {r * 1e3:.2f} ms/token "
+                      f"({r / w:.3f})", flush=True)
             st = c.status()["stats"]
         med = {k: harness.median(v) for k, v in res.items()}
         print(f"slots {slots}; hits {st['hits']}, misses {st['misses']}")
