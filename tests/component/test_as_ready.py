@@ -8,21 +8,30 @@
   the others as their reads finish, each once, with the right bytes;
 - leaving the loop, an exception in it, or a timeout mid-stream keeps the hit path
   shut until the next request, and what was yielded stays valid (pinned);
-- another request of the client ends the iteration with a one-line error.
+- another request of the client ends the iteration with a one-line error;
+- a daemon replaced mid-stream: the client re-attaches and asks for the rest only.
 
 A read is held by a gate (``hold``): the reader blocks on it until the test lets it
 go, so what arrives before the read finished is known without timing.
 """
 
+import os
+import shutil
+import tempfile
 import threading
 
 import pytest
-from test_server_component import raw_dealer, server  # noqa: F401 -- the fixture, and its helper
+from test_server_component import Faulty, raw_dealer, server  # noqa: F401 -- the fixture, and its helpers
 
 import k3client
-from helpers import poll_for, verify
+from conftest import SCRATCH
+from helpers import expert_bytes, poll_for, reference as reference_reader, verify
 from k3client import errors
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
+from k3d.config import DEFAULT_PATTERN, resolve
+from k3d.memory.arena import Arena
+from k3d.serve.loop import Server
+from k3d.service.daemon import size_arena
 
 
 def hold(srv, *keys):
@@ -203,3 +212,52 @@ def test_another_request_ends_the_iteration(server):  # noqa: F811
         with pytest.raises(errors.K3Error, match="another request"):
             next(it)
         assert [e.expert for e in c.fetch(2, [9, 1])] == [9, 1]
+
+
+def test_a_daemon_replaced_mid_stream_answers_the_rest(checkpoint):
+    """The stream's daemon is replaced (a new one binds the endpoint) while a read it
+    waits on is held: the client re-attaches and asks the new daemon for the experts
+    not yet yielded only; the view taken before keeps the old arena's bytes."""
+    tmp = tempfile.mkdtemp(prefix="k3d-c-", dir=SCRATCH)
+    endpoint = f"ipc://{tmp}/k.sock"
+    servers = []
+
+    def start():
+        cfg = resolve({"endpoint": endpoint, "slots": 16, "readers": 2, "state_dir": "none"}, {})
+        src = Faulty(checkpoint, DEFAULT_PATTERN)
+        n, sb = size_arena(cfg, src.expert_bytes)
+        arena = Arena(n, sb)
+        srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
+        srv.ref = reference_reader(checkpoint)
+        t = threading.Thread(target=srv.serve_forever, daemon=True)
+        t.start()
+        servers.append((srv, t, arena, src))
+        return srv
+
+    first = start()
+    (g,) = hold(first, (3, 9))
+    try:
+        with k3client.connect(endpoint, name="it") as c:
+            c.fetch(3, [1])
+            c.begin_token()
+            it = c.fetch_iter(3, [1, 9])
+            i, ex = next(it)
+            view = ex.memory()
+            poll_for(lambda: first.source.held_started, 10, "the held read to start")
+            os.unlink(f"{tmp}/k.sock.arena")           # (a restarted daemon finds its old one's gone)
+            second = start()                           # binds the endpoint anew: the socket is replaced
+            rest = list(it)
+            assert i == 0 and [(j, e.expert) for j, e in rest] == [(1, 9)] and c.restarts == 1
+            verify(c, [e for _, e in rest], second.ref)
+            assert bytes(view) == expert_bytes(first.ref, first.source.layout, (3, 1))   # the old mapping
+            with pytest.raises(errors.DaemonRestarted):
+                ex.memory()                                # its slot names nothing in the new arena
+            assert first.stats.misses == 2 and second.stats.misses == 1     # only (3, 9) asked again
+    finally:
+        g.set()
+        for srv, t, arena, src in reversed(servers):     # the first's stop unlinks the endpoint last
+            srv.request_stop()
+            t.join(10)
+            arena.close()
+            src.close()
+        shutil.rmtree(tmp, ignore_errors=True)
