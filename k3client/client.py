@@ -12,6 +12,11 @@ goes to the daemon, with all its keys (as does one with predictions of experts
 not resident).  Predictions of resident keys send nothing.  Where the CPU lacks the ordering the index
 needs, or with ``K3D_HIT_PATH=daemon``, every fetch is a round trip.
 
+``fetch_iter`` hands experts out as they become ready: the resident ones from
+the first part of the daemon's answer, the others as their reads finish
+(``stream.py``, which states how the hit path's window stays shut until the
+final part); one such iteration at a time, used up before the client's next call.
+
 The guarantee: a view returned by ``Expert.array``/``Expert.tensor``/``stacked``,
 however it was answered, keeps its bytes until this client's next
 ``begin_token()`` or ``close()``, with no time bound while the process lives and
