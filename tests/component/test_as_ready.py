@@ -149,6 +149,24 @@ def test_fetch_iter_yields_the_resident_experts_first(server):  # noqa: F811
         assert srv.stats.fetches == before            # the window opened with the final reply
 
 
+def test_fetch_iter_without_the_hit_path(server):  # noqa: F811
+    """``hit_path="daemon"``: every fetch_iter goes to the daemon; resident experts come in
+    the final reply at once, in request order, and a read still comes after them."""
+    srv = server()
+    with k3client.connect(srv.cfg.endpoint, name="d", hit_path="daemon") as c:
+        c.fetch(2, [4, 5])
+        before = srv.stats.fetches
+        assert [(i, e.expert) for i, e in c.fetch_iter(2, [5, 4])] == [(0, 5), (1, 4)]
+        assert srv.stats.fetches == before + 1
+        (g,) = hold(srv, (2, 0))
+        it = c.fetch_iter(2, [0, 4])
+        assert [(i, e.expert) for i, e in [next(it)]] == [(1, 4)] and not g.is_set()
+        g.set()
+        got = list(it)
+        assert [(i, e.expert) for i, e in got] == [(0, 0)]
+        verify(c, [e for _, e in got], srv.ref)
+
+
 def test_fetch_iter_of_resident_experts_sends_nothing(server):  # noqa: F811
     srv = server()
     with k3client.connect(srv.cfg.endpoint, name="it") as c:
