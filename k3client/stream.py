@@ -41,7 +41,7 @@ def stream(client, layer: int, experts: list[int], preds: list) -> object:
     """Yield ``(index, Expert)`` for ``experts`` of ``layer`` as the daemon sends them:
     the ready ones first, then each batch as its reads finish; each index once."""
     left = dict.fromkeys(range(len(experts)))    # indices not yet yielded, in request order
-    deadline = time.monotonic() + client.timeout
+    deadline = time.monotonic() + client.timeout     # for retries of SlotsBusy, as ``_call``
     pause = 0.0005
     token = object()
     client._stream = token
@@ -64,7 +64,9 @@ def stream(client, layer: int, experts: list[int], preds: list) -> object:
                 rid = client._chan.post("fetch", **fields)
             while not final:
                 with client._io:
-                    reply = client._chan.wait(rid, "fetch", max(0.0, deadline - time.monotonic()))
+                    # each part within ``timeout`` of asking for it: the caller's compute
+                    # between parts is not the daemon's delay
+                    reply = client._chan.wait(rid, "fetch", client.timeout)
                 part = reply.get("part")
                 final = part is None
                 got = list(zip(at, reply["slots"])) if final else [(at[j], s) for j, s in zip(part, reply["slots"])]
