@@ -375,7 +375,8 @@ class Client:
         the resident ones at once, then the others as their reads finish (``index``:
         its position in ``experts``; each once).  Every expert yielded is pinned as
         ``fetch``'s are, until the next ``begin_token()``.  Arguments and errors as
-        ``fetch``'s (bad arguments raise here, before any iteration).  The iterator
+        ``fetch``'s (bad arguments raise here, before any iteration); ``timeout`` bounds
+        the wait for each part, not the caller's work between them.  The iterator
         must be used up before this client's next call; another call ends it (its
         next step raises ``K3Error``).  Leaving the loop early, or an exception in
         it, keeps the hit path shut until the next request: what was yielded stays
