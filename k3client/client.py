@@ -12,6 +12,11 @@ goes to the daemon, with all its keys (as does one with predictions of experts
 not resident).  Predictions of resident keys send nothing.  Where the CPU lacks the ordering the index
 needs, or with ``K3D_HIT_PATH=daemon``, every fetch is a round trip.
 
+``fetch_iter`` hands experts out as they become ready: the resident ones from
+the first part of the daemon's answer, the others as their reads finish
+(``stream.py``, which states how the hit path's window stays shut until the
+final part); one such iteration at a time, used up before the client's next call.
+
 The guarantee: a view returned by ``Expert.array``/``Expert.tensor``/``stacked``,
 however it was answered, keeps its bytes until this client's next
 ``begin_token()`` or ``close()``, with no time bound while the process lives and
@@ -61,6 +66,7 @@ from .hits import REPORT_FLUSH, LocalHits, hit_path_mode
 from .layout import TensorSpec, layouts_from_wire
 from .lease import end_heartbeat, heartbeat
 from .protocol import items, key_int, key_pairs
+from .stream import stream
 from .trust import Trust
 from .views import Expert
 
@@ -97,6 +103,7 @@ class Client:
         self._ctx = zmq.Context()
         self._chan: Channel | None = None    # the connection to the daemon attached now
         self._pending: int | None = None     # id of a begin_token(wait=False) whose reply is not read
+        self._stream = None                  # the fetch_iter in progress (stream.py); another request ends it
         self._hb_stop = threading.Event()
         self._hb_wake = threading.Event()    # set: beat now (a new lease, or stop)
         self._io = threading.RLock()         # the request socket (module docstring)
@@ -251,6 +258,7 @@ class Client:
         reply, and stays shut if anything goes wrong (``hits.py``)."""
         if self._closed:
             raise errors.K3Error(f"{op}: this client is closed; call k3client.connect() again")
+        self._stream = None
         self.settle()
         deadline = time.monotonic() + self.timeout
         pause = 0.0005
@@ -342,6 +350,7 @@ class Client:
         hits = self._hits
         if wait or self._chan is None or self._closed:
             return self._call("begin_token")["epoch"]
+        self._stream = None
         with self._io:
             try:
                 fields = {}
@@ -383,6 +392,38 @@ class Client:
 
         Layers and experts are integers (``int``, numpy or torch integer scalars);
         anything else, ``bool`` included, is refused with ``BadRequest`` before sending."""
+        layer, experts, preds, local = self._local(layer, experts, predicted)
+        if local is not None:
+            return local
+        fields = {"keys": [[layer, e] for e in experts]}
+        if preds:
+            fields["predicted"] = preds
+        slots = self._call("fetch", **fields)["slots"]
+        if self._hits is not None:           # the session that answered (after a re-attach, a new one)
+            self._hits.held_by_daemon(slots)
+        return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
+
+    def fetch_iter(self, layer: int, experts, predicted=None):
+        """``(index, Expert)`` for each of ``experts`` of ``layer`` as it becomes ready:
+        the resident ones at once, then the others as their reads finish (``index``:
+        its position in ``experts``; each once).  Every expert yielded is pinned as
+        ``fetch``'s are, until the next ``begin_token()``.  Arguments and errors as
+        ``fetch``'s (bad arguments raise here, before any iteration); ``timeout`` bounds
+        the wait for each part, not the caller's work between them.  The iterator
+        must be used up before this client's next call; another call ends it (its
+        next step raises ``K3Error``).  Leaving the loop early, or an exception in
+        it, keeps the hit path shut until the next request: what was yielded stays
+        valid (``stream.py``)."""
+        layer, experts, preds, local = self._local(layer, experts, predicted)
+        if local is not None:
+            return iter(enumerate(local))
+        if self._closed:
+            raise errors.K3Error("fetch_iter: this client is closed; call k3client.connect() again")
+        return stream(self, layer, experts, preds)
+
+    def _local(self, layer, experts, predicted):
+        """The checked ``(layer, experts, predictions)`` and, when the shared index
+        answers the fetch, its Experts (else None: the daemon must)."""
         # The common case (an int layer, a list of ints) is checked with a few builtins:
         # on the hit path this check is a good part of what a fetch costs.
         if type(layer) is not int:
@@ -412,14 +453,8 @@ class Client:
                             except BaseException:
                                 hits.unsend()
                                 raise
-                return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
-        fields = {"keys": [[layer, e] for e in experts]}
-        if preds:
-            fields["predicted"] = preds
-        slots = self._call("fetch", **fields)["slots"]
-        if self._hits is not None:           # the session that answered (after a re-attach, a new one)
-            self._hits.held_by_daemon(slots)
-        return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
+                return layer, experts, preds, [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
+        return layer, experts, preds, None
 
     def layer_resident(self, layer: int, n: int) -> bool:
         """Whether the shared index shows experts 0..n-1 of ``layer`` all resident (or being
@@ -453,6 +488,7 @@ class Client:
             return
         self._closed = True
         self._pending = None             # bye's wait skips that reply
+        self._stream = None
         if self._chan is not None:
             try:
                 with self._io:

@@ -18,8 +18,14 @@ Ops (the ``op_*`` handler docstrings in ``k3d.serve.loop`` are the full spec):
 - ``hello {name, pid, hit_path}`` -> ``{client_id, layout, slots, slot_bytes, expert_bytes,
   arena_bytes, index_bytes, arena_socket, lease_s, pin_quota, model}``; must come first.  (The key
   set is not sent: an unknown key is an ``unknown_expert`` error reply.)
-- ``fetch {keys: [[layer, expert], ...], predicted: [[l, e], ...], hits}`` ->
-  ``{slots: [int, ...]}`` in request order, sent once every key is ready.
+- ``fetch {keys: [[layer, expert], ...], predicted: [[l, e], ...], hits, as_ready?}`` ->
+  ``{slots: [int, ...]}`` in request order, sent once every key is ready.  With
+  ``as_ready: true`` (version 5), a fetch that waits for reads first sends parts with
+  the same ``id``: ``{part: [index, ...], slots: [int, ...]}`` (indices into ``keys``),
+  the keys ready now, then each batch whose reads finished; every key named in a
+  part is pinned as in the final reply, which is unchanged (all slots) and the only
+  one without ``part``.  A fetch answered at once sends no part.  The client's hit
+  path window opens only with the final reply.
 - ``predict {keys, hits}`` -> ``{queued: int}`` at once (reads run in the background).
 - ``hits {hits, seen?}`` -> no reply: reports sent without waiting (when many accumulate,
   and from the lease thread with ``seen``, the index's retirement count read after them).
@@ -75,7 +81,7 @@ import msgpack
 
 from .errors import BadRequest
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_REPLY_BYTES = 64 * MAX_MESSAGE_BYTES    # a client's socket accepts no larger message (ZMQ_MAXMSGSIZE)
 MAX_KEYS = 4096          # keys in one fetch/predict

@@ -3,7 +3,7 @@
 Each family's experts module (transformers 5, ``@use_experts_implementation``)
 has an eager ``forward`` that loops over the hit experts in ascending order and
 accumulates ``index_add_`` into a zeroed output.  ``Family.compute`` is the
-body of that loop for ONE expert, with the weights taken from the arena instead
+body of that loop for ONE expert (``output``, then its ``index_add_``), with the weights taken from the arena instead
 of the module's stacked parameter, in the same operations and the same dtypes,
 so the logits equal ``experts_implementation="eager"`` bit for bit on CPU:
 
@@ -75,14 +75,18 @@ class Standard:
 
     def compute(self, module, w: tuple, x, token_idx, top_k_pos, top_k_weights, out) -> None:
         """One expert of the eager loop: ``out.index_add_`` of its weighted output."""
+        out.index_add_(0, token_idx, self.output(module, w, x, token_idx, top_k_pos, top_k_weights).to(out.dtype))
+
+    def output(self, module, w: tuple, x, token_idx, top_k_pos, top_k_weights):
+        """One expert's weighted output, before ``compute`` adds it (the runtime adds
+        outputs computed out of order in eager's order itself)."""
         if len(w) == 3:
             gate, up, down = F.linear(x, w[0]), F.linear(x, w[1]), w[2]
         else:
             (gate, up), down = F.linear(x, w[0]).chunk(2, dim=-1), w[1]
         h = module.act_fn(gate) * up
         h = F.linear(h, down)
-        h = h * top_k_weights[token_idx, top_k_pos, None]
-        out.index_add_(0, token_idx, h.to(out.dtype))
+        return h * top_k_weights[token_idx, top_k_pos, None]
 
 
 class GptOss:
@@ -109,12 +113,14 @@ class GptOss:
                 _dequant(views, "down_proj", device, dtype), _on(views["down_proj_bias"], device, dtype))
 
     def compute(self, module, w: tuple, x, token_idx, top_k_pos, top_k_weights, out) -> None:
+        out.index_add_(0, token_idx, self.output(module, w, x, token_idx, top_k_pos, top_k_weights).to(out.dtype))
+
+    def output(self, module, w: tuple, x, token_idx, top_k_pos, top_k_weights):
         gate_up_w, gate_up_b, down_w, down_b = w
         gate_up = x @ gate_up_w + gate_up_b
         gated = module._apply_gate(gate_up)
         h = gated @ down_w + down_b
-        h = h * top_k_weights[token_idx, top_k_pos, None]
-        out.index_add_(0, token_idx, h.to(out.dtype))
+        return h * top_k_weights[token_idx, top_k_pos, None]
 
 
 def _on(t, device, dtype):

@@ -17,6 +17,13 @@ stays pinned until its next ``begin_token``):
 - a layer fetches the experts its tokens were routed to, in ascending order (the
   eager loop's order), as few groups as the arena allows; the views of a group
   are read only between its fetch and the next ``begin_token``;
+- on a CPU a group is fetched with ``Client.fetch_iter``: each expert is computed
+  as it arrives (the resident ones first, the others as the daemon's reads
+  finish), overlapping compute with reads, and the outputs are added to the
+  layer's output in ascending expert order (``_InOrder``), eager's summation
+  order, so the logits stay bit-equal to eager.  A group is used up before the
+  next group's fetch (one stream at a time).  On a GPU the group comes whole
+  (``fetch``) and is computed in order;
 - when the next group would not fit beside what this epoch already pinned
   (``held``), the compute of every earlier group is complete (CPU: it ran; GPU:
   its devices are synchronised first), so a new epoch starts and the group goes on.
@@ -157,17 +164,24 @@ class Runtime:
         self._score_prediction(ml.layer, experts)
         predicted = self._predict_next(ml, hidden_states) if self.predict else None
         device = hidden_states.device
-        for group in self._groups(ml, experts, predicted):
+        as_ready = device.type != "cuda"
+        acc = _InOrder(out, experts) if as_ready else None
+        for group in self._groups(ml, experts, predicted, as_ready):
             for e, views in group:
                 w = ml.family.weights(module, views, device, ml.dtype)
                 top_k_pos, token_idx = torch.where(expert_mask[e])
+                if acc is not None:
+                    acc.add(e, token_idx, ml.family.output(module, w, hidden_states[token_idx], token_idx,
+                                                           top_k_pos, top_k_weights))
+                    continue
                 ml.family.compute(module, w, hidden_states[token_idx], token_idx, top_k_pos, top_k_weights, out)
         if ml.next is None:
             self._begin_next()
         return out
 
-    def _groups(self, ml: MoeLayer, experts: list[int], predicted):
-        """Yield ``[(expert, {name: view})]`` groups; the caller computes each before the next."""
+    def _groups(self, ml: MoeLayer, experts: list[int], predicted, as_ready: bool = False):
+        """Yield groups of ``(expert, {name: view})``; the caller computes (uses up) each before
+        the next.  ``as_ready``: a group is an iterator in the order the experts arrive."""
         i, cap, waited = 0, max(1, self.client.slots), 0.0
         while i < len(experts):
             self._check_restart()
@@ -178,7 +192,7 @@ class Runtime:
             n = min(left, max(1, cap - self.held))
             group = experts[i:i + n]
             try:
-                got = self._fetch(ml, group, predicted)
+                got = self._fetch(ml, group, predicted, as_ready)
             except (errors.CacheFull, errors.QuotaExceeded) as e:
                 self.stats.cache_full_retries += 1
                 if self.held:
@@ -198,23 +212,45 @@ class Runtime:
             i += n
             yield got
 
-    def _fetch(self, ml: MoeLayer, group: list[int], predicted):
+    def _fetch(self, ml: MoeLayer, group: list[int], predicted, as_ready: bool = False):
+        """The group's ``(expert, views)``: a list in ``group``'s order, or with ``as_ready``
+        an iterator in arrival order whose first expert is here already (a refusal such
+        as ``CacheFull`` comes with the first reply, so it is raised here, retried by
+        ``_groups``).  ``stats.fetch_seconds`` counts the time spent waiting for them."""
         t0 = time.perf_counter()
-        fetched = self.client.fetch(ml.layer, group, predicted=predicted)
+        if as_ready:
+            stream = self.client.fetch_iter(ml.layer, group, predicted=predicted)
+            first = next(stream)[1]
+        else:
+            fetched = self.client.fetch(ml.layer, group, predicted=predicted)
         # views now: a restart after this leaves them on the old mapping, still correct
         try:
-            got = [(ex.expert, self._views(ml, ex)) for ex in fetched]
+            got = [(first.expert, self._views(ml, first))] if as_ready else \
+                [(ex.expert, self._views(ml, ex)) for ex in fetched]
         except errors.DaemonRestarted:       # re-attached between the reply and the views
             raise _StaleSlots() from None
-        dt = time.perf_counter() - t0
         st = self.stats
         st.fetches += 1
         st.experts_fetched += len(group)
-        st.fetch_seconds[ml.layer] = st.fetch_seconds.get(ml.layer, 0.0) + dt
+        self._waited(ml.layer, time.perf_counter() - t0)
         st.fetch_calls[ml.layer] = st.fetch_calls.get(ml.layer, 0) + 1
         if predicted:
             st.predicted += len(predicted)
-        return got
+        return self._arrivals(ml, got[0], stream) if as_ready else got
+
+    def _arrivals(self, ml: MoeLayer, first, stream):
+        """``first``, then the stream's experts as they arrive, each with its views."""
+        yield first
+        while True:
+            t0 = time.perf_counter()
+            ex = next(stream, None)
+            self._waited(ml.layer, time.perf_counter() - t0)
+            if ex is None:
+                return
+            yield ex[1].expert, self._views(ml, ex[1])
+
+    def _waited(self, layer: int, dt: float) -> None:
+        self.stats.fetch_seconds[layer] = self.stats.fetch_seconds.get(layer, 0.0) + dt
 
     def _views(self, ml: MoeLayer, ex) -> dict:
         """``{name: zero-copy view}`` of one fetched expert, what ``family.weights`` reads; a
@@ -247,6 +283,24 @@ class Runtime:
         if p is not None and p[0] == layer:
             self.stats.predicted_used += len(p[1] & set(experts))
             self._pending_prediction = None
+
+
+class _InOrder:
+    """Expert outputs computed in any order, added to ``out`` in the order of ``experts``
+    (eager's ascending loop): each ``index_add_`` happens as soon as every expert before it
+    has been added, so the summation order, hence every bit, is eager's; an output waits
+    here only while an expert before it is still being read."""
+
+    def __init__(self, out, experts: list[int]):
+        self.out, self.order, self.next, self.held = out, experts, 0, {}
+
+    def add(self, expert: int, token_idx, h) -> None:
+        self.held[expert] = (token_idx, h)
+        order, held = self.order, self.held
+        while self.next < len(order) and order[self.next] in held:
+            idx, h = held.pop(order[self.next])
+            self.out.index_add_(0, idx, h.to(self.out.dtype))
+            self.next += 1
 
 
 def _expert_indices(routed):

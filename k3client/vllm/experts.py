@@ -44,6 +44,7 @@ before the first forward; forwards run on the thread that loaded the model.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -227,7 +228,10 @@ class VllmRuntime(Runtime):
     (gate and up in one ``linear`` when they lie back to back in the slot; bf16/fp16 on
     a CPU with oneDNN off for runs of at most ``NATIVE_ROWS`` rows), scales them by their
     routing weights in place and adds them per token in ascending expert order, as the
-    per-expert loop did: one ``index_add_``, or for one token plain ``add_``s.  A decode
+    per-expert loop did: one ``index_add_``, or for one token plain ``add_``s.  On a CPU the
+    experts are computed as they arrive (``Client.fetch_iter``: resident ones first,
+    overlapping the others' reads); their outputs are kept per expert and summed in
+    ascending order once all are in, so the sum's bits do not depend on arrival.  A decode
     step (at most ``SMALL_STEP`` pairs) is sorted in Python on one ``tolist``: the torch
     calls a sort needs (argsort, bincount, gathers) cost more than the sort at that size.
     The next layer's gate picks the gate-ahead predictions, unless the shared index shows
@@ -279,7 +283,10 @@ class VllmRuntime(Runtime):
         predicted = self._predict_next(ml, hidden_states) if self.predict else None
         dtype, out_dtype = ml.dtype, hidden_states.dtype
         expert = _gpt_oss_expert if isinstance(ml.family, GptOss) else _gated_expert
-        parts, at, out = [], 0, None
+        parts, out = {}, None
+        # each expert's run of rows, fixed by the ascending order whatever order they arrive in
+        starts = dict(zip(experts, itertools.accumulate((counts[e] for e in experts), initial=0)))
+        as_ready = device.type != "cuda"
         reduced = device.type == "cpu" and dtype in REDUCED       # a bf16/fp16 engine on a CPU
         # a float16 engine keeps torch: plain vLLM holds fp16 casts of the bf16 weights, rowmm reads bf16
         rowmm = self._rowmm if device.type == "cpu" and ml.rowmajor and dtype in NATIVE_DTYPES else None
@@ -288,9 +295,9 @@ class VllmRuntime(Runtime):
         xf = xs.float() if rowmm is not None else None        # rowmm's input: converted once per step
         mkldnn = on = torch.backends.mkldnn.enabled
         try:
-            for group in self.gpu.groups(self.client, self._groups(ml, experts, predicted), device):
+            for group in self.gpu.groups(self.client, self._groups(ml, experts, predicted, as_ready), device):
                 for e, views in group:
-                    n = counts[e]
+                    n, at = counts[e], starts[e]
                     if rowmm is not None and n <= NATIVE_MAX_ROWS:
                         h = native.gated_expert(rowmm, ml.module, views, xf if tokens == 1 else xf[at:at + n],
                                                 dtype if reduced else None)
@@ -303,19 +310,18 @@ class VllmRuntime(Runtime):
                     h.mul_(scales[at] if n == 1 and scales is not None else ws[at:at + n])
                     if h.dtype != acc:
                         h = h.to(acc)
-                    if tokens > 1:
-                        parts.append(h)
-                    elif out is None:
-                        out = h
-                    else:
-                        out.add_(h)                      # one token: its experts in ascending order
-                    at += n
+                    parts[e] = h                         # summed below, in ascending expert order
         finally:
             torch.backends.mkldnn.enabled = mkldnn
-        if parts:
+        ordered = [parts[e] for e in experts]
+        if tokens > 1 and ordered:
             out = torch.zeros_like(hidden_states, dtype=acc)
-            out.index_add_(0, rows, torch.cat(parts) if len(parts) > 1 else parts[0])
-        elif out is None:                                # no token
+            out.index_add_(0, rows, torch.cat(ordered) if len(ordered) > 1 else ordered[0])
+        elif ordered:
+            out = ordered[0]
+            for h in ordered[1:]:
+                out.add_(h)                              # one token: its experts in ascending order
+        else:                                            # no token
             out = torch.zeros_like(hidden_states)
         if out.dtype != out_dtype:
             out = out.to(out_dtype)

@@ -18,6 +18,18 @@ records its latency (arrival to reply, ``latency.py``).  Every reply tells
 ``reuse`` that the client has seen the index as it is now (it waited for this
 reply, so it read nothing in between).
 
+Partial replies (``fetch`` with ``as_ready``; the loop sets ``as_ready`` around
+that one fetch, so the next ``park`` streams): the request's keys already READY
+go at once as a part (``{part: [indices], slots: [...]}``), then each batch of
+keys whose reads finished in one ``apply_done`` pass goes when the loop calls
+``flush`` after it; the final reply is the ordinary one (every slot, in request
+order), so a fetch answered at once sends no part.  A part names only slots
+pinned under the holder the fetch was planned under, checked like a final
+reply.  Parts do not touch ``reuse``: the client's window stays shut until the
+final reply (C1), so a part is not a quiescent point.  A client that began a
+new token meanwhile gets no more parts (it gave the iteration up); its final
+reply is repinned as for any fetch.
+
 Thread: the server thread owns this object; no locking.
 """
 
@@ -35,12 +47,13 @@ SHUTTING_DOWN = "the daemon is shutting down"
 class Pending:
     """A parked fetch; ``holder`` is the (client, epoch) its slots were pinned under."""
 
-    __slots__ = ("done", "holder", "keys", "left", "result", "rid", "session", "slots", "t0")
+    __slots__ = ("done", "holder", "keys", "left", "parts", "result", "rid", "session", "slots", "t0")
 
     def __init__(self, session, rid, keys, slots, left, t0=0.0, result="miss"):
         self.session, self.rid, self.keys, self.slots, self.left = session, rid, keys, slots, left
         self.holder = session.holder
         self.done = False
+        self.parts: list[int] | None = None   # streaming: slots ready since the last part; None: not
         self.t0, self.result = t0, result     # arrival time and latency class (k3d/observe/latency.py)
 
 
@@ -58,12 +71,41 @@ class Parked:
     def __init__(self, store, replies, source_path: str, latency):
         self.store, self.replies, self.source_path, self.latency = store, replies, source_path, latency
         self.waiters: dict[int, list[Pending]] = {}      # LOADING slot -> fetches parked on it
+        self.as_ready = False    # set by the loop around a fetch that asked for partial replies
+        self._streams: dict[int, Pending] = {}           # id -> streaming fetch with a part to send
 
     def park(self, session, rid, keys, slots, waiting: set[int], t0: float, result: str) -> None:
-        """Park a fetch that arrived at ``t0`` (its latency class ``result``) on ``waiting``."""
+        """Park a fetch that arrived at ``t0`` (its latency class ``result``) on ``waiting``;
+        with ``as_ready``, its keys READY now go at once as the first part."""
         p = Pending(session, rid, keys, slots, set(waiting), t0, result)
         for slot in waiting:
             self.waiters.setdefault(slot, []).append(p)
+        if self.as_ready:
+            p.parts = [slot for slot in slots if slot not in waiting]
+            self._part(p)
+
+    def flush(self) -> None:
+        """Send each streaming fetch the part its reads finished since the last one (the
+        loop calls this after ``apply_done``: one part per fetch per pass, not per read)."""
+        if not self._streams:
+            return
+        streams, self._streams = self._streams, {}
+        for p in streams.values():
+            if not p.done:
+                self._part(p)
+
+    def _part(self, p: Pending) -> None:
+        ready, p.parts = set(p.parts), []
+        if not ready or not p.session.alive or p.session.holder != p.holder:
+            return       # nothing new; or nobody reads it: gone, or on to its next token
+        at = [i for i, slot in enumerate(p.slots) if slot in ready]
+        try:
+            slots = checked_slots(self.store, [p.keys[i] for i in at], [p.slots[i] for i in at])
+        except K3Error as e:
+            p.done = True
+            self._error(p, e)
+            return
+        self.replies.ok(p.session.routing, p.rid, {"part": at, "slots": slots})
 
     def finished(self, load, cancelled: bool) -> None:
         """``load``'s slot left LOADING (READY, or FREE if ``load.fail``): answer who waited."""
@@ -87,6 +129,9 @@ class Parked:
                 p.done = True
                 if p.session.alive:
                     self._answer(p)
+            elif p.parts is not None:
+                p.parts.append(load.slot)
+                self._streams[id(p)] = p
 
     def _answer(self, p: Pending) -> None:
         try:

@@ -179,6 +179,7 @@ class Server:
                 if board.wanted:
                     board.publish(self.status())
                 cache.apply_done()
+                cache.parked.flush()            # partial replies: one per streaming fetch per pass
                 if intake.waiting:
                     self._serve_one(monotonic())
                 now = monotonic()
@@ -312,7 +313,8 @@ class Server:
                 "model": self.source.describe()}
 
     def op_fetch(self, s, routing, msg, frame, t0):
-        """fetch {keys: [[layer, expert], ...], predicted?: [[l, e], ...], hits?: [...]} -> {slots: [...]}.
+        """fetch {keys: [[layer, expert], ...], predicted?: [[l, e], ...], hits?: [...],
+        as_ready?: bool} -> {slots: [...]}, after parts {part: [indices], slots: [...]} with ``as_ready``.
 
         ``hits`` first: fetches the client answered itself (``[layer, [experts],
         [slots seen]]`` each, in order), applied as hits.  Then the keys: hits are
@@ -322,6 +324,10 @@ class Server:
         request order.  ``predicted`` is handled as ``predict`` after the fetch is
         planned (ignored with ``--predict off``); then, with ``--predict auto``, the
         daemon's own predictions fill what is left of the fetch's prediction budget.
+        With ``as_ready``, a fetch that waits for reads first sends the keys READY now,
+        then each batch of keys as their reads finish, as parts (``part``: indices into
+        ``keys``; ``slots``: theirs), each pinned as the final reply's are; the final
+        reply is as without it (``cache/parked.py``).
         Errors: cache full (nothing changes), slots busy (retry),
         quota, unknown or duplicate keys, a failed read."""
         s = self._attached(s)
@@ -329,8 +335,15 @@ class Server:
         keys = self._keys(msg, "keys", unique=True)
         if not keys:
             raise BadRequest("fetch of zero keys")
+        as_ready = msg.get("as_ready", False)
+        if type(as_ready) is not bool:
+            raise BadRequest(f"as_ready must be true or false, not {str(as_ready)[:40]}")
         predicted = self._keys(msg, "predicted", unique=False) if msg.get("predicted") is not None else []
-        self.cache.fetch(s, msg["id"], keys, predicted, [], t0)
+        self.cache.parked.as_ready = as_ready
+        try:
+            self.cache.fetch(s, msg["id"], keys, predicted, [], t0)
+        finally:
+            self.cache.parked.as_ready = False
         return DEFERRED
 
     def op_hits(self, s, routing, msg, frame, t0):

@@ -12,8 +12,15 @@ what the daemon does, one message at a time:
   Ctrl-C), and the daemon still handles it and replies later (a stale reply);
 - a client reads a reply: the one it waits for opens its window (an error keeps
   it shut), a stale one is skipped; a fetch's slots become views;
+- a fetch may ask ``as_ready`` (``Client.fetch_iter``): the daemon sends its keys
+  ready at once, then each read as it finishes, as parts before the final reply;
+  a part's slots become views at once but the window stays shut until the final
+  reply, and the client may give up mid-stream (leaving its loop, Ctrl-C, a
+  timeout) with the parts' views still held;
 - a client's lease thread sends its reports and ``seen`` (``LocalHits.sync``) on
-  its request socket, and a client flushes reports (``hits``) without waiting;
+  its request socket (also between the parts of a stream: the client's thread
+  holds the socket only while it waits for one), and a client flushes reports
+  (``hits``) without waiting;
 - the daemon handles a client's next message in order, as ``serve/loop.py``
   does: ``waiting`` for a request, then its reports, then the op; a fetch with
   misses is parked until its reads finish, then answered (re-pinned if the
@@ -63,6 +70,7 @@ class Client:
         self.outbox: list = []       # messages on its request socket, in order
         self.inbox: list = []        # replies: (rid, ok, slots or None, keys)
         self.waiting = None          # the rid it waits for
+        self.streaming = False       # ... and it is an as_ready fetch (parts come first)
         self.rid = 0
         self.views: list = []        # (slot, key, written)
 
@@ -84,7 +92,7 @@ class HitPathMachine(RuleBasedStateMachine):
         self.store = Store(SLOTS, policy=make("lru"), index=self.index, reuse=Reuse(), reserve=2)
         self.store.live.pin_quota = self.quota
         self.written = [0] * SLOTS          # times each slot was filled
-        self.parked: list = []              # (client id, rid, holder, keys, slots)
+        self.parked: list = []              # (client id, rid, holder, keys, slots, sent: set or None)
         self.old = []                       # indexes of restarted daemons (their arenas stay mapped)
 
     def teardown(self):
@@ -123,12 +131,13 @@ class HitPathMachine(RuleBasedStateMachine):
         c.outbox.append({"op": op, "rid": c.rid, "hits": c.hits.take().get("hits", []), **fields})
         c.hits.sent()
         c.waiting = c.rid
+        c.streaming = bool(fields.get("as_ready"))
 
-    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st)
-    def send_fetch(self, data, layer, experts):
+    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st, as_ready=st.booleans())
+    def send_fetch(self, data, layer, experts, as_ready):
         c = self.pick(data, lambda c: c.waiting is None)
         if c is not None:
-            self.send(c, "fetch", keys=[(layer, e) for e in experts])
+            self.send(c, "fetch", keys=[(layer, e) for e in experts], as_ready=as_ready)
 
     @rule(data=st.data())
     def send_begin_token(self, data):
@@ -162,7 +171,11 @@ class HitPathMachine(RuleBasedStateMachine):
         rid, ok, slots, keys = c.inbox.pop(0)
         if rid != c.waiting:
             return                          # a late reply to a request it gave up on
+        if ok == "part":                    # yielded now; the window stays shut (stream.py)
+            c.views += [(s, k, self.written[s]) for k, s in zip(keys, slots)]
+            return
         c.waiting = None
+        c.streaming = False
         if not ok:
             c.hits.failed()
             return
@@ -173,8 +186,9 @@ class HitPathMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def lease_sync(self, data):
-        """The lease thread: only while the client's thread is not in a request."""
-        c = self.pick(data, lambda c: c.waiting is None)
+        """The lease thread: while the client's thread is not in a request, or between
+        the parts of a stream (it waits for one part at a time, holding the socket)."""
+        c = self.pick(data, lambda c: c.waiting is None or c.streaming)
         if c is not None:
             self.sync(c)
 
@@ -195,6 +209,17 @@ class HitPathMachine(RuleBasedStateMachine):
     def reply(self, c, rid, ok, slots=None, keys=None):
         c.inbox.append((rid, ok, slots, keys))
         self.store.reuse.replied(c.id, rid, ok)
+
+    def part(self, c, entry):
+        """parked.py's part: the slots READY since the last, unless the client has moved on
+        to its next token; not a reply to the request (``reuse`` is not told)."""
+        cid, rid, holder, keys, slots, sent = entry
+        if sent is None or (c.id, c.epoch) != holder:
+            return
+        new = [(k, s) for k, s in zip(keys, slots) if self.store.state[s] == "ready" and s not in sent]
+        if new:
+            sent.update(s for _, s in new)
+            c.inbox.append((rid, "part", [s for _, s in new], [k for k, _ in new]))
 
     def report(self, c, reports):
         if reports:
@@ -229,7 +254,10 @@ class HitPathMachine(RuleBasedStateMachine):
                     self.reply(c, msg["rid"], False)
                 else:
                     if plan.new_loads or any(store.state[s] != "ready" for s in plan.slots):
-                        self.parked.append((c.id, msg["rid"], (c.id, c.epoch), keys, plan.slots))
+                        entry = (c.id, msg["rid"], (c.id, c.epoch), keys, plan.slots,
+                                 set() if msg.get("as_ready") else None)
+                        self.parked.append(entry)
+                        self.part(c, entry)
                     else:
                         self.reply(c, msg["rid"], True, plan.slots, keys)
         self.settle()
@@ -256,11 +284,23 @@ class HitPathMachine(RuleBasedStateMachine):
         for s in sorted(self.store.loads):
             self.written[s] += 1
             self.store.complete(s, None)
+        self.answer_parked()
+
+    @rule(data=st.data())
+    def finish_one_read(self, data):
+        """One read finishes (a stream waiting on others gets a part)."""
+        if self.store.loads:
+            s = data.draw(st.sampled_from(sorted(self.store.loads)))
+            self.written[s] += 1
+            self.store.complete(s, None)
+            self.answer_parked()
+
+    def answer_parked(self):
         for p in list(self.parked):
-            cid, rid, holder, keys, slots = p
+            cid, rid, holder, keys, slots, _ = p
+            c = self.clients[cid]
             if all(self.store.state[s] == "ready" for s in slots):
                 self.parked.remove(p)
-                c = self.clients[cid]
                 ok = True
                 if (c.id, c.epoch) != holder:            # parked.py: pin for the token it reads in
                     try:
@@ -270,6 +310,8 @@ class HitPathMachine(RuleBasedStateMachine):
                     except QuotaExceeded:
                         ok = False
                 self.reply(c, rid, ok, slots if ok else None, keys)
+            else:
+                self.part(c, p)
         self.settle()
 
     @precondition(lambda self: len(self.clients) > 1)
@@ -537,6 +579,49 @@ def test_a_request_given_up_on_then_hits_keep_their_bytes():
                 m.receive(a)
             yield
         m.receive(b)                             # the late reply to request 1: skipped
+        yield
+    scenario(steps)
+
+
+def test_a_stream_given_up_on_keeps_its_parts_and_its_window_shut():
+    """B streams a fetch of a resident and a cold expert (``fetch_iter``), takes the
+    first part, and leaves its loop while the cold one is read; its lease thread syncs
+    meanwhile.  The part's view keeps its bytes while A evicts; B answers nothing
+    itself until its next request's reply; the stream's later replies are skipped."""
+    def steps(m, a, b):
+        m.send(b, "fetch", keys=[(0, 0)])
+        m.handle(b)
+        m.finish_reads()
+        m.receive(b)                             # (0, 0) resident, b's window open
+        yield
+        m.send(b, "fetch", keys=[(0, 0), (0, 1)], as_ready=True)
+        m.handle(b)                              # parked; the part of (0, 0) sent at once
+        m.receive(b)
+        assert [k for _, k, _ in b.views] == [(0, 0), (0, 0)] and b.waiting is not None
+        assert not b.hits.open
+        m.sync(b)                                # the lease thread, between parts
+        while b.outbox:
+            m.handle(b)
+        m.interrupt(b)                           # leaves the loop mid-stream
+        yield
+        m.answer(b, 0, [0])                      # its window is shut: not answered here
+        assert len(b.views) == 2
+        for e in (0, 1, 2):                      # A misses: every free slot, then victims
+            m.send(a, "fetch", keys=[(1, e)])
+            m.handle(a)
+            m.finish_reads()
+            while a.inbox:
+                m.receive(a)
+            yield
+        while b.inbox:
+            m.receive(b)                         # the stream's final reply: skipped
+        assert not b.hits.open
+        m.send(b, "fetch", keys=[(0, 0)])
+        m.handle(b)
+        m.finish_reads()
+        while b.inbox:
+            m.receive(b)
+        assert b.hits.open                       # its next request's reply opens it
         yield
     scenario(steps)
 
