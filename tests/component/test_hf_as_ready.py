@@ -20,6 +20,7 @@ from k3d.config import resolve
 from k3d.memory.arena import Arena
 from k3d.serve.loop import Server
 from k3d.service.daemon import size_arena
+from k3d.sources.digest import for_source
 from k3d.sources.safetensors import SafetensorsSource
 
 torch = pytest.importorskip("torch")
@@ -59,6 +60,7 @@ def test_experts_computed_as_they_arrive_keep_eager_logits():
     cfg = resolve({"source": path, "endpoint": f"ipc://{tmp}/k.sock", "slots": 64, "readers": 2,
                    "state_dir": "none", "predict": "client"}, {})
     src = Gated(path, cfg.pattern)
+    src.digest = for_source(src, "", 2)      # (the daemon computes it at start: load_model verifies it)
     n, sb = size_arena(cfg, src.expert_bytes)
     arena = Arena(n, sb)
     srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
