@@ -1,19 +1,35 @@
-"""The store's book of predictions: who predicted which slot, what came of it, the quota.
+"""The book of predictions: who predicted which slot, what came of it, per client.
 
-Part of ``Store`` (``k3d.cache.store``; a mixin over the store's own fields), kept
-apart because it is one concern: a prediction is a slot assigned to a key before
-anyone fetched it, pinned under ``(PREDICT, client)`` until that client's next
-``end_epoch``, and then either used (a fetch took it: ``prefetch_hits``, counted
-for its predictor) or found unused (demoted, ``prefetch_unused`` and the bytes it
-read for nothing).  Per-client figures are ``PredictionStats`` in ``quality``;
-figures of clients that left are summed in ``quality_gone``.
+A prediction is a slot the store assigned to a key before anyone fetched it,
+pinned under ``(PREDICT, client)`` until that client's next ``end_epoch``, and
+then either used (a fetch took it: ``prefetch_hits``, counted for its predictor)
+or found unused (demoted, ``prefetch_unused`` and the bytes it read for nothing).
+Per-client figures are ``PredictionStats`` in ``quality``; figures of clients that
+left are summed in ``quality_gone``.
 
-Invariants (``Store.check`` tests them): ``predicted_by`` (slot -> client) and
-``predictions`` (client -> slots) are the same relation seen from both sides, and
-every slot in them is resident and pinned under ``(PREDICT, client)``.
+``PredictionBook`` owns ``predicted_by``, ``predictions``, ``quality`` and
+``quality_gone`` and nothing else: it never sees a slot's state, the policy or the
+store's counters.  The store (``k3d.cache.store``) tells it what happens to a
+predicted slot, in the order it happens, and does the rest itself (pins, demotion,
+``Counters``):
 
-The pin quota (``live.pin_quota``) is read by the store alone: here (``quota_room``,
-the prediction throttle) and in ``Store`` (fetch, report, repin).
+- ``add``: the store started a read for a prediction and pinned the slot;
+- ``used``: a fetch (or a reported hit) took a predicted slot;
+- ``drop``: a predicted slot left the cache (evicted: the store counts it unused;
+  a failed read: not counted);
+- ``end_epoch``: the client's token is over: its predictions still unused go,
+  sorted by slot (the order the store demotes them in), and ``unused`` counts them.
+
+Invariants (``check``; ``Store.check`` adds that every slot here is resident and
+pinned under ``(PREDICT, client)``): ``predicted_by`` (slot -> client) and
+``predictions`` (client -> slots) are the same relation seen from both sides.
+
+A client's entry in ``quality`` is made by its first ``client_quality``, ``used``
+or ``unused``, so the order of clients there (status lists them so) is the order
+of the store's calls.
+
+The pin quota (``live.pin_quota``) is read by the store alone and passed in here
+(``quota_room``, the prediction throttle).
 
 Thread: the server thread, as the store.
 """
@@ -26,37 +42,54 @@ PREDICT = "predict"      # holder tag of a client's outstanding predictions
 
 
 class PredictionBook:
-    # -- epochs and clients -------------------------------------------------
-    def end_epoch(self, client: int, holder) -> tuple[int, int]:
-        """Release ``holder``'s pins; demote ``client``'s unused predictions.
+    def __init__(self):
+        self.predicted_by: dict[int, int] = {}            # slot -> predicting client
+        self.predictions: dict[int, set[int]] = {}        # client -> slots it predicted
+        self.quality: dict[int, PredictionStats] = {}     # client -> its predictions and timeliness
+        self.quality_gone = PredictionStats()             # summed over clients that left
 
-        Returns (pins released, predictions found unused)."""
-        released = len(self.policy.release(holder))
+    # -- what happens to a predicted slot -----------------------------------
+    def add(self, client: int, s: int) -> None:
+        """``client`` predicted slot ``s`` (its read started, the store pinned it)."""
+        self.predicted_by[s] = client
+        self.predictions.setdefault(client, set()).add(s)
+
+    def used(self, s: int) -> int:
+        """A fetch took predicted slot ``s``: it counts for its predictor.  Returns 1."""
+        by = self.predicted_by.pop(s)
+        self.predictions[by].discard(s)
+        self.client_quality(by).prefetch_hits += 1
+        return 1
+
+    def drop(self, s: int) -> int | None:
+        """Slot ``s`` left the cache: forget its prediction.  Returns the client that
+        predicted it (None: it was no prediction)."""
+        by = self.predicted_by.pop(s, None)
+        if by is not None:
+            self.predictions[by].discard(s)
+        return by
+
+    def end_epoch(self, client: int) -> list[int] | None:
+        """``client``'s token is over: its unused predictions leave the book, sorted
+        by slot.  None: it had none recorded (not even an empty set)."""
         unused = self.predictions.pop(client, None)
-        if not unused and not self.policy.held((PREDICT, client)):
-            return released, 0
-        self.policy.release((PREDICT, client))
-        unused = unused or set()
-        for s in sorted(unused):
+        if unused is None:
+            return None
+        for s in unused:
             del self.predicted_by[s]
-            self.policy.demote(s)
-        self._unused(client, unused)
-        return released, len(unused)
+        return sorted(unused)
 
-    def _unused(self, client: int, slots) -> None:
-        self.stats.prefetch_unused += len(slots)
+    def unused(self, client: int, n: int, nbytes: int) -> None:
+        """``n`` of ``client``'s predictions, ``nbytes`` read, were never used."""
         q = self.client_quality(client)
-        q.prefetch_unused += len(slots)
-        if self.key_bytes is not None:
-            n = sum(self.key_bytes(self.slot_key[s]) for s in slots)
-            q.unused_bytes += n
-            self.stats.prefetch_unused_bytes += n
+        q.prefetch_unused += n
+        q.unused_bytes += nbytes
 
-    def quota_room(self, client: int, started: int, wasteful: bool) -> int | None:
-        """How many more predictions ``client`` may start this token under the pin quota
-        (None: no quota).  ``wasteful`` (most of its predictions go unused) allows one
-        per token beyond the ``started`` ones."""
-        quota = self.live.pin_quota
+    # -- the quota and per-client figures ---------------------------------------
+    def quota_room(self, client: int, started: int, wasteful: bool, quota: int) -> int | None:
+        """How many more predictions ``client`` may start this token under the pin
+        ``quota`` (0: none; returns None).  ``wasteful`` (most of its predictions go
+        unused) allows one per token beyond the ``started`` ones."""
         if not quota:
             return None
         room = quota - len(self.predictions.get(client, ()))
@@ -76,43 +109,7 @@ class PredictionBook:
             for name in vars(q):
                 setattr(g, name, getattr(g, name) + getattr(q, name))
 
-    def _prediction_used(self, s: int) -> int:
-        """A fetch took predicted slot ``s``: it counts for its predictor.  Returns 1."""
-        by = self.predicted_by.pop(s)
-        self.predictions[by].discard(s)
-        self.client_quality(by).prefetch_hits += 1
-        return 1
-
-    def predict(self, client: int, keys: list[tuple[int, int]], now: float = 0.0) -> list[int]:
-        """Assign slots to predicted keys not resident; stop at the first that has none.
-
-        A background read never evicts a pinned slot (every client's current token),
-        nor one the policy expects to be reused sooner than the prediction
-        (``policy.admits`` with the client's measured precision as the confidence):
-        ``prefetch_refused`` counts those.  Each prediction is pinned under
-        ``(PREDICT, client)`` until the client's next ``end_epoch``."""
-        started = []
-        q = self.client_quality(client)
-        for key in keys:
-            if key in self.key_slot:
-                continue
-            victim = None
-            if not self.free:
-                if not self.reuse.could_reuse_now():
-                    break                       # make_room frees slots ahead for the next ones
-                victim = self._victim()
-                if victim is None:
-                    break
-                if not self.policy.admits(key, victim, q.confidence()):
-                    self.stats.prefetch_refused += 1
-                    q.refused += 1
-                    break
-            s, evicted = self._assign(key, urgent=False, victim=victim, now=now)
-            self.stats.evictions += evicted
-            self.predicted_by[s] = client
-            self.predictions.setdefault(client, set()).add(s)
-            self.policy.pin(s, (PREDICT, client))
-            started.append(s)
-        self.stats.prefetched += len(started)
-        q.prefetched += len(started)
-        return started
+    def check(self) -> None:
+        """Assert that ``predicted_by`` and ``predictions`` are one relation."""
+        pairs = {(s, c) for c, slots in self.predictions.items() for s in slots}
+        assert pairs == {(s, c) for s, c in self.predicted_by.items()}, "the two maps of predictions differ"

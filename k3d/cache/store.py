@@ -29,8 +29,8 @@ Invariants:
 - A LOADING slot is never evicted, never named in a reply, never read by a
   client; it leaves LOADING only when every part of its read has reported.
 - A pinned slot (any ``(client, epoch)`` holder) is never evicted.
-- Checks that can fail (validation, cache full, quota) run before any change,
-  so a refused fetch changes nothing.
+- Checks that can fail (validation, cache full, quota: ``k3d.cache.refusals``)
+  run before any change, so a refused fetch changes nothing.
 
 The store does no I/O: ``fetch``/``predict`` return the slots whose reads the
 caller must start; ``complete`` is called when they finish.  It knows a read
@@ -48,11 +48,13 @@ slots that are free or reusable now: when only waiting ones would do, it raises
 ``SlotsBusy`` (the client retries) and ``make_room`` evicts ahead.  With one
 client, blocked in the request that evicts, every victim is reusable at once,
 so slots, counters and the trace are those of a store without the index.
-Clients report their hits later (``report_all``, ``k3d.cache.reported``), with the
-same effect on the policy and the counters as a fetch of those keys.
+Clients report their hits later (``report_all``, a step in ``k3d.cache.reported``),
+with the same effect on the policy and the counters as a fetch of those keys.
 
-Predictions (who predicted which slot, used or not, the quota) are the store's
-``PredictionBook`` (``k3d.cache.predictions``).
+Predictions: ``predict`` assigns and pins the slots; who predicted which slot, and
+what came of it per client, is the store's ``book`` (``PredictionBook``,
+``k3d.cache.predictions``), told by the store when a predicted slot is used,
+evicted, fails or its client's token ends.  The store keeps the ``Counters``.
 
 Thread: the server thread owns the store; no locking.
 """
@@ -61,15 +63,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from k3client.errors import CacheFull, QuotaExceeded, SlotsBusy
+from k3client.errors import SlotsBusy
+from k3d.cache import refusals, reported
 from k3d.cache.policy import LruPolicy
-from k3d.cache.predictions import PredictionBook
-from k3d.cache.reported import ReportedHits
+from k3d.cache.predictions import PREDICT, PredictionBook
 from k3d.cache.resident import ResidentRows
 from k3d.cache.reuse import Reuse
 from k3d.config import Live
 from k3d.memory.index import NoIndex
-from k3d.observe.stats import Counters, PredictionStats
+from k3d.observe.stats import Counters
 
 FREE, LOADING, READY = "free", "loading", "ready"
 PRESSURE_S = 1.0         # seconds after a miss found no free slot during which make_room keeps the reserve
@@ -96,7 +98,7 @@ class Loading:
 
 
 @dataclass
-class Store(PredictionBook, ReportedHits):
+class Store:
     slots: int
     live: Live = field(default_factory=Live)             # its pin_quota is read at each use
     policy: object = field(default_factory=LruPolicy)    # any k3d.cache.policy class
@@ -115,10 +117,7 @@ class Store(PredictionBook, ReportedHits):
         self.resident = ResidentRows(self.key_slot)       # key_slot as one byte per key (the predictor's)
         self.free = list(range(self.slots - 1, -1, -1))   # pop() gives slot 0 first
         self.loads: dict[int, Loading] = {}
-        self.predicted_by: dict[int, int] = {}            # slot -> predicting client
-        self.predictions: dict[int, set[int]] = {}        # client -> slots it predicted
-        self.quality: dict[int, PredictionStats] = {}     # client -> its predictions and timeliness
-        self.quality_gone = PredictionStats()             # summed over clients that left
+        self.book = PredictionBook()                      # who predicted which slot; per-client figures
 
     # -- queries ------------------------------------------------------------
     def gauges(self) -> dict:
@@ -136,7 +135,7 @@ class Store(PredictionBook, ReportedHits):
         have = [self.key_slot.get(k) for k in keys]
         policy = self.policy
         if self._all_plain_hits(have):
-            self.client_quality(holder[0]).ready += len(keys)
+            self.book.client_quality(holder[0]).ready += len(keys)
             for layer in dict.fromkeys(k[0] for k in keys):
                 policy.visit(layer)
             policy.pin_all(have, holder)
@@ -147,37 +146,25 @@ class Store(PredictionBook, ReportedHits):
         resident = {s for s in have if s is not None}
         need = have.count(None)
         if need:
-            evictable = policy.evictable(exclude=resident.union(self.loads))
-            now_ok = self.reuse.could_reuse_now()
-            available = len(self.free) + (evictable if now_ok else 0)
             if need > len(self.free):
                 self.pressed = now
-            if need > available:
-                if need <= len(self.free) + evictable + self.reuse.coming():
+            evictable = policy.evictable(exclude=resident.union(self.loads))
+            refused = refusals.room(need, len(self.free), evictable, self.reuse, policy, self.slots)
+            if refused is not None:
+                if isinstance(refused, SlotsBusy):
                     self.want = max(self.want, need)
                     self.stats.slots_busy += 1
-                    raise SlotsBusy(
-                        f"this fetch needs {need} new slots; {len(self.free)} are free and "
-                        f"{len(self.reuse.limbo)} wait until other clients' views of them end; retry")
-                self.stats.cache_full += 1
-                raise CacheFull(
-                    f"cache full: {self.policy.pinned_count()} of {self.slots} slots pinned, "
-                    f"{len(self.reuse.limbo)} waiting for reuse; "
-                    f"this fetch needs {need} new slots and only {available} can be freed; "
-                    "call begin_token() to release earlier pins, fetch fewer experts, "
-                    "or start k3d with a larger --arena")
+                else:
+                    self.stats.cache_full += 1
+                raise refused
         quota = self.live.pin_quota
         if quota:
-            after = len(self.policy.held(holder) | resident | self.reuse.claims(holder[0])) + need
-            if after > quota:
-                raise QuotaExceeded(
-                    f"pin quota exceeded: this fetch would pin {after} slots, the quota is {quota} per client "
-                    "per token; call begin_token() more often or fetch fewer experts")
+            refusals.fetch_quota(len(policy.held(holder) | resident | self.reuse.claims(holder[0])) + need, quota)
         plan = FetchPlan(slots=[], new_loads=[], waiting=set(), promote=[])
         for layer in dict.fromkeys(k[0] for k in keys):
             policy.visit(layer)
         policy.pin_all(resident, holder)       # pin hits first so no miss evicts them
-        state, predicted, touch, slots = self.state, self.predicted_by, policy.touch, plan.slots
+        state, predicted, touch, slots = self.state, self.book.predicted_by, policy.touch, plan.slots
         for key, s in zip(keys, have):
             if s is None:
                 s, evicted = self._assign(key, urgent=True, now=now)
@@ -197,7 +184,7 @@ class Store(PredictionBook, ReportedHits):
             else:
                 touch(s, key)
             if s in predicted:
-                plan.prefetched_hits += self._prediction_used(s)
+                plan.prefetched_hits += self.book.used(s)
             slots.append(s)
         st = self.stats
         st.fetches += 1
@@ -206,7 +193,7 @@ class Store(PredictionBook, ReportedHits):
         st.waited += plan.waited
         st.evictions += plan.evictions
         st.prefetch_hits += plan.prefetched_hits
-        q = self.client_quality(holder[0])
+        q = self.book.client_quality(holder[0])
         q.missed += plan.misses
         q.waited += plan.waited
         q.ready += len(keys) - plan.misses - plan.waited
@@ -216,7 +203,7 @@ class Store(PredictionBook, ReportedHits):
         """Every key READY, none a pending prediction, no quota: nothing can refuse."""
         if self.live.pin_quota or None in have:
             return False
-        state, predicted = self.state, self.predicted_by
+        state, predicted = self.state, self.book.predicted_by
         return all(state[s] == READY and s not in predicted for s in have)
 
     def _victim(self) -> int | None:
@@ -251,11 +238,10 @@ class Store(PredictionBook, ReportedHits):
     def _evict(self, s: int, now: float) -> bool:
         """``s`` leaves the cache (and the index).  True: its memory may be reused now;
         False: it waits in ``reuse`` until no client can read it."""
-        if s in self.predicted_by:             # (not reached while predictions are pinned)
-            by = self.predicted_by.pop(s)
-            self.predictions[by].discard(s)
-            self._unused(by, [s])
         key = self.slot_key[s]
+        by = self.book.drop(s)                 # (a prediction: not reached while predictions are pinned)
+        if by is not None:
+            self._unused(by, [key])
         del self.key_slot[key]
         self.resident.discard(key)
         self.slot_key[s] = None
@@ -291,6 +277,82 @@ class Store(PredictionBook, ReportedHits):
         self.free.extend(slots)
         return len(slots)
 
+    # -- predictions ----------------------------------------------------------
+    def predict(self, client: int, keys: list[tuple[int, int]], now: float = 0.0) -> list[int]:
+        """Assign slots to predicted keys not resident; stop at the first that has none.
+
+        A background read never evicts a pinned slot (every client's current token),
+        nor one the policy expects to be reused sooner than the prediction
+        (``policy.admits`` with the client's measured precision as the confidence):
+        ``prefetch_refused`` counts those.  Each prediction is pinned under
+        ``(PREDICT, client)`` until the client's next ``end_epoch``."""
+        started = []
+        q = self.book.client_quality(client)
+        for key in keys:
+            if key in self.key_slot:
+                continue
+            victim = None
+            if not self.free:
+                if not self.reuse.could_reuse_now():
+                    break                       # make_room frees slots ahead for the next ones
+                victim = self._victim()
+                if victim is None:
+                    break
+                if not self.policy.admits(key, victim, q.confidence()):
+                    self.stats.prefetch_refused += 1
+                    q.refused += 1
+                    break
+            s, evicted = self._assign(key, urgent=False, victim=victim, now=now)
+            self.stats.evictions += evicted
+            self.book.add(client, s)
+            self.policy.pin(s, (PREDICT, client))
+            started.append(s)
+        self.stats.prefetched += len(started)
+        q.prefetched += len(started)
+        return started
+
+    def end_epoch(self, client: int, holder) -> tuple[int, int]:
+        """Release ``holder``'s pins; demote ``client``'s unused predictions.
+
+        Returns (pins released, predictions found unused)."""
+        released = len(self.policy.release(holder))
+        unused = self.book.end_epoch(client)
+        if not unused and not self.policy.held((PREDICT, client)):
+            return released, 0
+        self.policy.release((PREDICT, client))
+        unused = unused or []
+        for s in unused:
+            self.policy.demote(s)
+        self._unused(client, [self.slot_key[s] for s in unused])
+        return released, len(unused)
+
+    def _unused(self, client: int, keys: list) -> None:
+        """Predictions of ``keys`` by ``client`` were never used (still resident)."""
+        n = sum(self.key_bytes(k) for k in keys) if self.key_bytes is not None else 0
+        self.stats.prefetch_unused += len(keys)
+        self.stats.prefetch_unused_bytes += n
+        self.book.unused(client, len(keys), n)
+
+    def quota_room(self, client: int, started: int, wasteful: bool) -> int | None:
+        """How many more predictions ``client`` may start this token under the pin quota
+        (None: no quota); see ``PredictionBook.quota_room``."""
+        return self.book.quota_room(client, started, wasteful, self.live.pin_quota)
+
+    def forget_client(self, client: int) -> None:
+        """The client left (after its ``end_epoch``): its figures join the gone ones."""
+        self.book.forget_client(client)
+
+    # -- hit reports ------------------------------------------------------------
+    def report(self, holder, keys: list[tuple[int, int]], seen: list[int]) -> int:
+        """One report (``report_all`` of one); returns the predicted slots it used."""
+        return self.report_all(holder, [(keys, seen)])[0][0]
+
+    def report_all(self, holder, reports, pin: bool = True, quota: int = 0) -> tuple[list[int], int]:
+        """Apply a request's hit reports: ``k3d.cache.reported.apply``, which see."""
+        return reported.apply(holder, reports, pin, quota, key_slot=self.key_slot, state=self.state,
+                              loads=self.loads, policy=self.policy, reuse=self.reuse, book=self.book,
+                              stats=self.stats)
+
     # -- warm restart -------------------------------------------------------
     def preload(self, keys: list[tuple[int, int]]) -> list[int]:
         """Warm restart: assign free slots to ``keys`` (hottest first) not resident, never
@@ -315,11 +377,7 @@ class Store(PredictionBook, ReportedHits):
         a new token: the pins it was planned under are gone."""
         quota = self.live.pin_quota
         if quota:
-            after = len(self.policy.held(holder) | set(slots))
-            if after > quota:
-                raise QuotaExceeded(
-                    f"pin quota exceeded: this fetch, answered after begin_token, would pin {after} slots "
-                    f"in the new token, the quota is {quota} per client per token; fetch it again")
+            refusals.repin_quota(len(self.policy.held(holder) | set(slots)), quota)
         for s in slots:
             self.policy.pin(s, holder)
 
@@ -347,8 +405,7 @@ class Store(PredictionBook, ReportedHits):
             self.state[s] = FREE
             self.policy.remove(s)
             self.free.append(s)
-            if s in self.predicted_by:
-                self.predictions[self.predicted_by.pop(s)].discard(s)
+            self.book.drop(s)              # a failed prediction is not an unused one
         return load
 
     def check(self) -> None:
@@ -367,3 +424,6 @@ class Store(PredictionBook, ReportedHits):
         assert not set(self.free) & self.reuse.limbo.keys()
         assert self.index.retired() in (None, self.reuse.retired), "the index's count is not reuse's"
         assert self.stats.hits + self.stats.misses >= self.stats.waited
+        self.book.check()
+        for s, c in self.book.predicted_by.items():
+            assert self.state[s] != FREE and s in self.policy.held((PREDICT, c)), "a prediction not resident and pinned"

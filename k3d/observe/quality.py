@@ -8,7 +8,7 @@
 - refused: predictions not read because the only victim was expected to be reused
   sooner (``Store.predict``).
 
-Pure functions of ``Store.quality`` (owned by the server thread).
+Pure functions of the store's ``PredictionBook`` (``Store.book``; owned by the server thread).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from k3d.observe.stats import PredictionStats
 
 def total(store) -> PredictionStats:
     """Sum over every client the store has figures for (gone clients' figures are kept
-    in ``store.quality_gone``)."""
+    in ``store.book.quality_gone``)."""
     out = PredictionStats()
     names = [f.name for f in fields(PredictionStats)]
-    for q in [*store.quality.values(), store.quality_gone]:
+    for q in [*store.book.quality.values(), store.book.quality_gone]:
         for n in names:
             setattr(out, n, getattr(out, n) + getattr(q, n))
     return out
@@ -37,7 +37,7 @@ def section(store, client_ids, auto=None) -> dict:
     the daemon's own predictor's: issued, used (in time / late), unused,
     unused_bytes, refused."""
     out = {"total": total(store).as_dict(),
-           "clients": {str(c): store.client_quality(c).as_dict() for c in client_ids}}
+           "clients": {str(c): store.book.client_quality(c).as_dict() for c in client_ids}}
     if auto is not None:
         out["daemon"] = auto.as_dict()
     return out

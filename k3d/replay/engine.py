@@ -215,7 +215,7 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
         flush(predict=not marked)
     st = store.stats
     daemon = PredictionStats()
-    for cid, q in [*store.quality.items(), (-1, auto.gone if auto else PredictionStats())]:
+    for cid, q in [*store.book.quality.items(), (-1, auto.gone if auto else PredictionStats())]:
         if cid < 0:
             for name in vars(q):
                 setattr(daemon, name, getattr(daemon, name) + getattr(q, name))
@@ -252,11 +252,11 @@ class _Timing:
     def fetching(self, keys) -> None:
         self.n += 1
         st = self.store
-        if not st.predicted_by:                   # (no prediction waits: nothing to count)
+        if not st.book.predicted_by:              # (no prediction waits: nothing to count)
             return
         for k in keys:
             s = st.key_slot.get(k)
-            if s is not None and s in st.predicted_by:
+            if s is not None and s in st.book.predicted_by:
                 if self.n - self.at.get(s, self.n) >= self.lead:
                     self.ready += 1
                 else:

@@ -153,7 +153,7 @@ def test_recorded_auto_lines_replay_like_the_class():
     for predictor in (None, "coact"):
         r = run(ev, "cycle", 2 * L + 4, predictor=predictor)
         assert (r.hits, r.misses, r.prefetched, r.prefetch_unused) == want
-    assert store.quality[auto_id(1)].prefetched == store.stats.prefetched > 0
+    assert store.book.quality[auto_id(1)].prefetched == store.stats.prefetched > 0
     assert auto.as_dict()["issued"] == store.stats.prefetched
 
 

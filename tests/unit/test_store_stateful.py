@@ -62,7 +62,7 @@ class StoreMachine(RuleBasedStateMachine):
         return (tuple(s.state), tuple(s.slot_key), dict(s.key_slot), tuple(s.free), tuple(sorted(s.loads)),
                 policy_state(pol, s.slot_key), {h: set(pol.held(h)) for h in holders},
                 [pol.pinned(slot) for slot in range(SLOTS)],
-                dict(s.predicted_by), {c: set(v) for c, v in s.predictions.items()})
+                dict(s.book.predicted_by), {c: set(v) for c, v in s.book.predictions.items()})
 
     def pinned_now(self):
         return {s for s in range(SLOTS) if self.store.policy.pinned(s)}

@@ -234,7 +234,7 @@ class AutoPrefetch:
         self.predictor.forget(client)
         self._tokens.pop(client, None)
         self._size.pop(client, None)
-        q = self.store.quality.pop(auto_id(client), None)
+        q = self.store.book.quality.pop(auto_id(client), None)
         if q is not None:
             for name in vars(q):
                 setattr(self.gone, name, getattr(self.gone, name) + getattr(q, name))
@@ -260,7 +260,7 @@ class AutoPrefetch:
     def totals(self) -> PredictionStats:
         """The daemon's predictions summed over clients (present and gone)."""
         out = PredictionStats()
-        for c, q in [*self.store.quality.items(), (None, self.gone)]:
+        for c, q in [*self.store.book.quality.items(), (None, self.gone)]:
             if c is None or c < 0:
                 for name in vars(q):
                     setattr(out, name, getattr(out, name) + getattr(q, name))
