@@ -18,7 +18,7 @@ A predictor's API (the only caller is ``AutoPrefetch``)::
     state() / restore(state)                  what a warm restart keeps (JSON-able)
 """
 
-from k3d.cache.predict.model import CoPredictor
+from k3d.cache.predict.coact import CoPredictor
 from k3d.cache.predict.prefetch import AutoPrefetch, auto_id
 
 PREDICTORS = {"coact": CoPredictor}

@@ -1,8 +1,8 @@
 """Scoring a layer's experts for ``CoPredictor.propose``, from one fold's tables.
 
-Two ways to the same quantities (``model``'s docstring): ``small`` for models of up
+Two ways to the same quantities (``coact``'s docstring): ``small`` for models of up
 to ``SMALL`` experts, in plain Python lists (a handful of experts costs less as list
-arithmetic than as numpy calls, whose fixed cost is ~1 µs each), and ``dense`` with
+arithmetic than as numpy calls, each of which has a fixed cost), and ``dense`` with
 one numpy gather of the context rows for larger models.  Both return
 
     (best, cands): best = [(-confidence, expert)] of the candidates (experts whose
