@@ -111,7 +111,7 @@ class Measure:
     def before(self) -> None:
         if self.profile:
             self.spy = subprocess.Popen(["py-spy", "record", "-p", str(self.pid), "-f", "raw", "-o", self.profile,
-                                         "-r", "250", "--nonblocking", "--gil"],
+                                         "-r", "1000", "--nonblocking", "--gil"],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)      # py-spy attaches
         self.cpu0, self.s0 = thread_cpu(self.pid), self.st.status()["stats"]

@@ -53,6 +53,7 @@ class CycleState:
         self._moves.clear()
         self._free = self._refiled()
         self._best.clear()
+        self._heaps.clear()
         self._cand.clear()
         self._stamp = None
 
