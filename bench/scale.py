@@ -84,7 +84,8 @@ if mode != "echo":
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of process ``pid``: its main thread (the server loop) and the others."""
+    """CPU seconds of process ``pid``: its main thread (the server loop) and the others,
+    user and kernel (``-sys``) apart."""
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -96,7 +97,8 @@ def thread_cpu(pid: int) -> dict[str, float]:
         except OSError:
             continue
         name = "main" if tid == str(pid) else "other"     # the loop runs on the main thread
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + int(fields[11]) / tick
+        out[name + "-sys"] = out.get(name + "-sys", 0.0) + int(fields[12]) / tick
     return out
 
 
@@ -114,7 +116,8 @@ class Measure:
                                          "-r", "1000", "--nonblocking", "--gil"],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)      # py-spy attaches
-        self.cpu0, self.s0 = thread_cpu(self.pid), self.st.status()["stats"]
+        self.s0 = self.st.status()["stats"]        # (status costs the daemon ~ms: outside the window)
+        self.cpu0 = thread_cpu(self.pid)
 
     def after(self) -> None:
         cpu1, s1 = thread_cpu(self.pid), self.st.status()["stats"]
@@ -188,7 +191,7 @@ def main() -> int:
                    f"{time.perf_counter() - t0:.1f}s; {slots} slots ({slots / n_keys:.0%}), {a.clients} clients, "
                    f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     extra = ["--predict", a.predict] if a.predict else []
-    tok, flo, ratios, cpu_per, main_per, hit = [], [], [], [], [], []
+    tok, flo, ratios, cpu_per, main_per, sys_per, hit = [], [], [], [], [], [], []
     try:
         with harness.EchoServer(32) as echo, \
                 harness.Daemon(ckpt, "--slots", slots, "--log-level", "warning", *extra, timeout=120) as d:
@@ -205,12 +208,14 @@ def main() -> int:
                     flo.append(harness.median(e))
                     ratios.append(tok[-1] / flo[-1])
                     cpu_per.append(sum(m.cpu.values()) / fetches)
-                    main_per.append(m.cpu.get("main", 0.0) / fetches)
+                    main_per.append((m.cpu.get("main", 0.0) + m.cpu.get("main-sys", 0.0)) / fetches)
+                    sys_per.append(m.cpu.get("main-sys", 0.0) / fetches)
                     hit.append(m.hits / max(1, m.hits + m.misses))
                     harness.banner("scale", f"rep {r + 1}/{a.reps}: token {tok[-1] * 1e3:.2f} ms | floor "
                                    f"{flo[-1] * 1e3:.2f} ms | ratio {ratios[-1]:.2f} | daemon "
                                    f"{cpu_per[-1] * 1e6:.0f} us CPU/fetch ({main_per[-1] * 1e6:.0f} in its loop "
-                                   f"thread) | hit rate {hit[-1]:.1%} (misses/fetch {m.misses / fetches:.2f}, "
+                                   f"thread, {sys_per[-1] * 1e6:.0f} of it in the kernel) | hit rate {hit[-1]:.1%} "
+                                   f"(misses/fetch {m.misses / fetches:.2f}, "
                                    f"SlotsBusy/fetch {m.busy / fetches:.2f}) | load {os.getloadavg()[0]:.1f}")
             rss = proc.memory_info().rss
     finally:

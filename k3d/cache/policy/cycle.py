@@ -326,7 +326,7 @@ class CyclePolicy(CycleState, PinTable):
         if not free:
             return None
         h = self._heaps.get(layer)
-        if h is None or len(h) > 2 * len(free) + 32:
+        if h is None or len(h) > 8 * len(free) + 64:    # pins and unpins leave stale entries
             h = self._heaps[layer] = [(f, s) for s, f in free.items()]
             heapify(h)
         while h:
