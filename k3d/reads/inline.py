@@ -52,16 +52,17 @@ class InlineReads:
         # per expert of the model (~100 bytes each: 6 MB at 60,000 keys)
         self._runs: dict[tuple[int, int], tuple] = {}
 
-    def read(self, key, extents, dest: memoryview, left: int) -> tuple[int, float, float] | None:
+    def read(self, key, extents, dest: memoryview, left: int) -> tuple[int, float] | None:
         """Read ``key`` (its ``extents``) into ``dest`` now if allowed (``left``: the call's
-        budget left); ``(nbytes, seconds, cpu seconds)`` or None (the pool reads it)."""
+        budget left); ``(nbytes, seconds)`` or None (the pool reads it).  No CPU figure:
+        the loop charges the request's CPU, this read's included, to its client."""
         runs = self._runs.get(key)
         if runs is None:
             runs = self._runs[key] = runs_of(extents)
         nbytes = runs[0]
         if nbytes > self.max_bytes or nbytes > left:
             return None
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0 = time.perf_counter()
         fds = self.source.fds
         try:
             for f, off, at, n in runs[1]:
@@ -75,7 +76,7 @@ class InlineReads:
             self.declined += 1
             return None
         self.done += 1
-        return nbytes, time.perf_counter() - t0, time.thread_time() - c0
+        return nbytes, time.perf_counter() - t0
 
 
 def runs_of(extents) -> tuple[int, list[tuple[int, int, int, int]]]:

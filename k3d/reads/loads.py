@@ -113,7 +113,8 @@ class Loads:
                 got = inline.read(key, extents, load.dest, left)
                 if got is not None:
                     left -= got[0]
-                    self._inline.append((Done(load.id, 0, got[0], got[1], None, owner, got[2]), load))
+                    # cpu 0: the loop charges its own CPU for the request to the client already
+                    self._inline.append((Done(load.id, 0, got[0], got[1], None, owner, 0.0), load))
                     continue
             todo.append((load, extents))
         if not todo:
