@@ -130,12 +130,14 @@ class Measure:
             self.spy.wait(60)
 
 
-def run_clients(mode: str, endpoint: str, a, warm: int, before=None, after=None) -> list[float]:
+def run_clients(mode: str, endpoint: str, a, warm: int, before=None, after=None, rep: int = 0) -> list[float]:
     """Per-token seconds of every client's measured tokens.  ``before``/``after`` run
-    just before the clients start and after the last one reports (still connected)."""
+    just before the clients start and after the last one reports (still connected).
+    Each rep's clients read new text (streams ``rep * clients + i``): a rep that
+    replayed the last one's tokens would be served by what the cache learned of them."""
     here = os.path.dirname(os.path.abspath(__file__))
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, mode, endpoint, str(a.layers), str(a.experts),
-                               str(a.topk), str(i), str(warm), str(a.tokens), here],
+                               str(a.topk), str(rep * a.clients + i), str(warm), str(a.tokens), here],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=harness.ROOT)
              for i in range(a.clients)]
     try:
@@ -201,7 +203,7 @@ def main() -> int:
             with k3client.connect(d.endpoint, name="scale-status", hit_path="daemon") as st:
                 for r in range(a.reps):
                     m = Measure(d.pid, st, a.profile if r == 0 else None)
-                    f = run_clients("k3d", d.endpoint, a, a.warm * (3 if r == 0 else 1), m.before, m.after)
+                    f = run_clients("k3d", d.endpoint, a, a.warm * (3 if r == 0 else 1), m.before, m.after, r)
                     e = run_clients("echo", echo.endpoint, a, 2)
                     fetches = a.clients * a.tokens * a.layers
                     tok.append(harness.median(f))
