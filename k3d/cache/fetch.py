@@ -9,7 +9,8 @@ The loop validates a request and makes one call here, with the client's session:
   finish.  A small miss already in the page cache is read on this thread as its
   read starts (``k3d.reads.inline``) and finishes there (``_start`` applies it
   like a reader's report), so a fetch of such misses is answered at once, with
-  no hand-over, wake-up or second pass of the loop.  Latency is recorded where the reply is sent, for both.
+  no hand-over, wake-up or second pass of the loop.  Latency is recorded where
+  the reply is sent, for both.
 - ``report``: fetches the client answered itself from the shared index (each a
   layer, its experts and the slots it saw), applied as hits in order
   (``Store.report``), each traced as a fetch line;
