@@ -1,29 +1,34 @@
 """Scale: fine-grained MoE decoding at real key counts vs one bare round trip per layer.
 
     python bench/scale.py [--layers 58] [--experts 256] [--topk 8] [--share 0.3]
-                          [--clients 2] [--tokens 40] [--reps 3] [--predict auto|client|off]
+                          [--clients 2] [--tokens 40] [--warm 10] [--reps 3] [--predict auto|client|off]
                           [--hidden 128] [--inter 64] [--profile FILE]
 
 The issue-34 probe.  Checkpoint: ``layers`` x ``experts`` synthetic MXFP4 experts
-(``--hidden``/``--inter``; the default 128/64 is ~13 KB an expert: small experts),
+(``--hidden``/``--inter``; the default 128/64 is ~14 KB an expert: small experts),
 read once so every byte is in the page cache.  The daemon runs at its defaults
 except ``--slots`` = ``share`` x the experts and ``--predict``.  ``clients`` model
 processes decode at once, each with its own text (``SyntheticRouter``, one model
-``seed``, its own ``stream``), routes and gate-ahead predictions drawn before
-the clock: per token one ``begin_token()`` and per layer one
+``seed``, its own ``stream``, new text each rep), routes and gate-ahead
+predictions drawn before the clock; ``--warm`` tokens each (3x in rep 1) before
+it.  Per token one ``begin_token()`` and per layer one
 ``fetch(layer, top-k, predicted=the gate-ahead guess for layer + 1)``.
 
 Floor, same run, same clients: each makes one bare ZeroMQ round trip per layer
 (a fetch-sized request and reply) to a Python ROUTER echo server in its own
 process.  Reps alternate daemon and floor.  Reported: the median per-token time
 over every client and token, its ratio to the floor's (median of the per-rep
-ratios), the daemon's process CPU per fetch (psutil, over the measured tokens,
-readers included, so it contains the reads themselves), and the demand hit rate
-(status counters over the measured tokens).  ``--profile FILE`` samples the
-daemon with py-spy (if installed) over the first rep's measured tokens and
+ratios), the daemon's CPU per fetch over the measured tokens (``/proc`` per
+thread: all threads, so the reads themselves are in it, and its loop thread
+apart, with its kernel share), the demand hit rate and ``SlotsBusy`` retries per
+fetch (status counters; the bench's status client goes through the daemon, as
+an idle hit-path client would hold slot reuse back).  ``--profile FILE`` samples
+the daemon with py-spy (``--gil``, if installed) over rep 1's measured tokens and
 writes collapsed stacks there (``py-spy record -f raw``).
 
 Target (issue 34): per token <= 3x the floor at DeepSeek-V3's counts (the defaults).
+Run on a 2-core VM shared with other work: quote medians, same-run ratios and the
+load (each rep's line shows it).
 """
 
 from __future__ import annotations
