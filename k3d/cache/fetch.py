@@ -6,7 +6,11 @@ The loop validates a request and makes one call here, with the client's session:
   client's fair share, background reads it now waits on are promoted, the route
   trace gets the line, the client's predictions follow (``predict``), and the
   fetch is answered: at once (every slot READY, checked) or parked until its reads
-  finish.  Latency is recorded where the reply is sent, for both.
+  finish.  A small miss already in the page cache is read on this thread as its
+  read starts (``k3d.reads.inline``) and finishes there (``_start`` applies it
+  like a reader's report), so a fetch of such misses is answered at once, with
+  no hand-over, wake-up or second pass of the loop.  Latency is recorded where
+  the reply is sent, for both.
 - ``report``: fetches the client answered itself from the shared index (each a
   layer, its experts and the slots it saw), applied as hits in order
   (``Store.report``), each traced as a fetch line;
@@ -67,7 +71,7 @@ from time import thread_time_ns
 from k3client.errors import ReadFailed
 from k3d.cache.parked import Parked, checked_slots
 from k3d.cache.sessions import Session
-from k3d.cache.store import PRESSURE_S, Store
+from k3d.cache.store import LOADING, PRESSURE_S, Store
 from k3d.observe.latency import FetchLatency, classify
 from k3d.observe.stats import Throughput
 from k3d.reads.loads import Load, Loads
@@ -86,7 +90,7 @@ class FetchService:
         self.charge = charge
         self.live = store.live             # the route trace: live.trace (SIGHUP reopens it)
         self.recent = Throughput()
-        self.reads = Loads(readers, source, arena)
+        self.reads = Loads(readers, source, arena, inline=True)
         self.parked = Parked(store, replies, source.path, latency)
         self.source = source
         self.watch = FileWatch.of(source, time.monotonic())
@@ -114,7 +118,12 @@ class FetchService:
             self._start(plan.new_loads, urgent=True, owner=s.client_id)
         for slot in plan.promote:     # its predicted reads not started yet: urgent, in its fair share
             self.reads.promote(slot, s.client_id)
-        for slot in plan.waiting:     # someone else's held-back read: this client waits too
+        waiting = plan.waiting
+        if plan.new_loads:
+            # misses read inline are READY already (or failed: a file changed under them)
+            state = store.state
+            waiting = {slot for slot in waiting if state[slot] == LOADING}
+        for slot in waiting:          # someone else's held-back read: this client waits too
             self.reads.waited_on(slot, s.client_id)
         s.fetches += 1
         self._trace_fetch(s, keys, now, plan.misses, plan.evictions, plan.waited, plan.prefetched_hits)
@@ -122,8 +131,13 @@ class FetchService:
         if self.auto is not None:             # the daemon's own, after the client's
             self._auto(s, keys, plan, started, now)
         result = classify(plan.misses, plan.waited)
-        if plan.waiting:
-            self.parked.park(s, rid, keys, plan.slots, plan.waiting, t0, result)
+        if plan.new_loads and self.watch is not None and self.watch.changed:
+            for key in keys:              # an inline read that a file change reached: as a reader's
+                msg = None if key in store.key_slot else self._changed(key)
+                if msg:
+                    raise ReadFailed(f"expert (layer {key[0]}, expert {key[1]}): {msg}")
+        if waiting:
+            self.parked.park(s, rid, keys, plan.slots, waiting, t0, result)
             return
         self.parked.answer(s, rid, checked_slots(store, keys, plan.slots), t0, result)
 
@@ -258,6 +272,8 @@ class FetchService:
                     kept.append(slot)
             slots = kept
         self.reads.start([(slot, key_of[slot]) for slot in slots], urgent, owner)
+        if self.reads.has_inline():       # read on this thread: READY before the caller goes on
+            self._apply(self.reads.inline_reported())
 
     def _files(self, key) -> tuple[int, ...]:
         files = self._key_files.get(key)
@@ -274,11 +290,13 @@ class FetchService:
     def apply_done(self, draining: bool = False) -> None:
         """Count every part reported; finish every load whose last part came.
         ``draining``: a failed read was cancelled by shutdown (ShuttingDown, not counted)."""
-        if not self.reads.has_reports():
-            return
+        if self.reads.has_reports():
+            self._apply(self.reads.reported(), draining)
+
+    def _apply(self, reports, draining: bool = False) -> None:
         now = time.monotonic()
         finished = []
-        for d, load in self.reads.reported():
+        for d, load in reports:
             self.stats.bytes_read += d.nbytes
             self.stats.read_seconds += d.seconds
             self.recent.add(now, d.nbytes)

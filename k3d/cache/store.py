@@ -258,13 +258,17 @@ class Store:
         pressed = now - self.pressed < PRESSURE_S and len(self.reuse.viewers) > 1
         target = max(self.want, self.reserve if pressed else 0)
         evicted = 0
-        while len(self.free) + self.reuse.coming() < target:
+        # each eviction adds one slot to free or to the unclaimed wait (a slot just retired
+        # is nobody's claim): counted here, not by ``coming()`` again, O(waiting) each
+        room = len(self.free) + self.reuse.coming()
+        while room < target:
             s = self._victim()
             if s is None:
                 break
             if self._evict(s, now):
                 self.free.append(s)
             evicted += 1
+            room += 1
         self.stats.evictions += evicted
         self.stats.evicted_ahead += evicted
         if len(self.free) >= self.want:

@@ -18,9 +18,17 @@ What the server asks (its whole vocabulary):
 - ``to_background(client)``: the client is gone; its held-back reads go on as
   background reads (returns their slots);
 - ``reported()``: each part report since the last call, with the ``Load``
-  once its last part reported (then it has left the books);
+  once its last part reported (then it has left the books); ``inline_reported()``
+  only the loads ``start`` finished itself;
 - ``cancel_all()``: shutdown: held-back parts join the pool, which cancels
   queued ones and joins its threads.
+
+Inline reads (``inline.py``): ``start`` first copies each small expert whose
+bytes are all in the page cache on the calling (server) thread; such a load is
+finished when ``start`` returns: one report, never in the books or the pool,
+taken by the next ``reported()`` or ``inline_reported()``.  The rest are cut
+into parts for the readers as before, with one hand-over (one ``submit``, one
+notify) for the whole call.
 
 Memory: each load gets one memoryview of its slot (``arena.view(slot)``) that
 all its parts share; the remote and packed sources recognise a load's parts
@@ -37,6 +45,7 @@ import queue
 from collections.abc import Iterator
 
 from .fair import FairReads
+from .inline import MAX_BYTES, InlineReads
 from .plan import parts_per_key, split_extents
 from .pool import Done, Job, ReaderPool
 
@@ -54,7 +63,9 @@ class Load:
 
 
 class Loads:
-    def __init__(self, threads: int, source, arena):
+    def __init__(self, threads: int, source, arena, inline: bool = False):
+        """``inline``: read small cached experts in ``start`` (``inline.py``; the server's
+        choice, off for callers that drive the pool itself)."""
         self.source, self.arena = source, arena
         self.pool = ReaderPool(threads)
         # Two parts per reader keep the pool busy for a lone client (no idle
@@ -63,6 +74,8 @@ class Loads:
         self._ids = itertools.count(1)
         self._by_id: dict[int, Load] = {}
         self._by_slot: dict[int, Load] = {}
+        self.inline = InlineReads(source, max_bytes=MAX_BYTES if inline else 0)
+        self._inline: list[tuple[Done, Load]] = []     # finished by start(), not yet reported
 
     # -- what status shows ---------------------------------------------------
     @property
@@ -89,15 +102,29 @@ class Loads:
         started together share the readers: each is cut into that many parts."""
         if not slots_keys:
             return []
-        parts = parts_per_key(self.pool.threads, len(slots_keys), self.source.max_parts)
-        jobs, loads = [], []
+        loads, todo = [], []
+        inline, left = self.inline, self.inline.budget
         for slot, key in slots_keys:
             assert slot not in self._by_slot, f"slot {slot} already has a load in flight"
             load = Load(next(self._ids), slot, key, self.arena.view(slot))
-            groups = split_extents(self.source.keys[key], parts)
-            load.parts_left = len(groups)
-            self._by_id[load.id] = self._by_slot[slot] = load
             loads.append(load)
+            extents = self.source.keys[key]
+            if inline.max_bytes:
+                got = inline.read(key, extents, load.dest, left)
+                if got is not None:
+                    left -= got[0]
+                    # cpu 0: the loop charges its own CPU for the request to the client already
+                    self._inline.append((Done(load.id, 0, got[0], got[1], None, owner, 0.0), load))
+                    continue
+            todo.append((load, extents))
+        if not todo:
+            return loads
+        parts = parts_per_key(self.pool.threads, len(todo), self.source.max_parts)
+        jobs = []
+        for load, extents in todo:
+            groups = split_extents(extents, parts)
+            load.parts_left = len(groups)
+            self._by_id[load.id] = self._by_slot[load.slot] = load
             jobs.extend(Job(load.id, i, g, load.dest, self.source, owner) for i, g in enumerate(groups))
         if owner is None or not urgent:
             self.pool.submit(jobs, urgent)
@@ -137,6 +164,7 @@ class Loads:
     def reported(self) -> Iterator[tuple[Done, Load | None]]:
         """Every part report queued so far: (report, the load if it is now finished).
         A finished load has left the books; ``load.fail`` says how it ended."""
+        yield from self.inline_reported()
         done = self.pool.done
         while True:
             try:
@@ -155,10 +183,19 @@ class Loads:
             del self._by_slot[load.slot]
             yield d, load
 
+    def inline_reported(self) -> Iterator[tuple[Done, Load]]:
+        """The loads ``start`` read itself since the last call, each finished (no error)."""
+        while self._inline:
+            done, self._inline = self._inline, []
+            yield from done
+
+    def has_inline(self) -> bool:
+        return bool(self._inline)
+
     def has_reports(self) -> bool:
         """Whether a part report waits (a hint: one queued after this is seen next pass,
         since its reader writes the eventfd after queueing it)."""
-        return not self.pool.done.empty()
+        return bool(self._inline) or not self.pool.done.empty()
 
     def drain_wake(self) -> None:
         self.pool.drain_wake()

@@ -198,11 +198,12 @@ def expert_mismatch(key, ref_key, want, got) -> str:
             f"expert {ref_key} has {want[name][0]}{list(want[name][1])}")
 
 
-def read_fully(fd: int, buffers: list[memoryview], offset: int, what: str) -> int:
-    """``os.preadv`` until every buffer is full; a short file is an error."""
+def read_fully(fd: int, buffers: list[memoryview], offset: int, what: str, flags: int = 0) -> int:
+    """``os.preadv`` until every buffer is full; a short file is an error.  ``flags``:
+    ``preadv2``'s (``os.RWF_NOWAIT``: BlockingIOError where a page is not cached)."""
     total = 0
     while buffers:
-        n = os.preadv(fd, buffers, offset)
+        n = os.preadv(fd, buffers, offset, flags) if flags else os.preadv(fd, buffers, offset)
         if n == 0:
             raise OSError(f"{what}: unexpected end of file at offset {offset}")
         total += n

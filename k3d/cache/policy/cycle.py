@@ -33,8 +33,10 @@ layer's candidate is its unpinned resident with the least ``usage.order`` (its
 decayed count, comparable within a layer and changing only when the key is used).
 Each layer keeps its unpinned residents with that value (``_free``) and their least
 (``_best``), updated as they change: a change to any other slot moves the least
-only if the new value is below it, so the layer is scanned again only when its
-least itself is pinned, evicted or used.  A slot inserted waits in ``_fresh`` until
+only if the new value is below it, so the layer's least is found again only when
+it is itself pinned, evicted or used, from a heap of the layer's filed values
+(``_heaps``; entries that no longer match ``_free`` are dropped as they surface):
+O(log n) in its layer, not a scan of its residents.  A slot inserted waits in ``_fresh`` until
 the next victim (a fetch's miss, pinned right away, is never filed); an unpinned
 resident used waits in ``_moves`` (a use only raises its order, so a batch of them
 has one outcome in any order).  The candidate's rate changes with every visit and
@@ -49,6 +51,8 @@ client's measured precision as ``p``).
 """
 
 from __future__ import annotations
+
+from heapq import heapify, heappop, heappush
 
 from k3d.cache.policy.base import PinTable
 from k3d.cache.policy.usage import UsageStats
@@ -67,6 +71,7 @@ class CyclePolicy(PinTable):
         self._by_layer: dict[int, set[int]] = {}      # layer -> resident slots
         self._free: dict[int, dict[int, float]] = {}  # layer -> {unpinned resident slot: its usage.order}
         self._best: dict[int, tuple | None] = {}      # layer -> least (order, slot) of _free (absent: stale)
+        self._heaps: dict[int, list] = {}             # layer -> heap of (order, slot) filed in _free (lazy)
         self._cand: dict[int, tuple | None] = {}      # layer -> (slot, rate) of _best's slot (absent: stale)
         self._pscores: dict[int, tuple] = {}          # passed layer -> its candidate's victim order
         self._nscores: dict[int, tuple] = {}          # the same for layers ahead, when _ahead
@@ -159,6 +164,9 @@ class CyclePolicy(PinTable):
     def _moved(self, layer: int, slot: int, f: float) -> None:
         """Unpinned resident ``slot``'s order is ``f`` now (a use while unpinned)."""
         self._free[layer][slot] = f
+        h = self._heaps.get(layer)
+        if h is not None:
+            heappush(h, (f, slot))
         b = self._best.get(layer, _STALE)
         if b is not _STALE and b is not None:
             if b[1] == slot:
@@ -213,7 +221,7 @@ class CyclePolicy(PinTable):
 
     def _unpinned_all(self, slots) -> None:
         """``slots`` may be victims now (their last pin went, or ``_file_fresh``)."""
-        key_of, order, frees, bests = self._key, self.usage.order, self._free, self._best
+        key_of, order, frees, bests, heaps = self._key, self.usage.order, self._free, self._best, self._heaps
         for s in slots:
             key = key_of.get(s)
             if key is None:
@@ -224,6 +232,9 @@ class CyclePolicy(PinTable):
             if free is None:
                 free = frees[layer] = {}
             free[s] = f
+            h = heaps.get(layer)
+            if h is not None:
+                heappush(h, (f, s))
             b = bests.get(layer, _STALE)
             if b is None or (b is not _STALE and (f, s) < b):
                 bests[layer] = (f, s)
@@ -257,11 +268,29 @@ class CyclePolicy(PinTable):
             pass
         b = self._best.get(layer, _STALE)
         if b is _STALE:                  # least (order, slot): ties go to the lower slot
-            free = self._free.get(layer)
-            b = self._best[layer] = min(zip(free.values(), free)) if free else None
+            b = self._best[layer] = self._least(layer)
         cand = None if b is None else (b[1], max(self.usage.rate(self._key[b[1]]), 1e-9))
         self._cand[layer] = cand
         return cand
+
+    def _least(self, layer: int):
+        """The least (order, slot) of the layer's ``_free``, or None: the top of its heap
+        once entries that no longer match ``_free`` are dropped (each entry is dropped
+        once, so a layer whose least keeps going costs O(log n) per change, not a scan of
+        its residents).  The heap is rebuilt when stale entries outnumber live ones."""
+        free = self._free.get(layer)
+        if not free:
+            return None
+        h = self._heaps.get(layer)
+        if h is None or len(h) > 8 * len(free) + 64:    # pins and unpins leave stale entries
+            h = self._heaps[layer] = [(f, s) for s, f in free.items()]
+            heapify(h)
+        while h:
+            f, s = h[0]
+            if free.get(s, _STALE) == f:
+                return h[0]
+            heappop(h)
+        return None
 
     def victim(self, exclude=()) -> int | None:
         """The largest score's slot: each layer's candidate scored as (steps per expected
@@ -343,6 +372,7 @@ class CyclePolicy(PinTable):
         self._moves.clear()
         self._free = self._refiled()
         self._best.clear()
+        self._heaps.clear()
         self._cand.clear()
         self._stamp = None
 

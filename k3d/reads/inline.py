@@ -1,0 +1,95 @@
+"""Inline reads: a small expert already in the page cache is copied on the server thread.
+
+Handing a read to a reader thread costs more than the read when the expert is
+small and cached: a condition-variable wake-up per job, the reader taking the
+GIL from the server thread, its report, an eventfd wake-up and a second loop
+pass that parks and then answers the fetch.  For a 14 KB expert the copy itself
+is a few microseconds.  So ``Loads.start`` offers each key here first; what is
+read here reports like a reader's part (``Loads.reported``), on the same pass.
+
+What may be read inline (everything else goes to the pool, unchanged):
+- a local source whose ``read`` is ``Source.read`` as ``k3d.sources.base``
+  defines it (buffered ``preadv``: safetensors, GGUF); never an O_DIRECT pack,
+  a remote origin, or a read wrapped at run time;
+- an expert of at most ``max_bytes``, within ``budget`` bytes per call (a fetch
+  of many keys, or a warm restart, cannot hold the loop for long);
+- only while every byte is in the page cache: each ``preadv`` has
+  ``RWF_NOWAIT``, so a page not cached ends the attempt at once (EAGAIN) and
+  the key goes to the pool, which waits for the disk off the loop.  Any other
+  failure (a short file, EIO) also goes to the pool: its report is the one
+  every error takes, with the message users know.
+
+A partial attempt leaves bytes in the slot; the pool's read overwrites them
+all before the slot is READY, so nothing of it is ever seen.
+
+Thread: the server thread only (``Loads`` calls it); no state but counters.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..sources import base
+from ..sources.base import Source
+
+MAX_BYTES = 256 << 10       # an expert above this goes to the pool (a copy of ~50 us or more)
+BUDGET = 1 << 20            # bytes read inline per start call at most
+NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+def can_inline(source) -> bool:
+    """Whether ``source`` reads with the stock buffered ``preadv`` of ``k3d.sources.base``
+    (what ``read`` here does).  Named, not compared by identity: a read replaced or
+    wrapped at run time (a test's fault injection, a subclass) keeps its reads in the pool."""
+    read = type(source).read
+    return (bool(NOWAIT) and bool(getattr(source, "fds", None))
+            and (getattr(read, "__module__", None), getattr(read, "__qualname__", None))
+            == (Source.__module__, "Source.read"))
+
+
+class InlineReads:
+    def __init__(self, source, max_bytes: int = MAX_BYTES, budget: int = BUDGET):
+        self.source = source
+        self.max_bytes = max_bytes if can_inline(source) else 0      # 0: never inline
+        self.budget = budget
+        self.done = 0            # keys read inline
+        self.declined = 0        # keys tried and handed to the pool (not cached, or an error)
+        # key -> runs_of(its extents): one small tuple per key read inline, at most one
+        # per expert of the model (~100 bytes each: 6 MB at 60,000 keys)
+        self._runs: dict[tuple[int, int], tuple] = {}
+
+    def read(self, key, extents, dest: memoryview, left: int) -> tuple[int, float] | None:
+        """Read ``key`` (its ``extents``) into ``dest`` now if allowed (``left``: the call's
+        budget left); ``(nbytes, seconds)`` or None (the pool reads it).  No CPU figure:
+        the loop charges the request's CPU, this read's included, to its client."""
+        runs = self._runs.get(key)
+        if runs is None:
+            runs = self._runs[key] = runs_of(extents)
+        nbytes = runs[0]
+        if nbytes > self.max_bytes or nbytes > left:
+            return None
+        t0 = time.perf_counter()
+        fds = self.source.fds
+        try:
+            for f, off, at, n in runs[1]:       # base.read_fully: the one pread loop, looked up now
+                base.read_fully(fds[f], [dest[at:at + n]], off, f"file #{f}", NOWAIT)
+        except Exception:           # EAGAIN: not cached; anything else: the pool reads it and reports
+            self.declined += 1
+            return None
+        self.done += 1
+        return nbytes, time.perf_counter() - t0
+
+
+def runs_of(extents) -> tuple[int, list[tuple[int, int, int, int]]]:
+    """(bytes, runs): ``extents`` merged where contiguous both in the file and in the slot,
+    each run ``(file, offset, slot offset, length)``: one ``preadv`` of one buffer each
+    (a synthetic or safetensors expert's tensors are usually one run)."""
+    runs: list[list[int]] = []
+    for e in sorted(extents, key=lambda x: (x.file, x.offset)):
+        r = runs[-1] if runs else None
+        if r is not None and r[0] == e.file and r[1] + r[3] == e.offset and r[2] + r[3] == e.slot_offset:
+            r[3] += e.length
+        else:
+            runs.append([e.file, e.offset, e.slot_offset, e.length])
+    return sum(r[3] for r in runs), [tuple(r) for r in runs]
