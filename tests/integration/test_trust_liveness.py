@@ -14,11 +14,11 @@ In both, another client's misses must all complete, and no honest report is refu
 from __future__ import annotations
 
 import pytest
+from test_trust_views import origin  # noqa: F401 -- the fixture: a checkpoint behind a faulty HTTP origin
 
 import k3client
 import k3client.client as client_mod
-from faulty_http import Fault, FaultyServer
-from k3d.demo.synthetic import write_checkpoint
+from faulty_http import Fault
 
 
 def _eight_misses(a) -> int:
@@ -30,15 +30,7 @@ def _eight_misses(a) -> int:
     return done
 
 
-@pytest.fixture
-def origin(tmp_path):
-    ck = write_checkpoint(str(tmp_path / "origin" / "ck"), layers=4, experts=16, shards=2, seed=3)
-    srv = FaultyServer(str(tmp_path / "origin")).start()
-    yield srv, ck
-    srv.stop()
-
-
-def test_misses_complete_after_a_failed_read_with_an_idle_reader(origin, start_daemon):
+def test_misses_complete_after_a_failed_read_with_an_idle_reader(origin, start_daemon):  # noqa: F811
     srv, _ = origin
     d = start_daemon(srv.url + "ck/", "--slots", "4", "--lease", "1", "--predict", "client",
                      "--policy", "lru", "--http-timeout", "5")
