@@ -106,7 +106,7 @@ def first_difference(served: dict, local: dict) -> str | None:
     mine = {(p[0], p[1]): p for p in local.get("parts") or []}
     layers_a, layers_b = sorted({k[0] for k in theirs}), sorted({k[0] for k in mine})
     if layers_a != layers_b:
-        return f"expert layers {_span(layers_a)} served, {_span(layers_b)} locally"
+        return f"expert layers {span_text(layers_a)} served, {span_text(layers_b)} locally"
     for layer in layers_a:
         names_a = sorted(n for l, n in theirs if l == layer)
         names_b = sorted(n for l, n in mine if l == layer)
@@ -125,8 +125,8 @@ def first_difference(served: dict, local: dict) -> str | None:
     return "the parts agree but the digests do not"
 
 
-def _span(values) -> str:
-    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+def span_text(values) -> str:
+    """``[0, 1, 2, 5, 7, 9]`` -> ``0-2, 5, 7, 9`` (layers, for messages; the daemon's too)."""
     out, vals, i = [], sorted(values), 0
     while i < len(vals):
         j = i

@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from k3client.digest import span_text  # (one rule for naming layers, client and daemon)
 from k3client.layout import TensorSpec, build_layout, layout_bytes
 
 PAGE = 4096
@@ -169,19 +170,6 @@ class Source:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
-
-
-def span_text(values) -> str:
-    """``[0, 1, 2, 5, 7, 9]`` -> ``0-2, 5, 7, 9`` (the layers a model serves, for messages)."""
-    out, vals = [], sorted(values)
-    i = 0
-    while i < len(vals):
-        j = i
-        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
-            j += 1
-        out.append(f"{vals[i]}-{vals[j]}" if j > i else f"{vals[i]}")
-        i = j + 1
-    return ", ".join(out) or "none"
 
 
 def expert_mismatch(key, ref_key, want, got) -> str:
