@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..gpu.cuda import CudaApi
-from ..gpu.pinning import Pinning, address_of  # noqa: F401  (address_of: tests read it here)
+from ..gpu.pinning import Pinning
 from ..gpu.streams import Copier
 
 
