@@ -11,16 +11,12 @@ in the slot come as one view, equal to the checkpoint's tensors.
 
 import shutil
 import tempfile
-import threading
 
 import pytest
 
 from conftest import SCRATCH
-from k3d.config import DEFAULT_PATTERN, resolve
-from k3d.memory.arena import Arena
-from k3d.serve.loop import Server
-from k3d.service.daemon import size_arena
-from k3d.sources.safetensors import SafetensorsSource
+from k3d.config import DEFAULT_PATTERN
+from servers import Servers
 
 torch = pytest.importorskip("torch")
 
@@ -37,38 +33,28 @@ def _write(path: str) -> dict:
         for e in range(EXPERTS):
             for name, shape in zip(NAMES, ((I, H), (I, H), (H, I))):
                 key = DEFAULT_PATTERN.format(layer=layer, expert=e, name=name)
-                tensors[key] = torch.randn(*shape, generator=g).to(torch.bfloat16)
+                tensors[key] = torch.randn(*shape, generator=g).to(torch.float16)
     save_file(tensors, f"{path}/model.safetensors")
     return tensors
 
 
 @pytest.fixture
 def served():
-    tmp = tempfile.mkdtemp(prefix="k3d-c-", dir=SCRATCH)
-    tensors = _write(tmp)
-    cfg = resolve({"source": tmp, "endpoint": f"ipc://{tmp}/k.sock", "slots": 3, "readers": 2,
-                   "state_dir": "none"}, {})
-    src = SafetensorsSource(tmp, cfg.pattern)
-    n, sb = size_arena(cfg, src.expert_bytes)
-    arena = Arena(n, sb)
-    srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
+    ckpt = tempfile.mkdtemp(prefix="k3d-c-", dir=SCRATCH)
+    tensors = _write(ckpt)
+    servers = Servers(ckpt)
     try:
-        yield cfg.endpoint, tensors
+        yield servers.start(slots=3).cfg.endpoint, tensors
     finally:
-        srv.request_stop()
-        t.join(10)
-        arena.close()
-        src.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        servers.close()
+        shutil.rmtree(ckpt, ignore_errors=True)
 
 
 def _runtime(client):
     from k3client.runtime import Layer, Runtime, Standard
 
     specs = client.layout_of(0)
-    ml = Layer(0, None, None, Standard({s.name for s in specs}), tuple(s.name for s in specs), torch.bfloat16,
+    ml = Layer(0, None, None, Standard({s.name for s in specs}), tuple(s.name for s in specs), torch.float16,
                specs=specs)
     return Runtime(client, {0: ml}, predict=False), ml
 
