@@ -15,7 +15,7 @@ Then:
 - the pin rule: ``sync`` synchronises every device with copies or compute queued since
   the last one (not only the current device: a model on ``cuda:1``, or split across
   GPUs), and the runtime calls it before every ``begin_token`` (a forward's or a
-  mid-forward epoch's).
+  mid-forward epoch's) and before it releases a layer (``Runtime._layer_done``).
 
 ``run_layer`` is the transformers experts call on a CUDA device: the eager loop's
 experts in ascending order and, within one, its tokens in ``torch.where``'s order,
@@ -118,8 +118,7 @@ class GpuSide:
                 pos = order[starts[e]:starts[e] + counts[e]]
                 token_idx, top_k_pos = pos % tokens, pos // tokens
                 ml.family.compute(module, w, hidden_states[token_idx], token_idx, top_k_pos, top_k_weights, out)
-        if ml.next is None:
-            rt._begin_next()
+        rt._layer_done(ml)
         return out
 
 

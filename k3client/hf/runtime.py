@@ -4,7 +4,7 @@ Owner: the thread that runs the model's forward (a ``k3client.Client`` is
 single-threaded).  One ``Runtime`` per ``load_model``.
 
 The pin rule this keeps (the daemon's: everything a client touches in an epoch
-stays pinned until its next ``begin_token``):
+stays pinned until its next ``begin_token``, or until it releases that layer):
 
 - every forward is one epoch.  It begins right after the last MoE layer of the
   forward before (``_begin_next``): no view of that epoch is read again (CPU: the
@@ -24,7 +24,15 @@ stays pinned until its next ``begin_token``):
   order, so the logits stay bit-equal to eager.  A group is used up before the
   next group's fetch (one stream at a time).  On a GPU the group comes whole
   (``fetch``) and is computed in order;
-- when the next group would not fit beside what this epoch already pinned
+- a layer's pins end with its compute (``_layer_done``, the one call at the end of
+  every ``run_layer``): once no view of the layer is read again (CPU: its compute
+  ran; GPU: its devices are synchronised first), the runtime releases the layer
+  (``Client.release_layer``; the next message tells the daemon) and ``held`` drops by
+  what the layer fetched in this epoch, so a step holds about one layer's union
+  plus its predictions and needs fewer mid-forward epochs.  ``K3D_RELEASE_LAYERS=0``
+  keeps every layer pinned until the epoch ends (the comparison in
+  ``bench/layer_pins.py``).  The last MoE layer begins the next epoch instead;
+- when the next group would not fit beside what this epoch still pins
   (``held``), the compute of every earlier group is complete (CPU: it ran; GPU:
   its devices are synchronised first), so a new epoch starts and the group goes on.
   A ``CacheFull``/``QuotaExceeded`` reply (other clients' pins, a quota) does
@@ -44,6 +52,7 @@ next layer then fetched (precision as this process sees it).
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -63,6 +72,8 @@ class _StaleSlots(Exception):
 class Stats:
     forwards: int = 0
     epochs: int = 0                 # begin_token calls (forwards + mid-forward ones)
+    layers_released: int = 0        # release_layer calls (a layer's pins ended with its compute)
+    held_max: int = 0               # the most experts one epoch held at once (client side count)
     fetches: int = 0                # fetch messages
     experts_fetched: int = 0
     cache_full_retries: int = 0
@@ -97,7 +108,9 @@ class Runtime:
         self.predict = predict
         self.gpu = gpu.GpuSide(client)         # idle until the model runs on a CUDA device
         self.stats = Stats()
-        self.held = 0                          # slots this epoch pinned (client side count)
+        self.held = 0                          # slots this epoch pins (client side count)
+        self._layer_held: dict[int, int] = {}  # layer -> of ``held``, what it fetched this epoch
+        self.release = os.environ.get("K3D_RELEASE_LAYERS", "1") not in ("0", "off", "false", "no")
         self._restarts = client.restarts
         self._gen = None
         self._pending_prediction: tuple[int, set[int]] | None = None
@@ -122,6 +135,7 @@ class Runtime:
         self._sync_device()
         self.client.begin_token(wait=False)
         self.held = 0
+        self._layer_held.clear()
         self._restarts = self.client.restarts
         self._early = True
 
@@ -132,7 +146,22 @@ class Runtime:
         self.client.begin_token(wait=False)
         self.stats.epochs += 1
         self.held = 0
+        self._layer_held.clear()
         self._restarts = self.client.restarts
+
+    def _layer_done(self, ml: MoeLayer) -> None:
+        """``ml``'s compute is complete (CPU: it ran; GPU: synchronised here): the last MoE
+        layer begins the next forward's epoch; another releases its pins of this epoch."""
+        if ml.next is None:
+            self._begin_next()
+            return
+        n = self._layer_held.pop(ml.layer, 0)
+        if not n or not self.release:
+            return
+        self._sync_device()
+        self.client.release_layer(ml.layer)
+        self.held -= n
+        self.stats.layers_released += 1
 
     def _sync_device(self) -> None:
         """The pin rule on a GPU: no queued copy may outlive the epoch that pinned its slot
@@ -144,6 +173,7 @@ class Runtime:
         if self.client.restarts != self._restarts:   # a new daemon: no pins held there
             self._restarts = self.client.restarts
             self.held = 0
+            self._layer_held.clear()
         if self._gen != self.client.gen:
             self.gpu.follow(self.client)             # a new arena: registered where the model is on CUDA
             self._gen = self.client.gen
@@ -175,8 +205,7 @@ class Runtime:
                                                            top_k_pos, top_k_weights))
                     continue
                 ml.family.compute(module, w, hidden_states[token_idx], token_idx, top_k_pos, top_k_weights, out)
-        if ml.next is None:
-            self._begin_next()
+        self._layer_done(ml)
         return out
 
     def _groups(self, ml: MoeLayer, experts: list[int], predicted, as_ready: bool = False):
@@ -209,6 +238,8 @@ class Runtime:
                 continue                      # slots named by a daemon that is gone: fetch again
             predicted = None                  # sent once, with the layer's first fetch
             self.held += n
+            self._layer_held[ml.layer] = self._layer_held.get(ml.layer, 0) + n
+            self.stats.held_max = max(self.stats.held_max, self.held)
             i += n
             yield got
 

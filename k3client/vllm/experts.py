@@ -22,7 +22,9 @@ the same path.  With the key its quant method is ``K3dMoEMethod``:
   biases (``_gpt_oss_expert``).
 
 The pin rule is ``k3client.hf``'s: one vLLM step (one model forward, B sequences)
-is one epoch, and a group that does not fit beside the epoch's pins starts a new one.
+is one epoch, a layer's pins end with its compute (``_layer_done``: its outputs are
+computed, no view of it is read again), and a group that does not fit beside the
+epoch's pins starts a new one.
 The epoch of step t+1 begins (``begin_token(wait=False)``) right after step t's last
 MoE layer, once no view of step t is read again; its reply is read before step t+1's
 first fetch (``Client.settle``), so no view is answered before the daemon began the
@@ -325,8 +327,7 @@ class VllmRuntime(Runtime):
             out = torch.zeros_like(hidden_states)
         if out.dtype != out_dtype:
             out = out.to(out_dtype)
-        if ml.next is None:
-            self._begin_next()
+        self._layer_done(ml)
         return out
 
     def _views(self, ml, ex):

@@ -92,6 +92,7 @@ class Viewer:
     pending: int | None = None        # id of the latest request, until its reply
     before: float = 0                 # ``synced`` when that request came: what its reports may claim
     claims: set[int] = field(default_factory=set)
+    claimed_layer: dict[int, int] = field(default_factory=dict)    # claimed slot -> layer of its report
 
 
 class Reuse:
@@ -155,13 +156,28 @@ class Reuse:
         floor = r.before if r.pending is not None else r.synced
         return slot in r.claims or self.limbo.get(slot, -1) > floor
 
-    def claim(self, client: int, slot: int) -> bool:
-        """Keep ``slot`` from reuse until ``client``'s next token; False (refused) when it
-        could not have read it."""
+    def claim(self, client: int, slot: int, layer: int = -1) -> bool:
+        """Keep ``slot`` from reuse until ``client``'s next token, or its release of
+        ``layer`` (the layer of the key it reported there); False (refused) when it could
+        not have read it."""
         if not self.claimable(client, slot):
             return False
-        self.viewers[client].claims.add(slot)
+        r = self.viewers[client]
+        r.claims.add(slot)
+        r.claimed_layer[slot] = layer
         return True
+
+    def release_layers(self, client: int, layers) -> int:
+        """``client`` is done with ``layers`` for this token: its claims of slots it reported
+        under them end (the slots may be reused once no one else holds them); returns how many."""
+        r = self.viewers.get(client)
+        if r is None or not r.claims:
+            return 0
+        gone = [s for s, layer in r.claimed_layer.items() if layer in layers]
+        for s in gone:
+            r.claims.discard(s)
+            del r.claimed_layer[s]
+        return len(gone)
 
     def claims(self, client: int) -> set[int]:
         r = self.viewers.get(client)
@@ -171,6 +187,7 @@ class Reuse:
         r = self.viewers.get(client)
         if r is not None:
             r.claims.clear()
+            r.claimed_layer.clear()
 
     # -- slots --------------------------------------------------------------------
     def unpublished(self) -> None:

@@ -68,6 +68,8 @@ class Session:
         "pid",
         "routing",
         "started",
+        "step_peak",
+        "step_pins",
     )
 
     def __init__(self, routing, client_id, name, pid, started, now, lease_s=0.0):
@@ -87,6 +89,23 @@ class Session:
         self.paced, self.paced_s = 0, 0.0
         self.unbilled = 0.0        # CPU seconds spent for it that the pacer has not been told yet
         self.over_cap = 0          # requests refused: it had wire.MAX_QUEUED waiting (k3d/serve/intake.py)
+        # Slots pinned for it (its epoch's and its predictions') at most so far this epoch, and
+        # per ended epoch, how many ended with each peak (status ``step_pins``; cache/fetch.py)
+        self.step_peak = 0
+        self.step_pins: dict[int, int] = {}
+
+    def step_summary(self) -> dict:
+        """``{steps, max, median}`` of the pins its ended epochs peaked at (status)."""
+        n = sum(self.step_pins.values())
+        if not n:
+            return {"steps": 0, "max": 0, "median": 0}
+        seen, median = 0, 0
+        for peak in sorted(self.step_pins):
+            seen += self.step_pins[peak]
+            if 2 * seen >= n:
+                median = peak
+                break
+        return {"steps": n, "max": max(self.step_pins), "median": median}
 
     @property
     def holder(self):
