@@ -14,7 +14,15 @@ closed until a later request succeeds.  While it is closed every view the
 client holds was reported, so the daemon has pinned or claimed it; while it is
 open the daemon reuses nothing retired after the count it had when it sent that
 reply, until the client's next message.  Views therefore need no time bound:
-one holds its bytes until the client's next ``begin_token()`` or ``close()``.
+one holds its bytes until the client's next ``begin_token()`` or ``close()``, or
+its release of the view's layer.
+
+Layer releases (``release``; C4 there): the layers go with the next message
+(``take``, ``sync``: the ``done`` field), which the daemon applies after that
+message's reports.  A lookup of a released layer before the release left
+cancels it.  With a quota, a released layer's slots stop counting here when the
+release is taken for a message (``layer_slots``), not when it is queued: the
+daemon still counts them while it applies the reports that message carries.
 
 A client that computes for long holds the daemon's reuse back; its lease thread
 sends the reports and ``seen`` (``sync``) on the request socket, so that within a
@@ -23,7 +31,7 @@ client answers here no more distinct slots per token than the quota; after a
 failed request in a token it answers none until the next token (a fetch it gave
 up on may still pin slots it does not know of).
 
-Threads: ``answer``, ``take`` and ``new_token`` run on the owning ``Client``'s
+Threads: ``answer``, ``release``, ``take`` and ``new_token`` run on the owning ``Client``'s
 thread; ``sync`` on its lease thread.  ``lock`` makes a lookup and the record of
 its slots one step against ``sync``'s take-and-read: else a lookup made before
 ``sync`` read the count could be reported after it, and the daemon could reuse
