@@ -42,9 +42,10 @@ Ops (the ``op_*`` handler docstrings in ``k3d.serve.loop`` are the full spec):
 client is done with for its current token, ``[layer, ...]``.  Applied after the
 message's ``hits``: the client's pins of slots whose key is of such a layer go
 (other clients' misses may evict them), and so do its claims of slots it reported
-under them (``k3d/cache/reuse.py``); its predictions stay pinned until its next
-``begin_token``.  A client sends it (``Client.release_layer``) only once no view of
-those layers from this token is read again; a later fetch of the layer pins afresh.
+under them (``k3d/cache/reuse.py``); its predictions not fetched yet stay pinned
+until its next ``begin_token`` (a fetched one's pin goes with its layer).  A client
+sends it (``Client.release_layer``) only once no view of those layers from this
+token is read again; a later fetch of the layer pins afresh.
 
 ``hits`` (optional everywhere) are the fetches a hit-path client answered itself
 from the shared index (``k3client.index``) since its last message, in order:

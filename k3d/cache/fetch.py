@@ -165,7 +165,7 @@ class FetchService:
 
     def done(self, s: Session, layers: set[int], now: float) -> int:
         """``s`` is done with ``layers`` this token (after the message's reports, which may
-        name them): its pins and claims of them go, its predictions stay
+        name them): its pins and claims of them go, its predictions not used yet stay
         (``Store.release_layers``); the trace gets a ``done`` line.  Returns the pins dropped."""
         if self.live.trace is not None:
             self.live.trace.done(now, s.client_id, s.epoch, layers)
@@ -200,8 +200,7 @@ class FetchService:
             self.live.trace.begin(now, s.client_id, s.epoch)
         released, unused = self.store.end_epoch(s.client_id, s.holder)
         released += skipped
-        s.step_pins[s.step_peak] = s.step_pins.get(s.step_peak, 0) + 1
-        s.step_peak = 0
+        s.end_step()
         if self.auto is not None:             # after the client's own, as k3d replay does
             t = thread_time_ns()
             self.auto.end_token(s.client_id)

@@ -341,14 +341,22 @@ class Store:
     def release_layers(self, holder, layers) -> int:
         """``holder``'s client is done with ``layers`` (a set) for this epoch: its pins of
         slots holding their keys go, and its claims of slots reported under them
-        (``Reuse.release_layers``).  Its predictions stay pinned under ``(PREDICT,
-        client)`` until ``end_epoch`` judges them.  A pinned slot keeps its key (it is
+        (``Reuse.release_layers``).  Its predictions not used yet stay pinned under
+        ``(PREDICT, client)`` until ``end_epoch`` judges them; a used one (a fetch took
+        it: out of the ``book``, already counted) is no prediction any more, and its
+        pin goes with its layer, as does one of the daemon's own predictions for the
+        client (``auto_id``: ``-1 - client``).  A pinned slot keeps its key (it is
         never evicted), so a slot's key names the layer it was pinned for.  Returns the
         pins dropped (counted in ``pins_done``)."""
-        key_of = self.slot_key
-        mine = sorted(s for s in self.policy.held(holder) if key_of[s][0] in layers)
-        n = self.policy.release_some(holder, mine) if mine else 0
-        self.reuse.release_layers(holder[0], layers)
+        key_of, policy, outstanding = self.slot_key, self.policy, self.book.predicted_by
+        client = holder[0]
+        mine = sorted(s for s in policy.held(holder) if key_of[s][0] in layers)
+        n = policy.release_some(holder, mine) if mine else 0
+        for who in (client, -1 - client):
+            used = sorted(s for s in policy.held((PREDICT, who)) if s not in outstanding and key_of[s][0] in layers)
+            if used:
+                n += policy.release_some((PREDICT, who), used)
+        self.reuse.release_layers(client, layers)
         self.stats.layers_done += len(layers)
         self.stats.pins_done += n
         return n

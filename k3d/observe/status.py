@@ -19,7 +19,8 @@ sections may be added, existing fields keep their meaning):
   daemon (``cpu_share``), how often and how long it was held back (``pacing.py``), its
   requests waiting their turn (``queued``) and those refused over the cap (``over_cap``,
   ``serve/intake.py``), and ``step_pins``: over its ended epochs (``steps``), the most
-  slots each had pinned for it at once (its pins and predictions), ``max`` and ``median``;
+  slots each had pinned for it at once (its pins and predictions), ``max``, ``median``,
+  and the last 256 in order (``recent``);
 - ``policy`` (its name), ``predict`` (auto, client or off), ``prediction``
   (quality in total, per client id, and the daemon's own predictions: ``quality.py``),
   ``warm`` (the state file and the warm restart's pre-load progress);

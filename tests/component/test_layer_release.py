@@ -3,7 +3,8 @@
 - a layer a client released goes to another client's misses while the releasing
   client's later layers stay pinned (and their views keep their bytes); the
   release travels on the lease thread's beat, no extra request;
-- a release never frees a predicted slot (predictions are judged at the token's end);
+- a release never frees a predicted slot not used yet (predictions are judged at the
+  token's end); a used one's pin goes with its layer;
 - a fetch carrying a release applies it after the message's reports and before its
   own keys, so a layer fetched again is pinned afresh;
 - the route trace records the releases, and ``k3d replay`` reproduces the daemon's
@@ -70,6 +71,9 @@ def test_a_release_never_frees_a_predicted_slot(server):  # noqa: F811
         b.fetch(2, [0, 1])
         assert {srv.store.slot_key[s] for s in predicted} == {(1, 0), (1, 1)}
         a.fetch(1, [0, 1])                       # used: counted as predictions that came true
+        a.release_layer(1)                       # used ones are no predictions any more: they go
+        a.status()
+        assert not srv.store.policy.held((PREDICT, a.client_id)) and not srv.store.policy.held(sa.holder)
         a.begin_token()
         assert srv.stats.prefetch_hits == 2 and srv.stats.prefetch_unused == 0
 
