@@ -109,7 +109,7 @@ class Runtime:
         self.gpu = gpu.GpuSide(client)         # idle until the model runs on a CUDA device
         self.stats = Stats()
         self.held = 0                          # slots this epoch pins (client side count)
-        self._layer_held: dict[int, int] = {}  # layer -> of ``held``, what it fetched this epoch
+        self._layer_held: dict[int, int] = {}  # layer -> of ``held``, what it fetched this epoch and holds
         self.release = os.environ.get("K3D_RELEASE_LAYERS", "1") not in ("0", "off", "false", "no")
         self._restarts = client.restarts
         self._gen = None
@@ -135,7 +135,7 @@ class Runtime:
         self._sync_device()
         self.client.begin_token(wait=False)
         self.held = 0
-        self._layer_held.clear()
+        self._layer_held.clear()            # (empty: nothing fetched in this epoch yet)
         self._restarts = self.client.restarts
         self._early = True
 
@@ -146,7 +146,7 @@ class Runtime:
         self.client.begin_token(wait=False)
         self.stats.epochs += 1
         self.held = 0
-        self._layer_held.clear()
+        self._layer_held.clear()            # (empty: nothing fetched in this epoch yet)
         self._restarts = self.client.restarts
 
     def _layer_done(self, ml: MoeLayer) -> None:
@@ -155,9 +155,10 @@ class Runtime:
         if ml.next is None:
             self._begin_next()
             return
-        n = self._layer_held.pop(ml.layer, 0)
+        n = self._layer_held.get(ml.layer, 0)
         if not n or not self.release:
             return
+        self._layer_held[ml.layer] = 0      # (kept: this epoch has fetched, see _groups)
         self._sync_device()
         self.client.release_layer(ml.layer)
         self.held -= n
@@ -173,7 +174,7 @@ class Runtime:
         if self.client.restarts != self._restarts:   # a new daemon: no pins held there
             self._restarts = self.client.restarts
             self.held = 0
-            self._layer_held.clear()
+            self._layer_held.clear()            # (empty: nothing fetched in this epoch yet)
         if self._gen != self.client.gen:
             self.gpu.follow(self.client)             # a new arena: registered where the model is on CUDA
             self._gen = self.client.gen
@@ -224,7 +225,9 @@ class Runtime:
                 got = self._fetch(ml, group, predicted, as_ready)
             except (errors.CacheFull, errors.QuotaExceeded) as e:
                 self.stats.cache_full_retries += 1
-                if self.held:
+                if self.held or self._layer_held:
+                    # (a released layer counts too: this epoch's predictions may still pin
+                    # slots, and only a new epoch ends them)
                     self._new_epoch()
                 elif n > 1:
                     cap = max(1, n // 2)
