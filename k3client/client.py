@@ -472,9 +472,9 @@ class Client:
         """Say that this client is done with ``layer`` for the current token: the daemon
         unpins the slots of ``layer`` it holds for this token (and stops keeping those it
         reported reading from reuse), so other clients' misses may evict them before this
-        client's next ``begin_token()``.  Its predictions not fetched yet stay pinned.  Nothing is sent
-        now: the next message carries it (a fetch that misses, the lease thread's report
-        within a quarter lease, ``begin_token``), after that message's hit reports.
+        client's next ``begin_token()``.  Its predictions not fetched yet stay pinned.
+        Nothing is sent now: the next message carries it (a fetch that misses, the lease
+        thread's report within a quarter lease), after that message's hit reports.
 
         The caller's obligation: no view of ``layer`` obtained in this token (``fetch``,
         ``fetch_iter``) is read again after this call (on a GPU, the copies from them are

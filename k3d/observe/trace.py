@@ -137,7 +137,9 @@ def parse_line(line: str):
     for tok in toks[1:]:
         if tok.isdigit() and layer is not None:       # the common case: an expert id
             keys.append((layer, int(tok)))
-        elif kind == DONE and tok.isdigit():
+        elif kind == DONE:
+            if not tok.isdigit():
+                raise ValueError(f"{tok!r} is not a layer number")
             keys.append(int(tok))
         elif tok.startswith("c="):
             client = int(tok[2:])
