@@ -61,7 +61,7 @@ def stream(client, layer: int, experts: list[int], preds: list) -> object:
                 try:
                     if hits is not None:
                         hits.open = False
-                        fields.update(hits.take())
+                    fields.update(client._outgoing(hits))
                     rid = client._chan.post("fetch", **fields)
                 except BaseException:
                     if hits is not None:         # under _io, as in ``Client._call``
@@ -78,7 +78,7 @@ def stream(client, layer: int, experts: list[int], preds: list) -> object:
                 final = part is None
                 got = list(zip(at, reply["slots"])) if final else [(at[j], s) for j, s in zip(part, reply["slots"])]
                 if client._hits is not None:     # pinned for this client's token: its quota count
-                    client._hits.held_by_daemon([s for _, s in got])
+                    client._hits.held_by_daemon([s for _, s in got], layer)
                 for i, slot in got:
                     if i in left:
                         del left[i]

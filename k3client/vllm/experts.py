@@ -25,7 +25,9 @@ the same path.  With the key its quant method is ``K3dMoEMethod``:
   ``Layer``: an ``Activation`` for the math, the gate (logits, top-k) for gate-ahead.
 
 The pin rule is the runtime's: one vLLM step (one model forward, B sequences)
-is one epoch, and a group that does not fit beside the epoch's pins starts a new one.
+is one epoch, a layer's pins end with its compute (``Runtime._layer_done``: its outputs
+are computed, no view of it is read again), and a group that does not fit beside the
+epoch's pins starts a new one.
 The epoch of step t+1 begins (``begin_token(wait=False)``) right after step t's last
 MoE layer, once no view of step t is read again; its reply is read before step t+1's
 first fetch (``Client.settle``), so no view is answered before the daemon began the

@@ -259,6 +259,21 @@ def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], lis
     return out
 
 
+def done(msg: dict, source) -> set[int]:
+    """``msg["done"]``: the layers a client is done with this token (protocol 6), each a
+    layer ``source`` serves; an empty set when absent."""
+    raw = msg.get("done")
+    if raw is None:
+        return set()
+    if type(raw) is not list or not set(map(type, raw)) <= _INT:
+        raise BadRequest(f"done must be a list of layer numbers, not {str(raw)[:80]}")
+    out = set(raw)
+    bad = out - _dense(source.keys).keys()
+    if bad:
+        raise BadRequest(f"done: layer {min(bad)} is not a layer of the model this daemon serves")
+    return out
+
+
 _dense_of: list = [None, 0, {}]       # (the source's key dict, its size, its _dense table)
 
 

@@ -26,7 +26,14 @@ what the daemon does, one message at a time:
   misses is parked until its reads finish, then answered (re-pinned if the
   client has begun a token since);
 - a client **holds** its views for as long as hypothesis likes: nothing but its
-  own ``begin_token`` ends them (there is no clock: no lease bound);
+  own ``begin_token``, or its release of their layer, ends them (there is no
+  clock: no lease bound);
+- a client **releases** a layer (``LocalHits.release``, protocol 6 ``done``): its
+  next message says so, after that message's reports; the daemon unpins the
+  layer's slots and drops its claims of them.  The views of that layer it took
+  before are set aside: it keeps "reading" them (``released``), as a client
+  that breaks its obligation would, and nothing is promised for them; a fetch of
+  the layer after the release is a new view, promised again;
 - read completions and failed reads (their entries cleared, their fetches
   answered ``ReadFailed``), the daemon settling (reclaim, make room), a client
   dying, a client attaching, the daemon restarting (every client re-attaches;
@@ -35,8 +42,10 @@ what the daemon does, one message at a time:
   counts it never saw.
 
 Invariant (the guarantee): every view an honest client holds in its current
-token shows the key it was taken for: the slot was neither rewritten nor given to
-another key.  An honest client's ``seen`` is never refused (it would hold reuse
+token, of a layer it has not released since, shows the key it was taken for: the
+slot was neither rewritten nor given to another key.  So a rewritten byte can be
+seen only through a view its client released (``released``), never through
+another client's view, released or not.  An honest client's ``seen`` is never refused (it would hold reuse
 back).  And the store's own invariants (``Store.check``: the count clients read
 is the count ``Reuse`` keeps), plus: a slot waiting for reuse is in neither the
 free list nor the index.
@@ -73,6 +82,7 @@ class Client:
         self.streaming = False       # ... and it is an as_ready fetch (parts come first)
         self.rid = 0
         self.views: list = []        # (slot, key, written)
+        self.released: list = []     # views of layers it released this token, still read (nothing promised)
 
 
 class HitPathMachine(RuleBasedStateMachine):
@@ -128,7 +138,9 @@ class HitPathMachine(RuleBasedStateMachine):
     def send(self, c, op, **fields):
         c.hits.open = False
         c.rid += 1
-        c.outbox.append({"op": op, "rid": c.rid, "hits": c.hits.take().get("hits", []), **fields})
+        taken = c.hits.take()
+        c.outbox.append({"op": op, "rid": c.rid, "hits": taken.get("hits", []), "done": taken.get("done", []),
+                         **fields})
         c.hits.sent()
         c.waiting = c.rid
         c.streaming = bool(fields.get("as_ready"))
@@ -146,9 +158,22 @@ class HitPathMachine(RuleBasedStateMachine):
             self.begin(c)
 
     def begin(self, c):
-        c.hits.new_token()
         c.views = []                        # the caller's views of the token end here
+        c.released = []
         self.send(c, "begin_token")
+        c.hits.new_token()                  # (as Client._call: after the message is taken)
+
+    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1))
+    def release_layer(self, data, layer):
+        """The client is done with ``layer`` (its compute ran): ``Client.release_layer``."""
+        c = self.pick(data, lambda c: c.waiting is None)
+        if c is not None:
+            self.release_layer_of(c, layer)
+
+    def release_layer_of(self, c, layer):
+        c.hits.release(layer)
+        c.released += [v for v in c.views if v[1][0] == layer]
+        c.views = [v for v in c.views if v[1][0] != layer]
 
     @rule(data=st.data())
     def give_up(self, data):
@@ -181,7 +206,7 @@ class HitPathMachine(RuleBasedStateMachine):
             return
         c.hits.open = True
         if slots is not None:
-            c.hits.held_by_daemon(slots)    # (k3client's fetch: they count toward its quota)
+            c.hits.held_by_daemon(slots, keys[0][0])    # (k3client's fetch: they count toward its quota)
             c.views += [(s, k, self.written[s]) for k, s in zip(keys, slots)]
 
     @rule(data=st.data())
@@ -236,11 +261,15 @@ class HitPathMachine(RuleBasedStateMachine):
         store = self.store
         if msg["op"] == "hits":
             self.report(c, _wire(msg.get("hits", [])))
+            if msg.get("done"):
+                store.release_layers((c.id, c.epoch), set(msg["done"]))
             if "seen" in msg:
                 assert store.reuse.seen(c.id, msg["seen"])
         else:
             store.reuse.waiting(c.id, msg["rid"])
             self.report(c, _wire(msg["hits"]))
+            if msg.get("done") and msg["op"] != "begin_token":     # (ignored there: every pin goes)
+                store.release_layers((c.id, c.epoch), set(msg["done"]))
             if msg["op"] == "begin_token":
                 store.end_epoch(c.id, (c.id, c.epoch))
                 store.reuse.new_token(c.id)
@@ -810,5 +839,49 @@ def test_the_lease_thread_between_take_and_the_failure_sends_the_reports_first()
         yield
         m.handle(b)
         miss(m, a, (1, 2), b)
+        yield
+    scenario(steps)
+
+
+def test_a_layer_fetched_again_after_its_release_is_pinned_afresh():
+    """B releases layer 0, then answers a fetch of it again before any message left: the
+    release is cancelled (it would end the new view too), so A's misses cannot take it."""
+    def steps(m, a, b):
+        m.send(b, "fetch", keys=[(0, 0), (0, 1)])
+        m.handle(b)
+        m.finish_reads()
+        m.receive(b)
+        yield
+        m.release_layer_of(b, 0)
+        m.answer(b, 0, [0])                    # the layer again, in the same token
+        assert len(b.views) == 1
+        m.sync(b)
+        m.handle(b)
+        yield
+        fill(m, a, [(1, 0), (1, 1)])
+        miss(m, a, (1, 2), b)
+        yield
+    scenario(steps)
+
+
+def test_a_released_layer_goes_to_misses_while_later_layers_stay_pinned():
+    """B holds layers 0 and 1 and releases layer 0: A's misses evict its slots (B's views
+    of them are over), while layer 1's stay pinned for B's token."""
+    def steps(m, a, b):
+        for layer in (0, 1):
+            m.send(b, "fetch", keys=[(layer, 0)])
+            m.handle(b)
+            m.finish_reads()
+            m.receive(b)
+        m.release_layer_of(b, 0)
+        assert not b.views[0][1][0] == 0 and len(b.released) == 1
+        m.sync(b)
+        m.handle(b)
+        assert {m.store.slot_key[s] for s in m.store.policy.held((b.id, 0))} == {(1, 0)}
+        yield
+        fill(m, a, [(1, 1), (1, 2)])
+        miss(m, a, (1, 3), b)
+        miss(m, a, (0, 3), b)
+        assert (0, 0) not in m.store.key_slot and m.store.key_slot[(1, 0)] == b.views[0][0]
         yield
     scenario(steps)

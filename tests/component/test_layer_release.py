@@ -1,0 +1,140 @@
+"""Component: a layer's pins end with its compute (protocol 6 ``done``), against the real server loop.
+
+- a layer a client released goes to another client's misses while the releasing
+  client's later layers stay pinned (and their views keep their bytes); the
+  release travels on the lease thread's beat, no extra request;
+- a release never frees a predicted slot not used yet (predictions are judged at the
+  token's end); a used one's pin goes with its layer;
+- a fetch carrying a release applies it after the message's reports and before its
+  own keys, so a layer fetched again is pinned afresh;
+- the route trace records the releases, and ``k3d replay`` reproduces the daemon's
+  counters from it;
+- a ``done`` naming a layer the model lacks is a one-line error, after the reports.
+"""
+
+import random
+
+import pytest
+from test_server_component import ask, raw_dealer, reference, server  # noqa: F401 -- the fixture, and its helpers
+
+import k3client
+from helpers import poll_for
+from k3client.protocol import PROTOCOL_VERSION, pack
+from k3d.cache.predictions import PREDICT
+from k3d.observe.trace import read
+from k3d.replay.engine import run
+
+
+def held_keys(srv, client) -> set:
+    """The keys of the slots ``client``'s current token pins."""
+    s = next(s for s in srv.sessions if s.client_id == client.client_id)
+    return {srv.store.slot_key[slot] for slot in srv.store.policy.held(s.holder)}
+
+
+def test_a_released_layer_goes_to_anothers_misses_while_later_layers_stay(server):  # noqa: F811
+    srv = server(slots=4, lease_s=0.4, predict="off")
+    with k3client.connect(srv.cfg.endpoint, name="a") as a, k3client.connect(srv.cfg.endpoint, name="b") as b:
+        a.fetch(0, [0, 1])
+        later = a.fetch(1, [0, 1])
+        assert held_keys(srv, a) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+        with pytest.raises(k3client.CacheFull):
+            b.fetch(2, [0, 1])                   # every slot is a's
+        a.release_layer(0)
+        # no request of a's: its lease thread's next beat carries the release
+        poll_for(lambda: held_keys(srv, a) == {(1, 0), (1, 1)}, 5, lambda: f"a holds {held_keys(srv, a)}",
+                 interval=0.01)
+        got = b.fetch(2, [0, 1])                 # misses: they take layer 0's slots
+        assert {e.slot for e in got} == {e.slot for e in later} ^ set(range(4))
+        assert (0, 0) not in srv.store.key_slot and (0, 1) not in srv.store.key_slot
+        for e in [*later, *got]:
+            assert bytes(e.memory()) == reference(srv, (e.layer, e.expert))
+        assert held_keys(srv, a) == {(1, 0), (1, 1)}
+        st = srv.stats
+        assert st.layers_done == 1 and st.pins_done == 2 and st.bad_reports == 0
+
+
+def test_a_release_never_frees_a_predicted_slot(server):  # noqa: F811
+    srv = server(slots=4, predict="client")
+    with k3client.connect(srv.cfg.endpoint, name="a") as a, k3client.connect(srv.cfg.endpoint, name="b") as b:
+        a.fetch(0, [0], predicted=[(1, 0), (1, 1)])
+        poll_for(lambda: not srv.store.loads, 5, lambda: "predicted reads still loading", interval=0.01)
+        sa = next(s for s in srv.sessions if s.client_id == a.client_id)
+        predicted = set(srv.store.policy.held((PREDICT, a.client_id)))
+        assert {srv.store.slot_key[s] for s in predicted} == {(1, 0), (1, 1)}
+        a.release_layer(1)                       # the predicted layer: not a's fetches
+        a.release_layer(0)
+        a.status()                               # carries the releases
+        assert not srv.store.policy.held(sa.holder)
+        assert srv.store.policy.held((PREDICT, a.client_id)) == predicted
+        with pytest.raises(k3client.CacheFull):
+            b.fetch(2, [0, 1, 2])                # only layer 0's slot and one free one can go
+        b.fetch(2, [0, 1])
+        assert {srv.store.slot_key[s] for s in predicted} == {(1, 0), (1, 1)}
+        a.fetch(1, [0, 1])                       # used: counted as predictions that came true
+        a.release_layer(1)                       # used ones are no predictions any more: they go
+        a.status()
+        assert not srv.store.policy.held((PREDICT, a.client_id)) and not srv.store.policy.held(sa.holder)
+        a.begin_token()
+        assert srv.stats.prefetch_hits == 2 and srv.stats.prefetch_unused == 0
+
+
+def test_a_fetch_carrying_a_release_pins_its_own_keys_afresh(server):  # noqa: F811
+    """The release goes with the next message, a fetch of the same layer: it applies
+    after the message's reports and before the fetch's keys, which stay pinned."""
+    srv = server(slots=8, predict="off")
+    with k3client.connect(srv.cfg.endpoint, name="a", hit_path="daemon") as a:
+        a.fetch(0, [0, 1])
+        a.release_layer(0)
+        a.fetch(0, [1, 2])
+        assert held_keys(srv, a) == {(0, 1), (0, 2)}
+        assert srv.stats.pins_done == 2
+        a.release_layer(0)
+        a.begin_token()                          # a release on begin_token: moot, every pin goes
+        assert srv.stats.layers_done == 1 and not held_keys(srv, a)   # (not applied: not counted)
+
+
+def test_replay_is_exact_with_releases(server, tmp_path):  # noqa: F811
+    """One client (its misses reuse a slot at once, so nothing evicts ahead), layers
+    released as it goes: the trace's ``done`` lines replay to the daemon's counters."""
+    trace = str(tmp_path / "route.trace")
+    srv = server(slots=10, policy="lru", predict="client", trace=trace)
+    rng = random.Random(3)
+    with k3client.connect(srv.cfg.endpoint, name="r") as c:
+        for _ in range(30):
+            c.begin_token()
+            for layer in range(4):
+                ahead = [(layer + 1, e) for e in rng.sample(range(16), 2)] if layer < 3 else None
+                c.fetch(layer, sorted(rng.sample(range(16), 3)), predicted=ahead)
+                if layer < 3:
+                    c.release_layer(layer)
+        c.begin_token()
+        st = srv.status()["stats"]
+    assert st["loading_skips"] == 0 and st["layers_done"] > 30 and st["pins_done"] > 0
+    events = read(trace)
+    assert sum(ev.kind == "done" for ev in events) > 30
+    got = run(events, "lru", 10).as_dict()
+    want = {k: st[k] for k in ("hits", "misses", "evictions", "prefetched", "prefetch_hits", "prefetch_unused")}
+    assert {k: got[k] for k in want} == want
+    assert want["evictions"] > 50
+    without = run([ev for ev in events if ev.kind != "done"], "lru", 10).as_dict()
+    assert without["hits"] != want["hits"] or without["evictions"] != want["evictions"]
+
+
+def test_a_done_of_a_layer_the_model_lacks_is_one_line_and_reports_still_apply(server):  # noqa: F811
+    srv = server(slots=8)
+    with k3client.connect(srv.cfg.endpoint, name="a") as a:
+        a.fetch(0, [0])
+        a.begin_token()
+        a.fetch(0, [0])                          # a hit answered here: reported next
+        a._hits.release(9)                       # (Client.release_layer checks only the type)
+        with pytest.raises(k3client.errors.BadRequest, match="done: layer 9 is not a layer of the model"):
+            a.status()
+        assert srv.stats.client_hits == 1
+    s = raw_dealer(srv.cfg.endpoint)
+    try:
+        r = ask(s, pack({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "name": "raw", "pid": 0}))
+        assert r["ok"]
+        r = ask(s, pack({"v": PROTOCOL_VERSION, "op": "status", "id": 2, "done": ["0"]}))
+        assert not r["ok"] and r["error"]["message"].startswith("done must be a list of layer numbers")
+    finally:
+        s.close(0)
