@@ -141,12 +141,17 @@ class LocalHits:
         a closing socket): they go first in the next one, in their order."""
         if self.inflight or self._done_inflight:
             with self.lock:
+                # A layer looked up since the take (the lease thread's: the client's thread
+                # answers meanwhile) cancelled its release, as ``answer`` does one queued:
+                # put back behind that lookup's report, the release would unpin its view.
+                since = {r[0] for r in self.reports}
                 self.reports[:0] = self.inflight
                 self.reported += sum(len(r[1]) for r in self.inflight)
                 self.inflight = []
                 back, self._done_inflight = self._done_inflight, {}
                 for layer, slots in back.items():
-                    self.done[layer] = None
+                    if layer not in since:
+                        self.done[layer] = None
                     if slots:
                         self.layer_slots.setdefault(layer, set()).update(slots)
                         self.token_slots = self.token_slots.union(slots)

@@ -19,8 +19,9 @@ what the daemon does, one message at a time:
   timeout) with the parts' views still held;
 - a client's lease thread sends its reports and ``seen`` (``LocalHits.sync``) on
   its request socket (also between the parts of a stream: the client's thread
-  holds the socket only while it waits for one), and a client flushes reports
-  (``hits``) without waiting;
+  holds the socket only while it waits for one), or fails to (``unsend``) while
+  the client's thread answers a fetch, and a client flushes reports (``hits``)
+  without waiting;
 - the daemon handles a client's next message in order, as ``serve/loop.py``
   does: ``waiting`` for a request, then its reports, then the op; a fetch with
   misses is parked until its reads finish, then answered (re-pinned if the
@@ -222,6 +223,17 @@ class HitPathMachine(RuleBasedStateMachine):
         if fields:
             c.outbox.append({"op": "hits", **fields})
             c.hits.sent()
+
+    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st, lookup=st.booleans())
+    def lease_send_fails(self, data, layer, experts, lookup):
+        """The lease thread takes the reports and releases, its send fails (a closing
+        socket: ``unsend``); the client's thread may answer a fetch meanwhile."""
+        c = self.pick(data, lambda c: c.waiting is None or c.streaming)
+        if c is not None:
+            c.hits.sync()
+            if lookup:
+                self.answer(c, layer, experts)
+            c.hits.unsend()
 
     @rule(data=st.data())
     def flush_reports(self, data):
@@ -883,5 +895,31 @@ def test_a_released_layer_goes_to_misses_while_later_layers_stay_pinned():
         miss(m, a, (1, 3), b)
         miss(m, a, (0, 3), b)
         assert (0, 0) not in m.store.key_slot and m.store.key_slot[(1, 0)] == b.views[0][0]
+        yield
+    scenario(steps)
+
+
+def test_a_release_the_lease_thread_failed_to_send_is_cancelled_by_a_lookup_since():
+    """B releases layer 0; its lease thread takes the release for a message whose send
+    fails (a ``ZMQError``: ``unsend``), and meanwhile B's thread answers layer 0 again
+    (it needs no socket).  The release must not go back in line behind that lookup's
+    report: it would unpin the new view, and A's misses could reuse its slot."""
+    def steps(m, a, b):
+        m.send(b, "fetch", keys=[(0, 0)])
+        m.handle(b)
+        m.finish_reads()
+        m.receive(b)
+        m.release_layer_of(b, 0)
+        yield
+        b.hits.sync()                          # the lease thread takes the release ...
+        m.answer(b, 0, [0])                    # ... B's thread answers layer 0 again ...
+        assert len(b.views) == 1
+        b.hits.unsend()                        # ... and the send fails (a closing socket)
+        m.sync(b)
+        m.handle(b)
+        yield
+        fill(m, a, [(1, 0), (1, 1)])
+        miss(m, a, (1, 2), b)
+        miss(m, a, (1, 3), b)
         yield
     scenario(steps)
