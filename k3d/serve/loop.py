@@ -283,9 +283,11 @@ class Server:
         """The message's hit reports, then its ``done`` layers (protocol 6): a report may
         name a layer the same message releases (the client read it before it was done)."""
         self.cache.report(s, self._hits(msg), now)
-        done = wire.done(msg, self.source)
+        done, bad = wire.done(msg, self.source)
         if done:
             self.cache.done(s, done, now)
+        if bad:
+            raise BadRequest(bad)
 
     @staticmethod
     def _attached(s: Session | None) -> Session:

@@ -9,7 +9,8 @@
   own keys, so a layer fetched again is pinned afresh;
 - the route trace records the releases, and ``k3d replay`` reproduces the daemon's
   counters from it;
-- a ``done`` naming a layer the model lacks is a one-line error, after the reports.
+- a ``done`` naming a layer the model lacks is a one-line error, after the reports
+  and the release of its other layers (the client no longer counts their slots).
 """
 
 import random
@@ -138,3 +139,28 @@ def test_a_done_of_a_layer_the_model_lacks_is_one_line_and_reports_still_apply(s
         assert not r["ok"] and r["error"]["message"].startswith("done must be a list of layer numbers")
     finally:
         s.close(0)
+
+
+def test_a_done_with_a_bad_layer_still_releases_the_good_ones(server):  # noqa: F811
+    """A's lease thread carries its release of layer 0 with one of a layer the model lacks
+    (``Client.release_layer`` checks only the type).  A stopped counting layer 0's slots
+    toward its quota when the release left, so the daemon must release layer 0 even
+    though it refuses the message: else A's next hits, within A's count, are over the
+    daemon's, refused, unpinned, and B's misses rewrite them under A's views."""
+    srv = server(slots=6, pin_quota=2, predict="off", lease_s=0.4)
+    with k3client.connect(srv.cfg.endpoint, name="a") as a, k3client.connect(srv.cfg.endpoint, name="b") as b:
+        for layer in (0, 1):
+            b.fetch(layer, [0, 1])
+            b.begin_token()
+        a.fetch(0, [0, 1])                       # answered by a itself: its quota's two slots
+        a.release_layer(0)
+        a.release_layer(9)
+        poll_for(lambda: srv.stats.client_hits == 2 and not a._hits.done, 5, "a's reports", interval=0.01)
+        views = a.fetch(1, [0, 1])               # answered by a itself: within what it counts
+        poll_for(lambda: srv.stats.client_hits == 4, 5, "a's second reports", interval=0.01)
+        assert srv.stats.bad_reports == 0 and held_keys(srv, a) == {(1, 0), (1, 1)}
+        for layer, experts in ((2, [0, 1]), (2, [2, 3]), (3, [0, 1])):
+            b.fetch(layer, experts)              # misses: the oldest unpinned are the victims
+            b.begin_token()
+        for e in views:
+            assert bytes(e.memory()) == reference(srv, (1, e.expert))
