@@ -479,7 +479,7 @@ class Client:
         The caller's obligation: no view of ``layer`` obtained in this token (``fetch``,
         ``fetch_iter``) is read again after this call (on a GPU, the copies from them are
         complete).  A later fetch of ``layer`` in the same token is fine: it is pinned
-        afresh (one made before the release leaves cancels it)."""
+        afresh (one answered from the shared index before the release leaves cancels it)."""
         layer = key_int("layer", layer)
         if self._hits is not None:
             self._hits.release(layer)

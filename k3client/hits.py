@@ -19,10 +19,11 @@ its release of the view's layer.
 
 Layer releases (``release``; C4 there): the layers go with the next message
 (``take``, ``sync``: the ``done`` field), which the daemon applies after that
-message's reports.  A lookup of a released layer before the release left
-cancels it.  With a quota, a released layer's slots stop counting here when the
-release is taken for a message (``layer_slots``), not when it is queued: the
-daemon still counts them while it applies the reports that message carries.
+message's reports.  A fetch of a released layer answered here before the
+release left cancels it (one the daemon answers carries it, applied first).
+With a quota, a released layer's slots stop counting here when the release is
+taken for a message (``layer_slots``), not when it is queued: the daemon still
+counts them while it applies the reports that message carries.
 
 A client that computes for long holds the daemon's reuse back; its lease thread
 sends the reports and ``seen`` (``sync``) on the request socket, so that within a
@@ -103,9 +104,6 @@ class LocalHits:
                     return None
                 self._checked = now
         with self.lock:
-            if layer in self.done:
-                # fetched again before its release left: that release would end this view too
-                del self.done[layer]
             slots = self.index.ready_slots(layer, experts)
             if slots is None:
                 return None
@@ -115,6 +113,10 @@ class LocalHits:
                     return None          # the daemon answers: within its quota, or QuotaExceeded
                 self.token_slots = new
                 self.layer_slots.setdefault(layer, set()).update(slots)
+            if layer in self.done:
+                # answered here before its release left: that release would end this view
+                # too.  (One the daemon answers keeps it: it applies before the fetch's keys.)
+                del self.done[layer]
             self.reports.append([layer, experts, slots])
             self.reported += len(experts)
         return slots

@@ -25,7 +25,7 @@ The client's obligations (``k3client/hits.py``; the model test plays them):
   hold back reuse).
 - C3. It answers no more slots in a token than its pin quota.
 - C4. It releases a layer (``done``) only once it reads no view of that layer
-  from this token again; a lookup of the layer made after the release was
+  from this token again; a lookup of the layer answered after the release was
   queued and before it left cancels it (``LocalHits.answer``), so a message's
   ``done`` never covers a report of a lookup made after it.
 

@@ -164,3 +164,22 @@ def test_a_done_with_a_bad_layer_still_releases_the_good_ones(server):  # noqa: 
             b.begin_token()
         for e in views:
             assert bytes(e.memory()) == reference(srv, (1, e.expert))
+
+
+def test_a_layer_fetched_again_over_the_local_quota_keeps_its_release(server):  # noqa: F811
+    """Quota 4: A answers layer 0's four experts itself, releases the layer, then fetches
+    two more of it.  Its own count (the release not sent yet) is full, so the daemon
+    answers that fetch; the release must go with it (applied before its keys), not be
+    cancelled by a lookup that answered nothing: else the daemon counts six pins and
+    refuses a client that is within its quota."""
+    srv = server(slots=8, pin_quota=4, predict="off")
+    with k3client.connect(srv.cfg.endpoint, name="a") as a, k3client.connect(srv.cfg.endpoint, name="b") as b:
+        for experts in ([0, 1, 2, 3], [4, 5]):
+            b.fetch(0, experts)
+            b.begin_token()
+        a.fetch(0, [0, 1, 2, 3])                 # answered by a itself
+        a.release_layer(0)
+        got = a.fetch(0, [4, 5])
+        assert held_keys(srv, a) == {(0, 4), (0, 5)} and srv.stats.pins_done == 4
+        for e in got:
+            assert bytes(e.memory()) == reference(srv, (0, e.expert))
