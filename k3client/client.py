@@ -104,7 +104,8 @@ class Client:
         self._chan: Channel | None = None    # the connection to the daemon attached now
         self._pending: int | None = None     # id of a begin_token(wait=False) whose reply is not read
         self._done: dict[int, None] = {}     # released layers for the next message, without the hit path
-        self._stream = None                  # the fetch_iter in progress (stream.py); another request ends it
+        self._stream = None                  # the fetch_iter in progress (stream.py); another request, or
+                                             # the release of its layer, ends it
         self._hb_stop = threading.Event()
         self._hb_wake = threading.Event()    # set: beat now (a new lease, or stop)
         self._io = threading.RLock()         # the request socket (module docstring)
@@ -479,8 +480,12 @@ class Client:
         The caller's obligation: no view of ``layer`` obtained in this token (``fetch``,
         ``fetch_iter``) is read again after this call (on a GPU, the copies from them are
         complete).  A later fetch of ``layer`` in the same token is fine: it is pinned
-        afresh (one answered from the shared index before the release leaves cancels it)."""
+        afresh (one answered from the shared index before the release leaves cancels it).
+        A ``fetch_iter`` of ``layer`` still running ends here (its next step raises
+        ``K3Error``): the release unpins what it has yet to yield."""
         layer = key_int("layer", layer)
+        if self._stream is not None and self._stream.layer == layer:
+            self._stream = None
         if self._hits is not None:
             self._hits.release(layer)
         else:

@@ -16,6 +16,7 @@
 import random
 
 import pytest
+from test_as_ready import hold
 from test_server_component import ask, raw_dealer, reference, server  # noqa: F401 -- the fixture, and its helpers
 
 import k3client
@@ -183,3 +184,29 @@ def test_a_layer_fetched_again_over_the_local_quota_keeps_its_release(server):  
         assert held_keys(srv, a) == {(0, 4), (0, 5)} and srv.stats.pins_done == 4
         for e in got:
             assert bytes(e.memory()) == reference(srv, (0, e.expert))
+
+
+def test_a_release_during_its_layers_stream_ends_the_stream(server):  # noqa: F811
+    """A releases layer 0 inside its ``fetch_iter`` loop over layer 0, before the stream
+    ended.  The lease thread's beat unpins the layer, the read still running included:
+    a later part would name a slot nothing keeps, which B's misses then rewrite.  So
+    the release ends the stream: its next step raises, and nothing more is yielded."""
+    srv = server(slots=4, predict="off", lease_s=0.4)
+    with k3client.connect(srv.cfg.endpoint, name="a") as a, k3client.connect(srv.cfg.endpoint, name="b") as b:
+        a.fetch(0, [0])
+        a.begin_token()
+        (g,) = hold(srv, (0, 1))
+        it = a.fetch_iter(0, [0, 1])
+        assert next(it)[0] == 0                  # resident: at once
+        a.release_layer(0)
+        poll_for(lambda: srv.stats.layers_done == 1, 5, "a's release", interval=0.01)
+        g.set()
+        with pytest.raises(k3client.errors.K3Error, match="released layer 0, before the iteration ended"):
+            next(it)
+        poll_for(lambda: not srv.store.loads, 5, "the read of (0, 1)", interval=0.01)
+        for experts in ([0, 1], [2, 3]):
+            got = b.fetch(1, experts)            # misses: layer 0's slots are the oldest unpinned
+            assert all(bytes(e.memory()) == reference(srv, (1, e.expert)) for e in got)
+            b.begin_token()
+        again = a.fetch(0, [1])                  # the next request: a's window opens with its reply
+        assert bytes(again[0].memory()) == reference(srv, (0, 1)) and a._hits.open

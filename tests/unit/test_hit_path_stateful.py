@@ -167,7 +167,7 @@ class HitPathMachine(RuleBasedStateMachine):
     @rule(data=st.data(), layer=st.integers(0, LAYERS - 1))
     def release_layer(self, data, layer):
         """The client is done with ``layer`` (its compute ran): ``Client.release_layer``."""
-        c = self.pick(data, lambda c: c.waiting is None)
+        c = self.pick(data, lambda c: c.waiting is None or c.streaming)
         if c is not None:
             self.release_layer_of(c, layer)
 
@@ -427,7 +427,7 @@ def _wire(reports):
 
 
 TestHitPath = HitPathMachine.TestCase
-TestHitPath.settings = settings(max_examples=200, stateful_step_count=80, deadline=None,
+TestHitPath.settings = settings(max_examples=1500, stateful_step_count=80, deadline=None,
                                 suppress_health_check=[HealthCheck.too_slow])
 
 
