@@ -41,7 +41,8 @@ what the daemon does, one message at a time:
   dying, a client attaching, the daemon restarting (every client re-attaches;
   views of the old arena keep the old mapping, which nobody writes);
 - a misbehaving client sending reports of slots it never read and ``seen``
-  counts it never saw.
+  counts it never saw, and a client releasing layers whose views it still reads
+  (applied at once, out of turn: its own views of them are set aside).
 
 Invariant (the guarantee): every view an honest client holds in its current
 token, of a layer it has not released since, shows the key it was taken for: the
@@ -403,6 +404,18 @@ class HitPathMachine(RuleBasedStateMachine):
                               quota=self.quota)
         self.store.reuse.seen(self.bogus, seen)
         self.store.reuse.seen(self.bogus, self.store.reuse.retired)   # (else it only holds reuse back)
+        self.settle()
+
+    @rule(data=st.data(), layers=st.sets(st.integers(0, LAYERS - 1), min_size=1))
+    def dishonest_release(self, data, layers):
+        """A client releases layers whatever it reads (``done`` on its next message, at
+        once here): only its own pins and claims may go, never what others' views need."""
+        c = self.pick(data, lambda c: c.waiting is None)
+        if c is None:
+            return
+        self.store.release_layers((c.id, c.epoch), layers)
+        c.released += [v for v in c.views if v[1][0] in layers]
+        c.views = [v for v in c.views if v[1][0] not in layers]
         self.settle()
 
     # -- invariants ---------------------------------------------------------------
