@@ -21,9 +21,10 @@ Layer releases (``release``; C4 there): the layers go with the next message
 (``take``, ``sync``: the ``done`` field), which the daemon applies after that
 message's reports.  A fetch of a released layer answered here before the
 release left cancels it (one the daemon answers carries it, applied first).
-With a quota, a released layer's slots stop counting here when the release is
-taken for a message (``layer_slots``), not when it is queued: the daemon still
-counts them while it applies the reports that message carries.
+With a quota, a released layer's slots stop counting here when the message
+carrying the release has left (``sent``; ``layer_slots``), not when it is queued
+or taken: the daemon still counts them while it applies the reports that
+message carries, or the next one's if its send fails.
 
 A client that computes for long holds the daemon's reuse back; its lease thread
 sends the reports and ``seen`` (``sync``) on the request socket, so that within a
@@ -134,9 +135,17 @@ class LocalHits:
             self.token_slots = set(range(self.quota + 1))
 
     def sent(self) -> None:
-        """The message carrying the reports last taken left (they are the daemon's now)."""
+        """The message carrying the reports last taken left (they are the daemon's now).
+        With a quota, the slots of the layers it released stop counting here now: a
+        lookup made before (the lease thread's send: the client's thread answers
+        meanwhile) may be reported behind the release if the send fails (``unsend``),
+        and the daemon then counts them while it judges that report."""
         self.inflight = []
-        self._done_inflight = {}
+        if self._done_inflight:
+            with self.lock:
+                self._done_inflight = {}
+                if self.quota and not self._stuck:
+                    self.token_slots = set().union(*self.layer_slots.values())
 
     def unsend(self) -> None:
         """The message meant to carry the reports last taken did not leave (an interrupt,
@@ -171,16 +180,13 @@ class LocalHits:
             self.done[layer] = None
 
     def _take_done(self) -> list[int]:
-        """Under ``lock``: the released layers for the message being built.  With a quota
-        their slots stop counting here now: the daemon applies a ``done`` after the
-        message's reports, so only lookups made after this take count without them."""
+        """Under ``lock``: the released layers for the message being built (their slots
+        count toward the quota until it has left: ``sent``)."""
         if not self.done:
             return []
         layers, self.done = list(self.done), {}
         for layer in layers:
             self._done_inflight[layer] = self.layer_slots.pop(layer, set())
-        if self.quota and not self._stuck:
-            self.token_slots = set().union(*self.layer_slots.values())
         return layers
 
     def new_token(self) -> None:

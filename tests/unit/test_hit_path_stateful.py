@@ -967,3 +967,33 @@ def test_a_release_inside_a_stream_of_its_layer_ends_the_stream():
         miss(m, a, (1, 3), b)
         yield
     scenario(steps)
+
+
+def test_with_a_quota_a_release_counts_until_its_message_left():
+    """Quota 2: B's two pins of layer 0 fill it; B releases the layer; its lease thread
+    takes the release and fails to send it (``unsend``) while B's thread answers two
+    experts of layer 1.  Counted without layer 0's pins, they fit; but the release goes
+    after their reports, so the daemon would count them over the quota, refuse them,
+    and keep nothing for B's views.  The release's slots count until its message left."""
+    def steps(m, a, b):
+        fill(m, a, [(1, 0), (1, 1)])
+        m.send(b, "fetch", keys=[(0, 0), (0, 1)])
+        m.handle(b)
+        m.finish_reads()
+        m.receive(b)
+        m.release_layer_of(b, 0)
+        yield
+        b.hits.sync()                          # the lease thread takes the release ...
+        m.answer(b, 1, [0, 1])                 # ... B's thread answers layer 1 meanwhile ...
+        b.hits.unsend()                        # ... and the send fails
+        m.sync(b)
+        m.handle(b)
+        assert m.store.stats.bad_reports == 0
+        yield
+        for key in ((1, 2), (1, 3), (0, 2), (0, 3)):
+            miss(m, a, key, b)                 # every unpinned slot in turn
+            m.begin(a)
+            m.handle(a)
+            m.receive(a)
+            yield
+    scenario(steps, quota=2)
