@@ -35,10 +35,13 @@ that change between releases (``RoutedExperts``' quant-method hook,
 warning and installs nothing: that vLLM runs plain, the ``k3d`` key unused.
 
 Caller's obligations: a ``k3d start`` serving the same checkpoint; eager mode
-(``enforce_eager=True`` / ``--enforce-eager``: the only mode tested; a CUDA graph
-would replay a step without its Python fetches, so a CUDA engine without it is
-refused at load in one line: ``k3client.gpu.guards``); one rank per engine (no
-tensor or expert parallelism).
+(``enforce_eager=True`` / ``--enforce-eager``), on any device: a CUDA graph would replay
+a step without its Python fetches and ``torch.compile`` (which vLLM's CPU build turns on
+by default) would trace into the client; an engine that runs the model once per step on
+one thread (no speculative decoding, dual-batch overlap, pipeline parallelism or pooling
+runner); one rank per engine (no tensor or expert parallelism).  Each of these is
+refused in one line before any weight is read (``guards``), and so is an engine whose
+vLLM did not build the plugin's experts layers.
 """
 
 from __future__ import annotations

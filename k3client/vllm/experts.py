@@ -193,10 +193,14 @@ def is_k3d(module) -> bool:
     return isinstance(module, _K3dExperts) and isinstance(module.quant_method, K3dMoEMethod)
 
 
+# the vLLM classes replaced out of tree, by the name vLLM's registry keys them
+REPLACED = ("RoutedExperts", "GptOssRoutedExperts")
+
+
 def install() -> None:
     from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 
-    for cls, name in ((K3dRoutedExperts, "RoutedExperts"), (K3dGptOssRoutedExperts, "GptOssRoutedExperts")):
+    for cls, name in zip((K3dRoutedExperts, K3dGptOssRoutedExperts), REPLACED):
         if op_registry_oot.get(name) is not cls:
             PluggableLayer.register_oot(cls, name=name)
 

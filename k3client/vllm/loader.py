@@ -5,8 +5,10 @@ load formats, the ones vLLM's ``DefaultModelLoader`` serves.  Without
 ``additional_config['k3d']`` it *is* ``DefaultModelLoader`` (``load_model`` and
 ``get_all_weights`` go straight to it).  With it, ``load_model``:
 
-1. connects to the daemon first, so a daemon that is down fails in one line
-   (``DaemonNotRunning`` naming the endpoint) before any weight is read;
+1. refuses an engine configuration the runtime cannot serve (``guards.config_refusal``:
+   compilation or CUDA graphs on, a runner that does not run one forward per step, data
+   parallelism on a CPU), then connects to the daemon, so a daemon that is down fails in
+   one line (``DaemonNotRunning`` naming the endpoint) before any weight is read;
 2. parses only the safetensors headers (``k3client.hf.checkpoint``), sorts the
    routed-expert keys (``layers.{l}. ... .experts.``; shared experts are
    ``shared_expert(s)`` and stay) from the rest, and compares them with what the
@@ -16,7 +18,10 @@ load formats, the ones vLLM's ``DefaultModelLoader`` serves.  Without
    same shapes and other values, is the one-line ``Mismatch`` too), all before
    vLLM builds the model;
 3. lets vLLM build the model (``experts.K3dRoutedExperts`` allocates no expert
-   storage) and load every other tensor through the model's own ``load_weights``,
+   storage), checks in ``create_model``, before a weight is read, that every MoE layer
+   vLLM built is the plugin's (``guards.experts_refusal``: vLLM bypassed the out-of-tree
+   registration) and that they cover the checkpoint's expert layers (else the family's
+   ``FamilyError``), and loads every other tensor through the model's own ``load_weights``,
    each read by ``pread`` of its own byte range without readahead, so no page of
    an expert tensor is read by this process;
 4. binds every k3d MoE layer to one ``VllmRuntime`` (the daemon's layout names,
@@ -41,13 +46,12 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from k3client.client import connect
-from k3client.gpu import guards
 from k3client.hf import fingerprint, gpu
 from k3client.hf.checkpoint import Files, LazyTensor
 from k3client.hf.families import FamilyError, GptOss, Standard
 
-from . import settings
-from .experts import SUPPORTED, K3dGptOssRoutedExperts, VllmLayer, VllmRuntime, _Math, is_k3d
+from . import guards, settings
+from .experts import REPLACED, SUPPORTED, K3dGptOssRoutedExperts, VllmLayer, VllmRuntime, _Math, is_k3d
 
 FORMATS = ("auto", "safetensors", "hf")
 EXPERT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.")
@@ -82,12 +86,13 @@ class K3dLoader(DefaultModelLoader):
 
     _k3d_plan = None            # [(file, data start, key, header info)] of the non-expert tensors
     _k3d_dir = None             # the directory of the checkpoint's weight files
+    _k3d_layers = None          # the layers with routed-expert tensors in the checkpoint
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         st = settings.from_config(vllm_config)
         if st is None:
             return super().load_model(vllm_config, model_config, prefix)
-        refusal = guards.vllm_config_refusal(vllm_config)
+        refusal = guards.config_refusal(vllm_config)
         if refusal:
             raise ValueError(refusal)
         client = connect(st.endpoint, name=st.name or f"vllm-{os.getpid()}")
@@ -107,7 +112,7 @@ class K3dLoader(DefaultModelLoader):
             client.close()
             raise
         finally:
-            self._k3d_plan = None
+            self._k3d_plan = self._k3d_layers = None
             files.close()
 
     def _plan(self, files: Files, model_config) -> dict[int, list]:
@@ -129,8 +134,17 @@ class K3dLoader(DefaultModelLoader):
             raise FamilyError(f"{model_config.model}: no routed-expert tensors (layers.N. ... .experts.) in the "
                               "checkpoint; serve it without the k3d additional_config")
         self._k3d_plan = (files, kept)
+        self._k3d_layers = sorted(experts)
         self._k3d_dir = os.path.dirname(weight_files[0])     # a hub id's snapshot directory
         return experts
+
+    def create_model(self, vllm_config, model_config, prefix: str = ""):
+        # DefaultModelLoader.load_model builds the model here and then reads its weights: with
+        # the k3d key, the built experts layers are checked in between, before any tensor is read
+        model = super().create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        if self._k3d_layers is not None:
+            _check_built(model, self._k3d_layers)
+        return model
 
     def get_all_weights(self, model_config, model):
         if self._k3d_plan is None:
@@ -157,18 +171,28 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRun
         layers[layer] = VllmLayer(layer, _Math(mod.global_num_experts, act, mod.moe_config), _router_of(model, name),
                                   family, names, mod.k3d_params_dtype, mod.top_k, specs)
         modules[layer] = mod
-    if sorted(layers) != checkpoint_layers:
-        # a family whose experts class is another subclass of RoutedExperts is not replaced out of tree
-        own = sorted({type(m).__name__ for m in model.modules() if isinstance(m, RoutedExperts) and not is_k3d(m)})
-        raise FamilyError(f"k3client.vllm cannot compute the experts of model type {_model_type(model)!r} "
-                          f"(vLLM builds them with {', '.join(own) or 'no RoutedExperts'}; the checkpoint has "
-                          f"routed experts in layers {checkpoint_layers}); {SUPPORTED}")
     on_cuda = gpu.cuda_devices(model)     # the device decides: a CPU engine on a GPU host keeps rowmm
     rt = VllmRuntime(client, layers, predict=st.predict, native_kernel=st.native and not on_cuda)
     rt.gpu.use(client, on_cuda)           # registered at load, not in the first step
     for layer, mod in modules.items():
         mod._k3d = (rt, layers[layer])
     return rt
+
+
+def _check_built(model, checkpoint_layers: list[int]) -> None:
+    """Refuse, before any weight is read, a model whose experts layers are not the plugin's:
+    vLLM bypassed its out-of-tree registration (``guards.experts_refusal``), or built a family's
+    experts with a ``RoutedExperts`` subclass the plugin does not replace."""
+    built = [(n, type(m).__name__, is_k3d(m)) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]
+    refusal = guards.experts_refusal(built, REPLACED)
+    if refusal:
+        raise ValueError(refusal)
+    mine = sorted({m.k3d_layer for m in model.modules() if is_k3d(m)})
+    if mine != checkpoint_layers:
+        own = sorted({cls for _, cls, k3d in built if not k3d})
+        raise FamilyError(f"k3client.vllm cannot compute the experts of model type {_model_type(model)!r} "
+                          f"(vLLM builds them with {', '.join(own) or 'no RoutedExperts'}; the checkpoint has "
+                          f"routed experts in layers {checkpoint_layers}); {SUPPORTED}")
 
 
 def _family(mod, names: set[str]):

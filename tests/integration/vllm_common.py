@@ -140,16 +140,20 @@ def expert_params(model) -> list[str]:
     return [n for n, _ in model.named_parameters() if n.endswith(("w13_weight", "w2_weight", "w13_bias", "w2_bias"))]
 
 
-def run_engine_script(path: str, k3d: dict | None, timeout: float = 300, dtype: str = "float32"):
+def run_engine_script(path: str, k3d: dict | None, timeout: float = 300, dtype: str = "float32",
+                      prelude: str = "", env: dict | None = None, **engine_args):
     """A fresh Python that builds an in-process engine (no engine-core child) and exits: its stderr's last line.
-    ``k3d`` None: plain vLLM (no additional_config)."""
+    ``k3d`` None: plain vLLM (no additional_config); ``prelude``: code run before the engine is built;
+    ``env``: extra environment; ``engine_args``: ``LLM`` arguments over the defaults (e.g. ``enforce_eager=False``)."""
     import subprocess
 
     extra = f", additional_config={{'k3d': {k3d!r}}}" if k3d is not None else ""
-    code = ("from vllm import LLM\n"
-            f"LLM(model={path!r}, enforce_eager=True, kv_cache_memory_bytes={KV_BYTES}, skip_tokenizer_init=True,"
+    args = {"enforce_eager": True, **engine_args}
+    extra += "".join(f", {k}={v!r}" for k, v in args.items())
+    code = (f"{prelude}\nfrom vllm import LLM\n"
+            f"LLM(model={path!r}, kv_cache_memory_bytes={KV_BYTES}, skip_tokenizer_init=True,"
             f" dtype={dtype!r}, max_model_len=128, max_num_seqs=1{extra})\n")
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
                        check=False)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]

@@ -113,6 +113,12 @@ def test_plot_extra_is_part_of_test():
     assert set(EXTRAS["plot"]) <= set(EXTRAS["test"])
 
 
+def test_ray_extra_is_part_of_test():
+    """The README's test install gets Ray, so tests/integration/test_vllm_ranks.py's Ray test runs."""
+    assert any(r.startswith("ray") for r in EXTRAS["ray"])
+    assert set(EXTRAS["ray"]) <= set(EXTRAS["test"])
+
+
 @pytest.mark.skipif(not os.path.isdir(os.path.join(ROOT, ".git")) and not os.path.isfile(os.path.join(ROOT, ".git")),
                     reason="not a git checkout")
 def test_gitignore_covers_virtualenvs_and_build_outputs():
