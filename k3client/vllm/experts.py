@@ -58,12 +58,13 @@ from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
 from k3client.hf.families import FamilyError, GptOss, _on
 from k3client.hf.runtime import MoeLayer, Runtime, Stats
 
-from . import native, settings
+from . import native, ranks, settings
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 SUPPORTED = ("it computes gated SiLU/GELU experts without bias built by vLLM's RoutedExperts, and gpt-oss's "
-             "unquantized experts, on one rank (tested: Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss bf16)")
+             "unquantized experts, on one rank or tensor-parallel ranks (tested: Qwen3-MoE, Mixtral, "
+             "DeepSeek-V3, gpt-oss bf16)")
 # bf16/fp16 weights on a CPU: an expert with at most NATIVE_ROWS rows is computed with oneDNN
 # off.  oneDNN's matmul repacks a plain (unprepacked) weight on every call, about twice
 # the bytes of ATen's own reduced-precision gemv (fp32 accumulation), which streams the
@@ -89,6 +90,13 @@ def _model_type() -> str:
     return getattr(getattr(mc, "hf_config", None), "model_type", "?") if mc is not None else "?"
 
 
+def _device_type() -> str:
+    from vllm.config import get_current_vllm_config
+
+    dc = getattr(get_current_vllm_config(), "device_config", None)
+    return str(getattr(dc, "device_type", None) or "cpu")
+
+
 def _refuse(layer, moe_config, quant_config) -> None:
     """FamilyError unless the layer's experts are math this plugin computes: the gated MLP of
     ``RoutedExperts`` or, for ``GptOssRoutedExperts``, gpt-oss's biased clamped SwiGLU."""
@@ -106,8 +114,11 @@ def _refuse(layer, moe_config, quant_config) -> None:
         why = "expert biases"
     elif layer.apply_router_weight_on_input:
         why = "router weights applied to the input"
-    elif moe_config.moe_parallel_config.tp_size > 1 or moe_config.moe_parallel_config.use_ep:
-        why = "tensor or expert parallelism"
+    if why is None:
+        # before any weight is read (the model is being built); the loader refuses it earlier still
+        ep = ranks.ep_refusal(_device_type(), moe_config.moe_parallel_config.use_ep)
+        if ep is not None:
+            raise ValueError(ep)
     if why is not None:
         raise FamilyError(f"k3client.vllm cannot compute the experts of model type {mt!r} ({why}); {SUPPORTED}")
 
@@ -261,10 +272,12 @@ class VllmRuntime(Runtime):
         tokens, k = top_k_index.shape
         device = hidden_states.device
         scales = ws = None
+        mine = ml.mine
         if tokens * k <= SMALL_STEP:
             ids = top_k_index.reshape(-1).tolist()
-            order = sorted(range(len(ids)), key=ids.__getitem__)        # stable: token order per expert
-            counts = Counter(ids)
+            pairs = range(len(ids)) if mine is None else ranks.local_pairs(ids, mine)    # EP: this rank's
+            order = sorted(pairs, key=ids.__getitem__)        # stable: token order per expert
+            counts = Counter(ids) if mine is None else Counter(ids[i] for i in order)
             experts = sorted(counts)
             w = top_k_weights.reshape(-1).tolist()
             scales = [w[i] for i in order]            # a one-row run is scaled by a Python float
@@ -274,7 +287,9 @@ class VllmRuntime(Runtime):
         else:                                                            # a prefill: torch sorts
             flat = top_k_index.reshape(-1)
             order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=ml.module.num_experts).tolist()
+            if mine is not None:                                         # EP: this rank's pairs only
+                order = order[ml.mine_mask(device)[flat[order]]]
+            counts = torch.bincount(flat[order], minlength=ml.module.num_experts).tolist()
             experts = [e for e, c in enumerate(counts) if c]
             rows = order // k
             ws = top_k_weights.reshape(-1)[order].unsqueeze(-1)
@@ -334,7 +349,20 @@ class VllmRuntime(Runtime):
         return out
 
     def _views(self, ml, ex):
-        """gpt-oss: ``{name: view}``; gated families: ``(gate_up, down)`` or ``(gate, up, down)``."""
+        """gpt-oss: ``{name: view}``; gated families: ``(gate_up, down)`` or ``(gate, up, down)``; on a
+        tensor-parallel rank, its shard of them (``ranks.Shard``), cached per slot like the views."""
+        if ml.shard is None:
+            return self._whole(ml, ex)
+        cache, key = self.client._views, ("k3d-tp", *ex._key(""))
+        v = cache.get(key)
+        if v is None:
+            whole = self._whole(ml, ex)
+            v = cache[key] = ml.shard.gpt_oss(whole) if isinstance(ml.family, GptOss) else ml.shard.gated(whole)
+        else:
+            ex._mapping()                    # a view cached for this slot: only on the live mapping
+        return v
+
+    def _whole(self, ml, ex):
         f = ml.family
         if isinstance(f, GptOss):
             return {n: ex.tensor(n) for n in f.NAMES}
@@ -360,6 +388,8 @@ class VllmRuntime(Runtime):
             logits = logits[0]
         k = min(nxt.top_k, logits.shape[-1])
         experts = sorted(set(torch.topk(logits.float(), k, dim=-1).indices.reshape(-1).tolist()))
+        if nxt.mine is not None:                 # EP: this rank predicts the experts it computes
+            experts = [e for e in experts if e in nxt.mine]
         self._pending_prediction = (nxt.layer, set(experts))
         return [(nxt.layer, e) for e in experts]
 
@@ -385,22 +415,37 @@ def _gpt_oss_expert(math, views, x, device, dtype):
     gate = gate_up[..., ::2].clamp(max=math.limit)
     up = gate_up[..., 1::2].clamp(min=-math.limit, max=math.limit)
     h = (up + 1) * (gate * torch.sigmoid(gate * math.alpha))
-    return torch.addmm(w["down_proj_bias"], h, w["down_proj"])
+    bias = w.get("down_proj_bias")           # a tensor-parallel rank other than 0 has none (ranks.Shard)
+    return torch.mm(h, w["down_proj"]) if bias is None else torch.addmm(bias, h, w["down_proj"])
 
 
 class VllmLayer(MoeLayer):
     """``MoeLayer`` plus the top-k its gate picks (for gate-ahead), ``fused``: the layout
     puts the gate and up tensors back to back, so one view covers both, and ``rowmajor``:
-    ``native.rowmm`` can read its views (both for gated families only)."""
+    ``native.rowmm`` can read its views (both for gated families only).  On a multi-rank
+    engine: ``shard``, this rank's ``ranks.Shard`` (tensor parallelism), and ``mine``, the
+    global expert ids it computes (expert parallelism: ``ranks.owned`` of vLLM's expert
+    map); None on one rank."""
 
-    def __init__(self, layer, math, router, family, names, dtype, top_k, specs=()):
+    def __init__(self, layer, math, router, family, names, dtype, top_k, specs=(), shard=None, mine=None):
         super().__init__(layer, math, router, family, names, dtype)
         self.top_k = top_k
+        self.shard, self.mine = shard, mine
+        self._mine_masks = {}
         self.fused = self.rowmajor = False
         if isinstance(family, GptOss):
             return
-        self.rowmajor = native.eligible(specs, family)
+        self.rowmajor = native.eligible(specs, family, shard.size if shard is not None else 1)
         by = {s.name: s for s in specs}
         g, u = by.get(family.gate), by.get(family.up)
         self.fused = (g is not None and u is not None and u.offset == g.offset + g.nbytes and g.dtype == u.dtype
                       and tuple(g.shape[1:]) == tuple(u.shape[1:]))
+
+    def mine_mask(self, device):
+        """``mine`` as a boolean tensor over the global expert ids, on ``device`` (made once per device)."""
+        m = self._mine_masks.get(device)
+        if m is None:
+            m = torch.zeros(self.module.num_experts, dtype=torch.bool)
+            m[sorted(self.mine)] = True
+            m = self._mine_masks[device] = m.to(device)
+        return m

@@ -50,7 +50,7 @@ from k3client.hf import fingerprint, gpu
 from k3client.hf.checkpoint import Files, LazyTensor
 from k3client.hf.families import FamilyError, GptOss, Standard
 
-from . import guards, settings
+from . import guards, ranks, settings
 from .experts import REPLACED, SUPPORTED, K3dGptOssRoutedExperts, VllmLayer, VllmRuntime, _Math, is_k3d
 
 FORMATS = ("auto", "safetensors", "hf")
@@ -92,10 +92,12 @@ class K3dLoader(DefaultModelLoader):
         st = settings.from_config(vllm_config)
         if st is None:
             return super().load_model(vllm_config, model_config, prefix)
-        refusal = guards.config_refusal(vllm_config)
+        refusal = guards.config_refusal(vllm_config) or _ep_refusal(vllm_config)
         if refusal:
             raise ValueError(refusal)
-        client = connect(st.endpoint, name=st.name or f"vllm-{os.getpid()}")
+        tp_rank, tp_size = _tp_rank()
+        name = st.name or f"vllm-{os.getpid()}"
+        client = connect(st.endpoint, name=f"{name}-tp{tp_rank}" if tp_size > 1 else name)
         files = Files()
         try:
             path = model_config.model
@@ -104,7 +106,7 @@ class K3dLoader(DefaultModelLoader):
             fingerprint.check(client, path, fingerprint.local_layers(expert_keys), num_experts)
             client.verify(path if os.path.isdir(path) else self._k3d_dir)
             model = super().load_model(vllm_config, model_config, prefix)
-            rt = _bind(model, client, st, sorted(expert_keys), path)
+            rt = _bind(model, client, st, sorted(expert_keys), path, tp_rank)
             model.k3d = rt
             model.register_forward_pre_hook(lambda mod, args: rt.begin_forward())
             return model
@@ -155,8 +157,37 @@ class K3dLoader(DefaultModelLoader):
             yield key, LazyTensor(files, path, start, info)._read()
 
 
-def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRuntime:
+def _tp_rank() -> tuple[int, int]:
+    """This worker's (rank, size) in vLLM's tensor-parallel group; (0, 1) outside a distributed engine."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _ep_refusal(vllm_config) -> str | None:
+    """``ranks.ep_refusal`` of the engine: EP is on where its MoE group spans ranks (vLLM's rule:
+    ``enable_expert_parallel`` and TP x DP x PCP > 1)."""
+    pc = vllm_config.parallel_config
+    group = pc.tensor_parallel_size * pc.data_parallel_size * getattr(pc, "prefill_context_parallel_size", 1)
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"
+    return ranks.ep_refusal(str(device), bool(pc.enable_expert_parallel) and group > 1)
+
+
+def _parallel(mod):
+    """``(shard, mine)`` of a k3d experts module on this rank (``VllmLayer``'s), from vLLM's own MoE
+    parallel config and expert map: what vLLM's weight loader would have loaded here."""
+    pc = mod.moe_config.moe_parallel_config
+    shard = ranks.Shard(pc.tp_rank, pc.tp_size) if pc.tp_size > 1 else None
+    emap = mod.expert_map if pc.use_ep else None
+    mine = ranks.owned(emap.tolist()) if emap is not None else None
+    return shard, mine
+
+
+def _bind(model, client, st, checkpoint_layers: list[int], path: str, tp_rank: int = 0) -> VllmRuntime:
     layers, modules = {}, {}
+    use_ep = False
     for name, mod in model.named_modules():
         if not is_k3d(mod):
             continue
@@ -168,11 +199,16 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRun
             family = _family(mod, set(names))
         except FamilyError as e:
             raise FamilyError(f"model type {_model_type(model)!r}: {e}") from None
+        shard, mine = _parallel(mod)
+        use_ep = use_ep or mine is not None
         layers[layer] = VllmLayer(layer, _Math(mod.global_num_experts, act, mod.moe_config), _router_of(model, name),
-                                  family, names, mod.k3d_params_dtype, mod.top_k, specs)
+                                  family, names, mod.k3d_params_dtype, mod.top_k, specs, shard, mine)
         modules[layer] = mod
     on_cuda = gpu.cuda_devices(model)     # the device decides: a CPU engine on a GPU host keeps rowmm
-    rt = VllmRuntime(client, layers, predict=st.predict, native_kernel=st.native and not on_cuda)
+    # tensor-parallel ranks see the same tokens and fetch the same experts: rank 0 alone sends the
+    # gate-ahead predictions; expert-parallel ranks each predict the experts they compute
+    predict = st.predict and (tp_rank == 0 or use_ep)
+    rt = VllmRuntime(client, layers, predict=predict, native_kernel=st.native and not on_cuda)
     rt.gpu.use(client, on_cuda)           # registered at load, not in the first step
     for layer, mod in modules.items():
         mod._k3d = (rt, layers[layer])

@@ -101,11 +101,13 @@ def checkpoint(family: str, split: bool = False, **sizes) -> str:
 
 
 @contextlib.contextmanager
-def engine(path: str, k3d: dict | None = None, max_num_seqs: int = 4, dtype: str = "float32"):
-    """vLLM's ``LLM`` on ``path`` (with ``additional_config={"k3d": k3d}`` when given), shut down after."""
+def engine(path: str, k3d: dict | None = None, max_num_seqs: int = 4, dtype: str = "float32", **kwargs):
+    """vLLM's ``LLM`` on ``path`` (with ``additional_config={"k3d": k3d}`` when given), shut down after;
+    ``kwargs`` go to ``LLM`` as they are (``tensor_parallel_size``, ...)."""
     from vllm import LLM
 
     extra = {"additional_config": {"k3d": k3d}} if k3d is not None else {}
+    extra.update(kwargs)
     llm = LLM(model=path, enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, skip_tokenizer_init=True,
               dtype=dtype, max_model_len=128, max_num_seqs=max_num_seqs, seed=0, **extra)
     try:
