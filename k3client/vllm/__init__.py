@@ -39,9 +39,10 @@ Caller's obligations: a ``k3d start`` serving the same checkpoint; eager mode
 a step without its Python fetches and ``torch.compile`` (which vLLM's CPU build turns on
 by default) would trace into the client; an engine that runs the model once per step on
 one thread (no speculative decoding, dual-batch overlap, pipeline parallelism or pooling
-runner); one rank per engine (no tensor or expert parallelism).  Each of these is
-refused in one line before any weight is read (``guards``), and so is an engine whose
-vLLM did not build the plugin's experts layers.
+runner); on a CPU engine, no expert or data parallelism (vLLM's CPU build cannot run
+them: the line names vLLM; ``ranks``, ``guards``).  Each of these is refused in one
+line before any weight is read, and so is an engine whose vLLM did not build the
+plugin's experts layers (``guards``).
 """
 
 from __future__ import annotations
