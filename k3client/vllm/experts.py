@@ -33,8 +33,15 @@ What is refused, in one line naming the model type (``FamilyError``), when the
 model is built: activations other than gated SiLU/GELU (gpt-oss: other than
 ``swigluoai``), expert biases outside gpt-oss, router weights applied on the input,
 quantized experts (gpt-oss's MXFP4 as shipped among them: vLLM's CPU build runs it
-only on x86 CPUs with AMX, so no plain-vLLM reference exists here to test against),
-and tensor/expert parallelism (each rank would compute whole experts).  Another
+only on x86 CPUs with AMX, so no plain-vLLM reference exists here to test against);
+and, with a ``ValueError`` naming vLLM, expert parallelism on a CPU engine (vLLM 0.32's
+CPU worker crashes with it: ``ranks.ep_refusal``).
+
+On a multi-rank engine each layer carries its rank's part (``VllmLayer.shard``/``mine``,
+``ranks``): ``_views`` slices the whole-expert views to the rank's tensor-parallel shard
+(cached per slot, like the views), ``run_layer`` skips the pairs routed to another
+expert-parallel rank, and the output is the rank's partial sum, which vLLM's MoE runner
+all-reduces once, as for its own experts.  Another
 subclass of ``RoutedExperts`` is not replaced out of tree; the loader finds its
 layers unbound and refuses it the same way.
 
