@@ -50,13 +50,6 @@ def test_every_expert_on_exactly_one_rank(experts, size, strategy):
         assert len(local) in (experts // size, experts // size + 1)
 
 
-def test_local_pairs_keeps_this_ranks_pairs_in_order():
-    ids = [5, 0, 7, 3, 5, 1]
-    assert ranks.local_pairs(ids, frozenset({5, 1})) == [0, 4, 5]
-    assert ranks.local_pairs(ids, None) == list(range(6))
-    assert ranks.local_pairs(ids, frozenset()) == []
-
-
 def test_ep_refusal_names_vllm_on_cpu_only():
     assert ranks.ep_refusal("cpu", True).startswith("vLLM 0.32's CPU build cannot run expert parallelism")
     assert ranks.ep_refusal("cpu", False) is None
