@@ -26,8 +26,13 @@ bf16 (vLLM's own router picks the experts).  The same math serves any family who
 experts vLLM builds with plain ``RoutedExperts`` as gated SiLU/GELU experts without
 bias (Qwen2-MoE, DeepSeek-V2, ...: untested).  Anything else (quantized experts, gpt-oss's
 MXFP4 as shipped among them, which vLLM's CPU build itself runs only on AMX CPUs;
-other ``RoutedExperts`` subclasses; tensor parallelism) is refused at load in one line
-naming the model type.
+other ``RoutedExperts`` subclasses) is refused at load in one line naming the model type.
+
+Tensor parallelism (``tensor_parallel_size=N``): every rank is a daemon client of its
+own (``vllm-<pid>-tp<rank>``) and computes its shard of each expert from the shared
+whole-expert views (``ranks``); vLLM all-reduces the ranks' outputs.  Expert
+parallelism computes each rank's own experts (vLLM's expert map), but vLLM 0.32's CPU
+build cannot run it, so a CPU engine with it is refused in one line naming vLLM.
 
 Covered vLLM versions: ``SUPPORTED_VLLM``.  The plugin reaches into internals
 that change between releases (``RoutedExperts``' quant-method hook,

@@ -24,9 +24,10 @@ load formats, the ones vLLM's ``DefaultModelLoader`` serves.  Without
    ``FamilyError``), and loads every other tensor through the model's own ``load_weights``,
    each read by ``pread`` of its own byte range without readahead, so no page of
    an expert tensor is read by this process;
-4. binds every k3d MoE layer to one ``VllmRuntime`` (the daemon's layout names,
-   the family's math, the next layer's gate for gate-ahead) and installs a forward
-   pre-hook on the model: each vLLM step is one epoch (``VllmRuntime.begin_forward``:
+4. binds every k3d MoE layer to one ``k3client.runtime.Runtime`` (``experts.runtime``;
+   each layer's daemon layout, family math and the next layer's gate for gate-ahead:
+   ``experts.layer``) and installs a forward pre-hook on the model: each vLLM step
+   is one epoch (``Runtime.begin_forward``:
    begun there unless the last step's last MoE layer began it already).
 
 ``model.k3d`` is the runtime (``client``, ``stats``).  Caller's obligations: the
@@ -46,12 +47,13 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from k3client.client import connect
-from k3client.hf import fingerprint, gpu
+from k3client.hf import fingerprint
 from k3client.hf.checkpoint import Files, LazyTensor
-from k3client.hf.families import FamilyError, GptOss, Standard
+from k3client.runtime import FamilyError, GptOss, Runtime, Standard
+from k3client.runtime.gpu import cuda_devices
 
-from . import guards, ranks, settings
-from .experts import REPLACED, SUPPORTED, K3dGptOssRoutedExperts, VllmLayer, VllmRuntime, _Math, is_k3d
+from . import experts, guards, ranks, settings
+from .experts import REPLACED, SUPPORTED, K3dGptOssRoutedExperts, is_k3d
 
 FORMATS = ("auto", "safetensors", "hf")
 EXPERT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.")
@@ -175,40 +177,25 @@ def _ep_refusal(vllm_config) -> str | None:
     return ranks.ep_refusal(str(device), bool(pc.enable_expert_parallel) and group > 1)
 
 
-def _parallel(mod):
-    """``(shard, mine)`` of a k3d experts module on this rank (``VllmLayer``'s), from vLLM's own MoE
-    parallel config and expert map: what vLLM's weight loader would have loaded here."""
-    pc = mod.moe_config.moe_parallel_config
-    shard = ranks.Shard(pc.tp_rank, pc.tp_size) if pc.tp_size > 1 else None
-    emap = mod.expert_map if pc.use_ep else None
-    mine = ranks.owned(emap.tolist()) if emap is not None else None
-    return shard, mine
-
-
-def _bind(model, client, st, checkpoint_layers: list[int], path: str, tp_rank: int = 0) -> VllmRuntime:
+def _bind(model, client, st, checkpoint_layers: list[int], path: str, tp_rank: int = 0) -> Runtime:
     layers, modules = {}, {}
-    use_ep = False
     for name, mod in model.named_modules():
         if not is_k3d(mod):
             continue
         layer = mod.k3d_layer
         specs = client.layout_of(layer)
-        names = tuple(s.name for s in specs)
-        act = mod.activation.value
         try:
-            family = _family(mod, set(names))
+            family = _family(mod, {s.name for s in specs})
         except FamilyError as e:
             raise FamilyError(f"model type {_model_type(model)!r}: {e}") from None
-        shard, mine = _parallel(mod)
-        use_ep = use_ep or mine is not None
-        layers[layer] = VllmLayer(layer, _Math(mod.global_num_experts, act, mod.moe_config), _router_of(model, name),
-                                  family, names, mod.k3d_params_dtype, mod.top_k, specs, shard, mine)
+        layers[layer] = experts.layer(layer, mod, _router_of(model, name), family, specs)
         modules[layer] = mod
-    on_cuda = gpu.cuda_devices(model)     # the device decides: a CPU engine on a GPU host keeps rowmm
+    on_cuda = cuda_devices(model)     # the device decides: a CPU engine on a GPU host keeps rowmm
     # tensor-parallel ranks see the same tokens and fetch the same experts: rank 0 alone sends the
     # gate-ahead predictions; expert-parallel ranks each predict the experts they compute
+    use_ep = any(ml.mine is not None for ml in layers.values())
     predict = st.predict and (tp_rank == 0 or use_ep)
-    rt = VllmRuntime(client, layers, predict=predict, native_kernel=st.native and not on_cuda)
+    rt = experts.runtime(client, layers, predict=predict, native_kernel=st.native and not on_cuda)
     rt.gpu.use(client, on_cuda)           # registered at load, not in the first step
     for layer, mod in modules.items():
         mod._k3d = (rt, layers[layer])

@@ -15,7 +15,8 @@ Layout and invariants (checked in C++; a view that breaks them is a one-line err
 - result: a new float32 ``[M, N]``; each element is the fp32 sum of ``x[m, k] * w[n, k]``
   in 16 lane-wise partial sums (``k`` mod 16, in ``k`` order, fused multiply-add),
   then added by ``_mm512_reduce_add_ps``.  Rows are taken ``ROWS`` at a time (a
-  prefill's 100 rows read ``w`` 13 times: ``VllmRuntime`` sends those to torch).
+  prefill's 100 rows read ``w`` 13 times: ``k3client.runtime.compute.fused``
+  sends those to torch).
 - float32 activations with bf16 weights: a float32 engine computes on the arena's
   bf16 values exactly as if they were cast to float32 first (the cast is exact),
   with no cast.
@@ -142,9 +143,10 @@ def eligible(specs, family, tp: int = 1) -> bool:
 
 
 def gated_expert(op, math, views, x, reduced):
-    """``act(x W_gate^T) * (x W_up^T) W_down^T`` in float32 (``views`` as ``experts._gated_expert``'s).
+    """``act(x W_gate^T) * (x W_up^T) W_down^T`` in float32 (``views`` as
+    ``k3client.runtime.compute.gated_expert``'s).
 
-    ``x``: the expert's rows, float32 (``run_layer`` converts a step's rows once) or the
+    ``x``: the expert's rows, float32 (``compute.fused`` converts a step's rows once) or the
     engine's dtype.  ``reduced`` (a bf16/fp16 engine: that dtype, else None): the activation
     is rounded to it before the down projection, where vLLM's fused kernel rounds it; the
     result stays float32 for the caller to scale and sum."""

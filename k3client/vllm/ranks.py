@@ -20,10 +20,10 @@ group once (``_maybe_reduce_final_output``: the k3d method has no modular kernel
 that reduces, so the runner does), exactly as for its own experts.
 
 Expert parallelism (``owned``): vLLM's ``expert_map`` (global id -> local id, -1
-where another rank owns the expert) decides which experts a rank computes; the
-pairs routed to other ranks' experts are skipped, and the all-reduce sums the
-ranks' outputs.  ``expert_map`` mirrors vLLM's "linear"
-and "round_robin" placements for the tests.
+where another rank owns the expert) decides which experts a rank computes (``Layer.mine``); the
+runtime skips the pairs routed to other ranks' experts, and the all-reduce sums the
+ranks' outputs.  ``expert_map`` mirrors vLLM's "linear" and "round_robin" placements
+for the tests.
 
 Pure functions of integers and (for the slicing) views; any thread.  Slicing
 never copies: every result is a view of the arena view it is given.
@@ -56,6 +56,11 @@ class Shard:
                              "ranks (vLLM requires a multiple)")
         per = n // self.size
         return self.rank * per, (self.rank + 1) * per
+
+    def of(self, views):
+        """This rank's shard of one expert's views as ``k3client.runtime.views`` makes them: gpt-oss's
+        dict (``gpt_oss``) or a gated family's tuple (``gated``)."""
+        return self.gpt_oss(views) if isinstance(views, dict) else self.gated(views)
 
     def gated(self, views: tuple) -> tuple:
         """``(gate, up, down)`` of this rank from ``(gate_up, down)`` or ``(gate, up, down)``."""
@@ -102,13 +107,6 @@ def expert_map(num_experts: int, ep_size: int, ep_rank: int, strategy: str = "li
     for local_id, g in enumerate(mine):
         out[g] = local_id
     return out
-
-
-def local_pairs(ids: list[int], mine: frozenset[int] | None) -> list[int]:
-    """Positions in a step's flat (token, expert) ``ids`` that this rank computes (all when ``mine`` is None)."""
-    if mine is None:
-        return list(range(len(ids)))
-    return [i for i, e in enumerate(ids) if e in mine]
 
 
 def ep_refusal(device_type: str, use_ep: bool) -> str | None:
