@@ -55,9 +55,12 @@ def _vllm_ipc_files():
     before, shm_before = set(os.listdir(tmp)), set(os.listdir(SHM))
     yield
     # Python shared-memory segments (``/dev/shm/psm_*``, hundreds of MiB each) of vLLM
-    # processes this module killed: nobody unlinks them.  Only new ones that no live
-    # process maps go (a concurrent run's segments in use are left alone).
-    for name in _unmapped({n for n in set(os.listdir(SHM)) - shm_before if n.startswith("psm_")}):
+    # processes this module killed, and the CPU build's tensor-parallel all-reduce buffers
+    # (``/dev/shm/vllm_dist_*-cpushm_*``, 4 MiB per rank, left by every TP engine's shutdown):
+    # nobody unlinks them.  Only new ones that no live process maps go (a concurrent run's
+    # segments in use are left alone).
+    new = {n for n in set(os.listdir(SHM)) - shm_before if n.startswith(("psm_", "vllm_dist_"))}
+    for name in _unmapped(new):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(SHM, name))
     for name in set(os.listdir(tmp)) - before:
