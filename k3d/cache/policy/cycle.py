@@ -354,7 +354,12 @@ class CyclePolicy(PinTable):
         return self._unpinned_among(self._key, exclude)
 
     def admits(self, key, slot: int, confidence: float) -> bool:
-        return self.score(self._key[slot]) > self.score(key, p=confidence)
+        victim = self._key[slot]
+        cand = self._cand.get(victim[0])
+        # ``slot`` is usually the victim just chosen: its layer's candidate, whose rate
+        # ``victim`` has cached as ``score`` computes it (nothing changed since)
+        p = cand[1] if cand is not None and cand[0] == slot else None
+        return self.score(victim, p) > self.score(key, p=confidence)
 
     # -- warm restart and audit -------------------------------------------------
     def ranking(self, slot_key=None) -> list[tuple]:
