@@ -262,10 +262,9 @@ class CyclePolicy(PinTable):
             self._file_fresh()
         if self._moves:
             self._flush_moves()
-        try:
-            return self._cand[layer]
-        except KeyError:
-            pass
+        cand = self._cand.get(layer, _STALE)      # (victim asks only when it is not cached:
+        if cand is not _STALE:                    # no KeyError raised and caught each time)
+            return cand
         b = self._best.get(layer, _STALE)
         if b is _STALE:                  # least (order, slot): ties go to the lower slot
             b = self._best[layer] = self._least(layer)
