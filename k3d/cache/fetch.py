@@ -317,16 +317,19 @@ class FetchService:
             self._apply(self.reads.reported(), draining)
 
     def _apply(self, reports, draining: bool = False) -> None:
-        now = time.monotonic()
         finished = []
+        nbytes, seconds, charge = 0, 0.0, self.charge
         for d, load in reports:
-            self.stats.bytes_read += d.nbytes
-            self.stats.read_seconds += d.seconds
-            self.recent.add(now, d.nbytes)
-            if d.owner is not None and self.charge is not None:
-                self.charge(d.owner, d.cpu)
+            nbytes += d.nbytes
+            seconds += d.seconds
+            if d.cpu and d.owner is not None and charge is not None:     # (an inline read's is 0)
+                charge(d.owner, d.cpu)
             if load is not None:
                 finished.append(load)
+        # one sum per pass, not one per report: the same totals, at the same time
+        self.stats.bytes_read += nbytes
+        self.stats.read_seconds += seconds
+        self.recent.add(time.monotonic(), nbytes)
         if self.watch is not None and finished:
             # every load's reads have returned: a write that reached any of their bytes
             # has moved its file's identity by now (k3d.sources.identity)

@@ -153,9 +153,8 @@ class Store:
             return FetchPlan(slots=have, new_loads=[], waiting=set(), promote=[])
         resident = {s for s in have if s is not None}
         need = have.count(None)
-        if need:
-            if need > len(self.free):
-                self.pressed = now
+        if need > len(self.free):      # (free slots enough: nothing can refuse, no count needed)
+            self.pressed = now
             evictable = policy.evictable(exclude=resident.union(self.loads))
             refused = refusals.room(need, len(self.free), evictable, self.reuse, policy, self.slots)
             if refused is not None:

@@ -5,7 +5,11 @@ writable mapping, clients receive the fd with the arena's and can only map it
 PROT_READ (``F_SEAL_FUTURE_WRITE``), so no client can change what another reads.
 
 Writes follow the seqlock order the readers rely on: ``seq`` odd, ``word``,
-``seq`` even; an unpublish then bumps the header's ``retired`` count.
+``seq`` even; an unpublish then bumps the header's ``retired`` count.  The loop
+writes each key's entry through a ``memoryview`` of native 64-bit words (the
+layout's little-endian ``<u8`` on every host k3d runs on: checked at creation),
+~2x cheaper per store than a numpy element, and a key's entry changes three
+times per read it costs (loading, ready, cleared).
 
 Thread: the server thread (through ``Store``); no other writer exists.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import sys
 
 import numpy as np
 
@@ -38,15 +43,17 @@ class SharedIndex:
             raise
         self._words = np.frombuffer(self._mm, dtype="<u8")
         self._words[:4] = (MAGIC, VERSION, layers, width)
-        entries = self._words[HEADER_WORDS:HEADER_WORDS + 2 * layers * width]
-        self._seq, self._word = entries[0::2], entries[1::2]
+        if sys.byteorder != "little":
+            raise RuntimeError("the shared index is little-endian 64-bit words; this host is big-endian")
+        self._bytes = memoryview(self._mm)
+        self._q = self._bytes.cast("Q")          # the same words, natively (see the docstring)
 
     def _set(self, key, word: int) -> None:
-        i = key[0] * self.width + key[1]
-        seq = int(self._seq[i])
-        self._seq[i] = seq + 1
-        self._word[i] = word
-        self._seq[i] = seq + 2
+        q, i = self._q, HEADER_WORDS + 2 * (key[0] * self.width + key[1])
+        seq = q[i]
+        q[i] = seq + 1
+        q[i + 1] = word
+        q[i] = seq + 2
 
     def loading(self, key, slot: int) -> None:
         self._set(key, slot << 2 | LOADING)
@@ -56,17 +63,19 @@ class SharedIndex:
 
     def clear(self, key) -> None:
         self._set(key, 0)
-        self._words[RETIRED] += 1
+        self._q[RETIRED] += 1
 
     def retired(self) -> int:
         """The header's count of unpublished entries (``Store.check``: equal to ``Reuse.retired``)."""
-        return self._words[RETIRED]
+        return self._q[RETIRED]
 
     def close(self) -> None:
         """Tell the clients that still map it that this daemon stopped, and let go of it."""
         if self._words is not None:
             self._words[CLOSED] = 1
-        self._seq = self._word = self._words = None
+        self._words = None
+        self._q.release()
+        self._bytes.release()
         try:
             self._mm.close()
         except BufferError:

@@ -42,6 +42,7 @@ from k3d.sizes import show_size
 from ..reads.plan import readers_for
 from ..sources import SourceError, open_source
 from ..sources.digest import RULE as DIGEST_RULE, for_source as digest_for, threads_for as digest_threads
+from . import collector
 from .notify import Notifier
 from .sizing import arena_warnings
 from .starting import Progress, ProgressPrinter, StartupResponder, describe
@@ -334,6 +335,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
               f"experts={len(source.keys)} pid={os.getpid()} in {progress.snapshot()['uptime_s']:.1f}s",
               file=sys.stderr, flush=True)
         notifier.ready(server.status_line())
+        collector.settle()               # start-up's objects leave the collector's scans
         server.serve_forever()
         log.info("stopped")
         return 0

@@ -135,3 +135,34 @@ def test_opt_evicts_the_key_used_furthest_ahead_and_skips_pins():
     assert p.victim() == 2
     assert p.evictable(exclude={2}) == 2
     p.check()
+
+
+def test_admission_of_the_victim_just_chosen_is_the_full_scores_comparison():
+    """``admits`` on the slot ``victim`` returned takes that layer's cached rate: the same
+    answer as comparing ``score``s afresh, for confidences on both sides of it."""
+    p = CyclePolicy(layers=6)
+    slot = 0
+    for t in range(5):
+        for layer in range(6):
+            p.visit(layer)
+            for e in range(3):
+                if t == 0:
+                    p.insert(slot, (layer, e))
+                    slot += 1
+                elif (e + t + layer) % 3:
+                    p.touch(layer * 3 + e, (layer, e))
+    p.visit(0)
+    p.visit(1)
+    seen = set()
+    for _ in range(6):
+        v = p.victim()
+        key = p._key[v]
+        assert p._cand[key[0]][0] == v              # (the cached rate is what admits takes)
+        for conf in (0.01, 0.2, 0.5, 0.9, 0.99):
+            for want in ((2, 7), (5, 7), (0, 7)):
+                expect = p.score(key) > p.score(want, p=conf)
+                assert p.admits(want, v, conf) == expect
+                seen.add(expect)
+        p.pin(v, "h")
+    assert seen == {True, False}                    # both answers were exercised
+    p.check()

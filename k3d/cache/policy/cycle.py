@@ -262,10 +262,9 @@ class CyclePolicy(PinTable):
             self._file_fresh()
         if self._moves:
             self._flush_moves()
-        try:
-            return self._cand[layer]
-        except KeyError:
-            pass
+        cand = self._cand.get(layer, _STALE)      # (victim asks only when it is not cached:
+        if cand is not _STALE:                    # no KeyError raised and caught each time)
+            return cand
         b = self._best.get(layer, _STALE)
         if b is _STALE:                  # least (order, slot): ties go to the lower slot
             b = self._best[layer] = self._least(layer)
@@ -354,7 +353,12 @@ class CyclePolicy(PinTable):
         return self._unpinned_among(self._key, exclude)
 
     def admits(self, key, slot: int, confidence: float) -> bool:
-        return self.score(self._key[slot]) > self.score(key, p=confidence)
+        victim = self._key[slot]
+        cand = self._cand.get(victim[0])
+        # ``slot`` is usually the victim just chosen: its layer's candidate, whose rate
+        # ``victim`` has cached as ``score`` computes it (nothing changed since)
+        p = cand[1] if cand is not None and cand[0] == slot else None
+        return self.score(victim, p) > self.score(key, p=confidence)
 
     # -- warm restart and audit -------------------------------------------------
     def ranking(self, slot_key=None) -> list[tuple]:
