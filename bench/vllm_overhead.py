@@ -29,6 +29,8 @@ the fetch figures are rank 0's.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import os
 import shutil
 import statistics
@@ -44,6 +46,7 @@ import harness  # noqa: E402
 from k3d.demo import vllm_models  # noqa: E402
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # apply_model(k3client.vllm.stats)
+SHM = "/dev/shm"
 
 
 def engine(path: str, max_num_seqs: int, k3d: dict | None, dtype: str, tp: int = 1):
@@ -78,6 +81,21 @@ def stats(llm) -> dict:
     return llm.apply_model(model_stats)[0]
 
 
+def _remove_tp_buffers(before: set) -> None:
+    """vLLM's CPU build leaves each TP engine's all-reduce buffers (``/dev/shm/vllm_dist_*``, 4 MiB
+    per rank) behind at shutdown: the new ones no process maps any more are removed."""
+    new = {n for n in set(os.listdir(SHM)) - before if n.startswith("vllm_dist_")}
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        if not new:
+            break
+        with contextlib.suppress(OSError), open(maps) as f:
+            text = f.read()
+            new = {n for n in new if f"{SHM}/{n}" not in text}
+    for n in new:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM, n))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "mixtral"])
@@ -99,6 +117,7 @@ def main() -> int:
     # vLLM's engines make their ZMQ ipc sockets there, removed with it (else they stay in /tmp)
     os.environ.setdefault("VLLM_RPC_BASE_PATH", tmp)
     ok, rows, agree = True, [], []
+    shm_before = set(os.listdir(SHM))
     try:
         path = vllm_models.write(a.family, os.path.join(tmp, a.family), hidden=a.hidden, inter=a.inter,
                                  layers=a.layers)
@@ -128,6 +147,7 @@ def main() -> int:
                 rows.append((b, statistics.median(tp), statistics.median(tk), s0, s1))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_tp_buffers(shm_before)
     harness.banner("vllm_overhead", f"{a.family} hidden {a.hidden} inter {a.inter}, {a.layers} layers, routed "
                    f"experts {ebytes / 2**20:.1f} MiB; {a.tokens} decode steps x {a.reps} reps, {a.dtype}, TP {a.tp}, "
                    f"predictions {'off' if a.no_predict else 'on'}")
