@@ -19,7 +19,11 @@ the same path.  With the key its quant method is ``K3dMoEMethod``:
   epochs and pins), each expert computed on the rows of its tokens, times their
   routing weights, summed per token in ascending expert order.  Gated families:
   ``act(x W_gate^T) * (x W_up^T) W_down^T``; gpt-oss: vLLM's ``swigluoai`` with both
-  biases (``_gpt_oss_expert``).
+  biases (``_gpt_oss_expert``; MXFP4 as shipped: ``gpt_oss_mxfp4.expert``, dequantized
+  per expert from the daemon's blocks and scales, where vLLM's CPU build computes MXFP4
+  at all: an x86 CPU with AMX).  Which kernel computes a run of rows (native.rowmm,
+  torch with or without oneDNN) is ``dispatch.kernels``' choice for the CPU
+  (``k3client.cpu``), the dtype and the layer.
 
 The pin rule is ``k3client.hf``'s: one vLLM step (one model forward, B sequences)
 is one epoch, and a group that does not fit beside the epoch's pins starts a new one.
@@ -32,9 +36,9 @@ before did not (the first step, or one that stopped before its last MoE layer).
 What is refused, in one line naming the model type (``FamilyError``), when the
 model is built: activations other than gated SiLU/GELU (gpt-oss: other than
 ``swigluoai``), expert biases outside gpt-oss, router weights applied on the input,
-quantized experts (gpt-oss's MXFP4 as shipped among them: vLLM's CPU build runs it
-only on x86 CPUs with AMX, so no plain-vLLM reference exists here to test against),
-and tensor/expert parallelism (each rank would compute whole experts).  Another
+quantized experts other than gpt-oss's MXFP4, gpt-oss's MXFP4 where plain vLLM cannot
+run it (a CPU without AMX: vLLM's CPU build has no other MXFP4 MoE kernel; a GPU engine:
+untested), and tensor/expert parallelism (each rank would compute whole experts).  Another
 subclass of ``RoutedExperts`` is not replaced out of tree; the loader finds its
 layers unbound and refuses it the same way.
 
@@ -58,25 +62,16 @@ from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
 from k3client.hf.families import FamilyError, GptOss, _on
 from k3client.hf.runtime import MoeLayer, Runtime, Stats
 
-from . import native, settings
+from .. import cpu
+from . import dispatch, gpt_oss_mxfp4, native, settings
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 SUPPORTED = ("it computes gated SiLU/GELU experts without bias built by vLLM's RoutedExperts, and gpt-oss's "
-             "unquantized experts, on one rank (tested: Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss bf16)")
-# bf16/fp16 weights on a CPU: an expert with at most NATIVE_ROWS rows is computed with oneDNN
-# off.  oneDNN's matmul repacks a plain (unprepacked) weight on every call, about twice
-# the bytes of ATen's own reduced-precision gemv (fp32 accumulation), which streams the
-# row-major arena view once; from 3 rows on oneDNN's blocked gemm is the faster
-# (bench/README.md, "vLLM overhead").
-REDUCED = (torch.bfloat16, torch.float16)
-NATIVE_ROWS = 2
-# (token, expert) pairs of a step up to which run_layer sorts them in Python (a decode step)
+             "experts (bf16, or MXFP4 as shipped where vLLM's CPU build computes them: x86 with AMX), on one rank "
+             "(tested: Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss bf16)")
+# a decode step's (token, expert) pairs up to which run_layer sorts them in Python
 SMALL_STEP = 64
-# an expert with at most this many rows goes to native.rowmm (which reads its weights once per
-# native.ROWS rows); more (a prefill) to torch's gemm
-NATIVE_MAX_ROWS = 16
-NATIVE_DTYPES = (torch.bfloat16, torch.float32)     # engine dtypes whose math rowmm's is
 # vLLM's SwigluOAIAndMul defaults: gpt-oss's MoE config leaves swiglu_alpha/limit unset and its
 # CPU kernel uses these
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
@@ -95,9 +90,9 @@ def _refuse(layer, moe_config, quant_config) -> None:
     mt = _model_type()
     act = layer.activation.value
     gpt_oss = isinstance(layer, GptOssRoutedExperts)
-    why = None
-    if quant_config is not None:
-        why = _quantized(quant_config)
+    why = _quantized(layer, quant_config) if quant_config is not None else None
+    if why is not None:
+        pass
     elif gpt_oss and act != "swigluoai":
         why = f"gpt-oss experts with activation {act!r}, not 'swigluoai'"
     elif not gpt_oss and act not in ACTIVATIONS:
@@ -112,15 +107,28 @@ def _refuse(layer, moe_config, quant_config) -> None:
         raise FamilyError(f"k3client.vllm cannot compute the experts of model type {mt!r} ({why}); {SUPPORTED}")
 
 
-def _quantized(quant_config) -> str:
+def _quantized(layer, quant_config) -> str | None:
+    """None where the plugin computes these quantized experts (gpt-oss's MXFP4 on a CPU engine where
+    plain vLLM does: AMX); else why not."""
     name = type(quant_config).__name__
-    if "mxfp4" in name.lower():
-        # vLLM 0.32's CPU build runs MXFP4 MoE only with CPUExpertsMxfp4 (x86 with AMX tiles); elsewhere
-        # plain vLLM raises "No MXFP4 MoE backend supports the deployment configuration", so no
-        # reference exists here to test a k3d MXFP4 compute against
-        return (f"MXFP4 experts ({name}): not computed; vLLM's own CPU MXFP4 MoE kernel needs an x86 CPU with "
-                "AMX; serve a bf16 copy, or use k3client.hf, which dequantizes MXFP4")
-    return f"quantized experts ({name})"
+    if "mxfp4" not in name.lower():
+        return f"quantized experts ({name})"
+    if not isinstance(layer, GptOssRoutedExperts):
+        return f"MXFP4 experts ({name}) outside gpt-oss"
+    from vllm import __version__
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return (f"MXFP4 experts ({name}) on {current_platform.device_name}: computed on CPU engines only, where "
+                "vLLM's CPUExpertsMxfp4 is the reference they are tested against")
+    facts = cpu.facts()
+    if not facts.amx:
+        # vLLM's CPU build runs MXFP4 MoE only with CPUExpertsMxfp4, which needs AMX tiles; elsewhere plain
+        # vLLM raises "No MXFP4 MoE backend supports the deployment configuration"
+        return (f"MXFP4 experts ({name}): plain vLLM {__version__} computes them on a CPU only with AMX tiles "
+                f"(CPUExpertsMxfp4) and this CPU has {facts.describe()}; serve a bf16 copy, or use "
+                "k3client.hf, which dequantizes MXFP4")
+    return None
 
 
 class _Math:
@@ -170,6 +178,7 @@ class _K3dExperts:
         if settings.current() is None:
             return super()._get_quant_method(prefix, quant_config, moe_config)
         _refuse(self, moe_config, quant_config)
+        self.k3d_mxfp4 = quant_config is not None      # accepted quantized experts are gpt-oss's MXFP4
         return K3dMoEMethod(moe_config)
 
     @property
@@ -225,8 +234,9 @@ class VllmRuntime(Runtime):
 
     ``run_layer`` sorts the step's (token, expert) pairs by expert once (stable), gathers
     the tokens' rows once, computes each fetched expert on its contiguous run of rows
-    (gate and up in one ``linear`` when they lie back to back in the slot; bf16/fp16 on
-    a CPU with oneDNN off for runs of at most ``NATIVE_ROWS`` rows), scales them by their
+    (gate and up in one ``linear`` when they lie back to back in the slot; the kernel per
+    run, rowmm or torch with or without oneDNN, as ``dispatch.kernels`` decides for this
+    CPU, dtype and layer), scales them by their
     routing weights in place and adds them per token in ascending expert order, as the
     per-expert loop did: one ``index_add_``, or for one token plain ``add_``s.  On a CPU the
     experts are computed as they arrive (``Client.fetch_iter``: resident ones first,
@@ -238,8 +248,9 @@ class VllmRuntime(Runtime):
     all of that layer's experts resident (``Client.layer_resident``: they would send
     nothing; ``stats.predicted`` then counts only the predictions made); ``stats`` adds
     the union against B x top-k.  With ``native_kernel`` (the default) on a CPU with AVX-512, an
-    eligible layer's experts of at most ``NATIVE_MAX_ROWS`` rows are computed by
-    ``native.rowmm`` straight from the bf16 views (no cast in a float32 engine), and the
+    eligible layer's experts of at most ``dispatch.NATIVE_MAX_ROWS`` rows are computed by
+    ``native.rowmm`` straight from the bf16 views (no cast in a float32 engine; a bf16 engine
+    on an AMX CPU uses oneDNN instead), and the
     step's weighted expert outputs are summed in float32 and rounded once, where vLLM's
     fused kernel rounds them.  Invariants: ``torch.backends.mkldnn.enabled`` is as the caller
     left it when ``run_layer`` returns or raises; ``stats.epochs == stats.forwards``
@@ -252,6 +263,7 @@ class VllmRuntime(Runtime):
         # False for a model on a CUDA device)
         self._rowmm = native.load() if native_kernel else None
         self.stats.native_kernel = self._rowmm is not None
+        self.cpu = cpu.facts()          # with the dtype and the views, picks each layer's kernels
 
     def run_layer(self, ml, hidden_states, top_k_index, top_k_weights):
         tokens, k = top_k_index.shape
@@ -282,14 +294,18 @@ class VllmRuntime(Runtime):
         self._score_prediction(ml.layer, experts)
         predicted = self._predict_next(ml, hidden_states) if self.predict else None
         dtype, out_dtype = ml.dtype, hidden_states.dtype
-        expert = _gpt_oss_expert if isinstance(ml.family, GptOss) else _gated_expert
+        if isinstance(ml.family, GptOss):
+            expert = gpt_oss_mxfp4.expert if ml.family.quantized else _gpt_oss_expert
+        else:
+            expert = _gated_expert
         parts, out = {}, None
         # each expert's run of rows, fixed by the ascending order whatever order they arrive in
         starts = dict(zip(experts, itertools.accumulate((counts[e] for e in experts), initial=0)))
         as_ready = device.type != "cuda"
-        reduced = device.type == "cpu" and dtype in REDUCED       # a bf16/fp16 engine on a CPU
-        # a float16 engine keeps torch: plain vLLM holds fp16 casts of the bf16 weights, rowmm reads bf16
-        rowmm = self._rowmm if device.type == "cpu" and ml.rowmajor and dtype in NATIVE_DTYPES else None
+        reduced = device.type == "cpu" and dtype in dispatch.REDUCED       # a bf16/fp16 engine on a CPU
+        kern = dispatch.kernels(self.cpu, device.type, dtype, self._rowmm is not None, ml.rowmajor)
+        rowmm = self._rowmm if kern.rowmm_rows else None
+        onednn = kern.onednn_rows
         # with rowmm the weighted outputs are summed in float32 (vLLM's kernel does), else in out_dtype
         acc = torch.float32 if rowmm is not None else out_dtype
         xf = xs.float() if rowmm is not None else None        # rowmm's input: converted once per step
@@ -298,12 +314,12 @@ class VllmRuntime(Runtime):
             for group in self.gpu.groups(self.client, self._groups(ml, experts, predicted, as_ready), device):
                 for e, views in group:
                     n, at = counts[e], starts[e]
-                    if rowmm is not None and n <= NATIVE_MAX_ROWS:
+                    if n <= kern.rowmm_rows:
                         h = native.gated_expert(rowmm, ml.module, views, xf if tokens == 1 else xf[at:at + n],
                                                 dtype if reduced else None)
                         st.native_experts += 1
                     else:
-                        if reduced and on != (mkldnn and n > NATIVE_ROWS):
+                        if onednn is not None and on != (mkldnn and n > onednn):
                             on = torch.backends.mkldnn.enabled = not on
                         h = expert(ml.module, views, xs if tokens == 1 else xs[at:at + n], device, dtype)
                     # in place, the product rounded to h's dtype: the bits of (h * w).to(dtype)
@@ -333,7 +349,7 @@ class VllmRuntime(Runtime):
         """gpt-oss: ``{name: view}``; gated families: ``(gate_up, down)`` or ``(gate, up, down)``."""
         f = ml.family
         if isinstance(f, GptOss):
-            return {n: ex.tensor(n) for n in f.NAMES}
+            return {n: ex.tensor(n) for n in (gpt_oss_mxfp4.NAMES if f.quantized else f.NAMES)}
         if f.gate_up is not None:
             return ex.tensor(f.gate_up), ex.tensor(f.down)
         if ml.fused:
