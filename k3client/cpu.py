@@ -68,6 +68,19 @@ def from_flags(flags) -> CpuFacts:
                     amx_bf16=tile and "amx_bf16" in f, amx_int8=tile and "amx_int8" in f, source="flags")
 
 
+def model_name(path: str = CPUINFO) -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for benchmark output; "?" where unreadable."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return "?"
+
+
 def _read_flags(path: str = CPUINFO) -> set[str]:
     try:
         with open(path) as fh:
