@@ -123,7 +123,8 @@ def main() -> int:
     import torch
 
     from k3client import cpu
-    from k3client.vllm import dispatch, native
+    from k3client.runtime import dispatch
+    from k3client.vllm import native
 
     facts = cpu.facts()
     kern = dispatch.kernels(facts, "cpu", getattr(torch, a.dtype), native.load() is not None, True)

@@ -14,6 +14,7 @@ A worker script started as a subprocess adds ``TESTS`` to its own path first.
 - ``lru_order(policy, slot_key)`` and ``policy_state(policy, slot_key)`` read a cache
   policy through the surface the store uses (``ranking``, ``export``): the recency order
   of an LRU policy, and a comparable picture of any policy's state.
+- ``finished_loads`` and ``source_image`` serve component tests of the reader pool.
 - ``reference(ckpt)`` reads a checkpoint's tensors with ``safetensors.safe_open``, the
   reference reader every served byte is compared with; ``expert_bytes`` assembles from
   it one expert's image as a slot holds it (tensors at their layout offsets), and
@@ -188,3 +189,25 @@ def moto_s3():
             else:
                 os.environ[k] = v
         server.stop()
+
+
+def finished_loads(loads, n: int, timeout: float = 10) -> list:
+    """Poll a ``k3d.reads.loads.Loads``' reports until ``n`` loads have finished; returns them in
+    finishing order (component tests of the reader pool)."""
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < n:
+        assert time.monotonic() < deadline, f"{len(out)} of {n} loads finished"
+        out.extend(load for _, load in loads.reported() if load is not None)
+        time.sleep(0.005)
+    return out
+
+
+def source_image(src, key) -> bytes:
+    """Expert ``key``'s image as the stock safetensors reader lays it in a slot (a subclass's
+    faults or delays bypassed)."""
+    from k3d.sources.safetensors import SafetensorsSource
+
+    buf = bytearray(src.expert_bytes)
+    SafetensorsSource.read(src, src.keys[key], memoryview(buf))
+    return bytes(buf)
+

@@ -22,12 +22,12 @@ How loading works (transformers 5, safetensors checkpoints):
    (so nothing allocates or initialises them), then they are turned into plain
    meta tensors, no longer parameters: ``model.to(device)`` and ``state_dict``
    skip them, and no byte of them exists in the process;
-5. every experts module gets its layer's ``MoeLayer`` (family math, router for
-   gate-ahead) and the model's config uses the ``"k3d"`` experts implementation;
+5. every experts module gets its layer's ``k3client.runtime.Layer`` (family math,
+   router for gate-ahead; ``runtime``) and the model's config uses the ``"k3d"`` experts implementation;
    a forward pre-hook on the decoder begins each forward's epoch.
 
 Caller's obligations: use the model from the thread that loaded it (one client
-socket); ``model.k3d`` is the ``Runtime`` (client, stats); ``model.k3d.client.close()``
+socket); ``model.k3d`` is the ``k3client.runtime.Runtime`` (client, stats); ``model.k3d.client.close()``
 or process exit releases the pins.
 """
 
@@ -45,9 +45,9 @@ from transformers.core_model_loading import (
 )
 
 from ..client import connect
-from . import families, fingerprint, gpu
+from ..runtime import Layer
+from . import families, fingerprint, gpu, runtime as adapter
 from .checkpoint import Files, LazyTensor
-from .runtime import MoeLayer, Runtime
 
 IMPLEMENTATION = "k3d"
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -81,7 +81,7 @@ class _Plan:
     def __init__(self, client, path):
         self.client, self.path = client, path
         self.expert_params: set[str] = set()
-        self.layers: dict[int, MoeLayer] = {}
+        self.layers: dict[int, Layer] = {}
         self.verified = False         # Client.verify passed (a local path: before anything is built)
 
 
@@ -112,10 +112,9 @@ def _bind_layers(model, plan: _Plan, model_type: str) -> None:
     for name, mod in experts_modules(model).items():
         layer = _layer_of(name)
         layout = client.layout_of(layer)
-        names = tuple(s.name for s in layout)
-        fam = families.family_for(mod, model_type, set(names))
+        fam = families.family_for(mod, model_type, {s.name for s in layout})
         dtype = next(p.dtype for _, p in mod.named_parameters(recurse=False))
-        plan.layers[layer] = MoeLayer(layer, mod, _router_of(model, name), fam, names, dtype)
+        plan.layers[layer] = adapter.layer(layer, mod, _router_of(model, name), fam, layout, dtype)
 
 
 def _make_loader_class(cls, plan: _Plan):
@@ -202,7 +201,7 @@ def load_model(path: str, endpoint: str | None = None, name: str | None = None, 
                                     **from_pretrained_kwargs)
         model.__class__ = base
         _strip_expert_params(model, plan)
-        rt = Runtime(client, plan.layers, predict=predict)
+        rt = adapter.runtime(client, plan.layers, predict=predict)
         rt.gpu.use(client, gpu.cuda_devices(model))     # a model loaded onto CUDA: registered now
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.disable_compile = True   # k3client/gpu/guards.py

@@ -19,9 +19,10 @@ load formats, the ones vLLM's ``DefaultModelLoader`` serves.  Without
    storage) and load every other tensor through the model's own ``load_weights``,
    each read by ``pread`` of its own byte range without readahead, so no page of
    an expert tensor is read by this process;
-4. binds every k3d MoE layer to one ``VllmRuntime`` (the daemon's layout names,
-   the family's math, the next layer's gate for gate-ahead) and installs a forward
-   pre-hook on the model: each vLLM step is one epoch (``VllmRuntime.begin_forward``:
+4. binds every k3d MoE layer to one ``k3client.runtime.Runtime`` (``experts.runtime``;
+   each layer's daemon layout, family math and the next layer's gate for gate-ahead:
+   ``experts.layer``) and installs a forward pre-hook on the model: each vLLM step
+   is one epoch (``Runtime.begin_forward``:
    begun there unless the last step's last MoE layer began it already).
 
 ``model.k3d`` is the runtime (``client``, ``stats``).  Caller's obligations: the
@@ -42,12 +43,13 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from k3client.client import connect
 from k3client.gpu import guards
-from k3client.hf import fingerprint, gpu
+from k3client.hf import fingerprint
 from k3client.hf.checkpoint import Files, LazyTensor
-from k3client.hf.families import FamilyError, GptOss, Standard
+from k3client.runtime import FamilyError, GptOss, Runtime, Standard
+from k3client.runtime.gpu import cuda_devices
 
-from . import settings
-from .experts import SUPPORTED, K3dGptOssRoutedExperts, VllmLayer, VllmRuntime, _Math, is_k3d
+from . import experts, settings
+from .experts import SUPPORTED, K3dGptOssRoutedExperts, is_k3d
 
 FORMATS = ("auto", "safetensors", "hf")
 EXPERT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.")
@@ -141,21 +143,18 @@ class K3dLoader(DefaultModelLoader):
             yield key, LazyTensor(files, path, start, info)._read()
 
 
-def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRuntime:
+def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> Runtime:
     layers, modules = {}, {}
     for name, mod in model.named_modules():
         if not is_k3d(mod):
             continue
         layer = mod.k3d_layer
         specs = client.layout_of(layer)
-        names = tuple(s.name for s in specs)
-        act = mod.activation.value
         try:
-            family = _family(mod, set(names))
+            family = _family(mod, {s.name for s in specs})
         except FamilyError as e:
             raise FamilyError(f"model type {_model_type(model)!r}: {e}") from None
-        layers[layer] = VllmLayer(layer, _Math(mod.global_num_experts, act, mod.moe_config), _router_of(model, name),
-                                  family, names, mod.k3d_params_dtype, mod.top_k, specs)
+        layers[layer] = experts.layer(layer, mod, _router_of(model, name), family, specs)
         modules[layer] = mod
     if sorted(layers) != checkpoint_layers:
         # a family whose experts class is another subclass of RoutedExperts is not replaced out of tree
@@ -163,8 +162,8 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> VllmRun
         raise FamilyError(f"k3client.vllm cannot compute the experts of model type {_model_type(model)!r} "
                           f"(vLLM builds them with {', '.join(own) or 'no RoutedExperts'}; the checkpoint has "
                           f"routed experts in layers {checkpoint_layers}); {SUPPORTED}")
-    on_cuda = gpu.cuda_devices(model)     # the device decides: a CPU engine on a GPU host keeps rowmm
-    rt = VllmRuntime(client, layers, predict=st.predict, native_kernel=st.native and not on_cuda)
+    on_cuda = cuda_devices(model)     # the device decides: a CPU engine on a GPU host keeps rowmm
+    rt = experts.runtime(client, layers, predict=st.predict, native_kernel=st.native and not on_cuda)
     rt.gpu.use(client, on_cuda)           # registered at load, not in the first step
     for layer, mod in modules.items():
         mod._k3d = (rt, layers[layer])

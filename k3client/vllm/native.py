@@ -15,7 +15,8 @@ Layout and invariants (checked in C++; a view that breaks them is a one-line err
 - result: a new float32 ``[M, N]``; each element is the fp32 sum of ``x[m, k] * w[n, k]``
   in 16 lane-wise partial sums (``k`` mod 16, in ``k`` order, fused multiply-add),
   then added by ``_mm512_reduce_add_ps``.  Rows are taken ``ROWS`` at a time (a
-  prefill's 100 rows read ``w`` 13 times: ``VllmRuntime`` sends those to torch).
+  prefill's 100 rows read ``w`` 13 times: ``k3client.runtime.compute.fused``
+  sends those to torch).
 - float32 activations with bf16 weights: a float32 engine computes on the arena's
   bf16 values exactly as if they were cast to float32 first (the cast is exact),
   with no cast.
@@ -26,8 +27,8 @@ directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; torc
 file lock makes concurrent engines build it once); about a minute on a 2-core VM,
 then a load of the cached library.  Where the CPU has no AVX-512 (``k3client.cpu``), or
 there is no compiler, ``load()`` returns None once and logs why in one line: the caller
-computes with torch, as before.  Whether a loaded op is used is ``dispatch.kernels``'
-choice (a bf16 engine on an AMX CPU uses oneDNN instead).
+computes with torch, as before.  Whether a loaded op is used is
+``k3client.runtime.dispatch.kernels``' choice (a bf16 engine on an AMX CPU uses oneDNN instead).
 
 Thread: ``load()`` may be called from any thread (a lock); ``rowmm`` is reentrant and
 splits ``N`` over torch's intra-op threads (``at::parallel_for``).
@@ -140,9 +141,10 @@ def eligible(specs, family) -> bool:
 
 
 def gated_expert(op, math, views, x, reduced):
-    """``act(x W_gate^T) * (x W_up^T) W_down^T`` in float32 (``views`` as ``experts._gated_expert``'s).
+    """``act(x W_gate^T) * (x W_up^T) W_down^T`` in float32 (``views`` as
+    ``k3client.runtime.compute.gated_expert``'s).
 
-    ``x``: the expert's rows, float32 (``run_layer`` converts a step's rows once) or the
+    ``x``: the expert's rows, float32 (``compute.fused`` converts a step's rows once) or the
     engine's dtype.  ``reduced`` (a bf16/fp16 engine: that dtype, else None): the activation
     is rounded to it before the down projection, where vLLM's fused kernel rounds it; the
     result stays float32 for the caller to scale and sum."""

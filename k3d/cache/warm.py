@@ -47,8 +47,9 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
+
+from k3d import statefile
 
 log = logging.getLogger("k3d")
 
@@ -124,34 +125,12 @@ def save(path: str, source_print: str, policy_name: str, hot: list, policy_state
          predictor_state: dict | None = None, source: str | None = None) -> None:
     """Write the state atomically (tmp + fsync + rename); OSError is the caller's to log.
     ``source``: the checkpoint (``source_of``), by which ``prune`` tells whether it is gone."""
-    d = os.path.dirname(path)
-    os.makedirs(d, mode=0o700, exist_ok=True)
     doc = {"format": FORMAT, "version": VERSION, "model": source_print, "policy": policy_name,
            "source": source, "saved_unix": round(time.time(), 3), "hot": [list(k) for k in hot],
            "policy_state": policy_state}
     if predictor_state is not None:
         doc["predictor_state"] = predictor_state
-    fd, tmp = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:                                   # the rename itself survives a crash
-        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    statefile.write_json(path, doc, prefix=".state-", durable=True)
 
 
 def load(path: str, source_print: str, known_keys) -> dict | None:

@@ -33,11 +33,11 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from k3client.digest import RULE, assemble, sample_ranges, tensor_hash
+from k3d import statefile
 
 from .base import PAGE, SourceError, read_fully
 
@@ -86,21 +86,9 @@ def load_cached(path: str, ident: list) -> dict | None:
 
 
 def save_cached(path: str, ident: list, digest: dict) -> None:
-    d = os.path.dirname(path)
-    os.makedirs(d, mode=0o700, exist_ok=True)
     doc = {"format": FORMAT, "version": VERSION, "identity": ident,
            "digest": {k: digest[k] for k in ("rule", "hex", "parts")}}
-    fd, tmp = tempfile.mkstemp(prefix=".digest-", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"), default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    statefile.write_json(path, doc, prefix=".digest-", default=str)
 
 
 def _pieces(extents, start: int, length: int, dest: int):

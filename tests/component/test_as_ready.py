@@ -25,13 +25,10 @@ from test_server_component import Faulty, raw_dealer, server  # noqa: F401 -- th
 
 import k3client
 from conftest import SCRATCH
-from helpers import expert_bytes, poll_for, reference as reference_reader, verify
+from helpers import expert_bytes, poll_for, verify
 from k3client import errors
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
-from k3d.config import DEFAULT_PATTERN, resolve
-from k3d.memory.arena import Arena
-from k3d.serve.loop import Server
-from k3d.service.daemon import size_arena
+from servers import Servers
 
 
 def hold(srv, *keys):
@@ -238,19 +235,10 @@ def test_a_daemon_replaced_mid_stream_answers_the_rest(checkpoint):
     not yet yielded only; the view taken before keeps the old arena's bytes."""
     tmp = tempfile.mkdtemp(prefix="k3d-c-", dir=SCRATCH)
     endpoint = f"ipc://{tmp}/k.sock"
-    servers = []
+    servers = Servers(checkpoint, Faulty)
 
     def start():
-        cfg = resolve({"endpoint": endpoint, "slots": 16, "readers": 2, "state_dir": "none"}, {})
-        src = Faulty(checkpoint, DEFAULT_PATTERN)
-        n, sb = size_arena(cfg, src.expert_bytes)
-        arena = Arena(n, sb)
-        srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
-        srv.ref = reference_reader(checkpoint)
-        t = threading.Thread(target=srv.serve_forever, daemon=True)
-        t.start()
-        servers.append((srv, t, arena, src))
-        return srv
+        return servers.start(endpoint)
 
     first = start()
     (g,) = hold(first, (3, 9))
@@ -273,9 +261,5 @@ def test_a_daemon_replaced_mid_stream_answers_the_rest(checkpoint):
             assert first.stats.misses == 2 and second.stats.misses == 1     # only (3, 9) asked again
     finally:
         g.set()
-        for srv, t, arena, src in reversed(servers):     # the first's stop unlinks the endpoint last
-            srv.request_stop()
-            t.join(10)
-            arena.close()
-            src.close()
+        servers.close()                                  # the first's stop unlinks the endpoint last
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,30 +7,14 @@ are not cached, one past the call's budget, and any read of a source whose
 """
 
 import os
-import time
 
+from helpers import finished_loads, source_image
 from k3d.config import DEFAULT_PATTERN
 from k3d.demo.synthetic import write_checkpoint
 from k3d.memory.arena import Arena
 from k3d.reads.inline import can_inline
 from k3d.reads.loads import Loads
 from k3d.sources.safetensors import SafetensorsSource
-
-
-def finish(loads, n, timeout=10):
-    """Poll the pool's reports until ``n`` loads have finished; returns them in finishing order."""
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n:
-        assert time.monotonic() < deadline, f"{len(out)} of {n} loads finished"
-        out.extend(load for _, load in loads.reported() if load is not None)
-        time.sleep(0.005)
-    return out
-
-
-def reference(src, key):
-    buf = bytearray(src.expert_bytes)
-    SafetensorsSource.read(src, src.keys[key], memoryview(buf))
-    return bytes(buf)
 
 
 def _ckpt(tmp_path):
@@ -76,7 +60,7 @@ def test_cached_small_experts_are_read_in_start(tmp_path):
         assert all(d.error is None and d.owner == 4 and d.nbytes == sum(e.length for e in src.keys[ld.key])
                    for d, ld in done)
         for ld in started:
-            assert bytes(arena.view(ld.slot)[:src.expert_bytes]) == reference(src, ld.key)
+            assert bytes(arena.view(ld.slot)[:src.expert_bytes]) == source_image(src, ld.key)
     finally:
         _close(src, arena, loads)
 
@@ -88,15 +72,15 @@ def test_uncached_and_over_budget_reads_go_to_the_pool(tmp_path):
         _cache(src, cached=False)
         cold = loads.start([(0, keys[0])], urgent=True, owner=1)[0]
         assert loads.in_flight() == 1 and not loads.has_inline()     # the page was not cached
-        assert finish(loads, 1) == [cold]
+        assert finished_loads(loads, 1) == [cold]
         _cache(src, cached=True)
         loads.inline.budget = 2 * src.expert_bytes                  # room for two in one call
         started = loads.start([(1, keys[1]), (2, keys[2]), (3, keys[3])], urgent=False)
         assert loads.in_flight() == 1 and loads.has_inline()
-        assert set(finish(loads, 3)) == set(started)
+        assert set(finished_loads(loads, 3)) == set(started)
         for ld in [cold, *started]:
             assert ld.fail is None
-            assert bytes(arena.view(ld.slot)[:src.expert_bytes]) == reference(src, ld.key)
+            assert bytes(arena.view(ld.slot)[:src.expert_bytes]) == source_image(src, ld.key)
     finally:
         _close(src, arena, loads)
 
@@ -116,7 +100,7 @@ def test_a_replaced_read_is_never_bypassed(tmp_path):
         _cache(src, cached=True)
         key = sorted(src.keys)[0]
         ld = loads.start([(0, key)], urgent=True, owner=1)[0]
-        assert finish(loads, 1) == [ld] and WrappedRead.reads >= 1
-        assert bytes(arena.view(0)[:src.expert_bytes]) == reference(src, key)
+        assert finished_loads(loads, 1) == [ld] and WrappedRead.reads >= 1
+        assert bytes(arena.view(0)[:src.expert_bytes]) == source_image(src, key)
     finally:
         _close(src, arena, loads)

@@ -13,7 +13,6 @@ connection before the loop sees it; one at the limit is answered.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 
 import numpy as np
@@ -22,35 +21,20 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 import k3client
-from conftest import SCRATCH
-from helpers import expert_bytes, poll_for, reference as reference_reader
+from helpers import expert_bytes, poll_for
 from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 from k3d.commands.ctl import render
-from k3d.config import DEFAULT_PATTERN, resolve
-from k3d.memory.arena import Arena
-from k3d.serve.loop import Server
 from k3d.serve.wire import MAX_QUEUED
-from k3d.service.daemon import size_arena
-from k3d.sources.safetensors import SafetensorsSource
+from servers import Servers
 
 REFUSAL = f"more than {MAX_QUEUED} requests queued from this client; wait for replies before sending more"
 
 
 @pytest.fixture
 def server(checkpoint):
-    tmp = tempfile.mkdtemp(prefix="k3d-q-", dir=SCRATCH)
-    cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": 16, "readers": 2, "state_dir": "none"}, {})
-    src = SafetensorsSource(checkpoint, DEFAULT_PATTERN)
-    arena = Arena(*size_arena(cfg, src.expert_bytes))
-    srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
-    srv.ref = reference_reader(checkpoint)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv
-    srv.request_stop()
-    t.join(10)
-    arena.close()
-    src.close()
+    servers = Servers(checkpoint, prefix="k3d-q-")
+    yield servers.start()
+    servers.close()
 
 
 def request(op: str, rid: int, **fields) -> bytes:

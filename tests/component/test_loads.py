@@ -5,28 +5,12 @@ gets two tokens), its parts report under it, and the load leaves the books
 only when its last part reported, with the bytes in its slot.
 """
 
-import time
 
+from helpers import finished_loads, source_image
 from k3d.config import DEFAULT_PATTERN
 from k3d.memory.arena import Arena
 from k3d.reads.loads import Loads
 from k3d.sources.safetensors import SafetensorsSource
-
-
-def finish(loads, n, timeout=10):
-    """Poll the pool's reports until ``n`` loads have finished; returns them in finishing order."""
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n:
-        assert time.monotonic() < deadline, f"{len(out)} of {n} loads finished"
-        out.extend(load for _, load in loads.reported() if load is not None)
-        time.sleep(0.005)
-    return out
-
-
-def reference(src, key):
-    buf = bytearray(src.expert_bytes)
-    SafetensorsSource.read(src, src.keys[key], memoryview(buf))
-    return bytes(buf)
 
 
 def test_tokens_are_per_read_not_per_slot(checkpoint):
@@ -38,15 +22,15 @@ def test_tokens_are_per_read_not_per_slot(checkpoint):
         started = loads.start([(2, keys[0]), (0, keys[1])], urgent=True, owner=7)
         assert [ld.slot for ld in started] == [2, 0] and len({ld.id for ld in started}) == 2
         assert all(ld.parts_left >= 1 for ld in started) and loads.in_flight() == 2
-        done = finish(loads, 2)
+        done = finished_loads(loads, 2)
         assert {ld.id for ld in done} == {ld.id for ld in started}
         assert all(ld.fail is None and ld.parts_left == 0 for ld in done) and loads.in_flight() == 0
         for ld in started:
-            assert bytes(arena.view(ld.slot)[:src.expert_bytes]) == reference(src, ld.key)
+            assert bytes(arena.view(ld.slot)[:src.expert_bytes]) == source_image(src, ld.key)
         again = loads.start([(2, keys[2])], urgent=False)[0]          # slot 2 read again
         assert again.slot == 2 and again.id not in {ld.id for ld in started}
-        assert finish(loads, 1)[0] is again
-        assert bytes(arena.view(2)[:src.expert_bytes]) == reference(src, keys[2])
+        assert finished_loads(loads, 1)[0] is again
+        assert bytes(arena.view(2)[:src.expert_bytes]) == source_image(src, keys[2])
     finally:
         assert loads.cancel_all()
         arena.close()

@@ -20,7 +20,7 @@ import zmq
 
 import k3client
 from conftest import SCRATCH
-from helpers import ROOT, expert_bytes, poll_for, reference as reference_reader
+from helpers import ROOT, expert_bytes, poll_for
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
 from k3d.config import DEFAULT_PATTERN, resolve
 from k3d.memory.arena import Arena
@@ -29,6 +29,7 @@ from k3d.observe.stats import Counters
 from k3d.serve.loop import Server
 from k3d.service.daemon import size_arena
 from k3d.sources.safetensors import SafetensorsSource
+from servers import Servers
 
 
 class Faulty(SafetensorsSource):
@@ -57,30 +58,9 @@ class Faulty(SafetensorsSource):
 
 @pytest.fixture
 def server(checkpoint):
-    started, ref = [], reference_reader(checkpoint)
-
-    def start(slots=16, readers=2, **cfg_kw):
-        tmp = tempfile.mkdtemp(prefix="k3d-c-", dir=SCRATCH)
-        # state_dir none: these servers test the loop, not warm restarts (no state file to leave)
-        cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": slots, "readers": readers, "state_dir": "none",
-                       **cfg_kw}, {})
-        src = Faulty(checkpoint, DEFAULT_PATTERN)
-        n, sb = size_arena(cfg, src.expert_bytes)
-        arena = Arena(n, sb)
-        srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
-        srv.ref = ref
-        t = threading.Thread(target=srv.serve_forever, daemon=True)
-        t.start()
-        srv.thread = t
-        started.append((srv, t, arena, src))
-        return srv
-
-    yield start
-    for srv, t, arena, src in started:
-        srv.request_stop()
-        t.join(10)
-        arena.close()
-        src.close()
+    servers = Servers(checkpoint, Faulty)
+    yield servers.start
+    servers.close()
 
 
 def reference(srv, key):

@@ -7,37 +7,21 @@ before that count, or the daemon reuses slots the client still holds views of
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
 
 import pytest
 
 import k3client
-from conftest import SCRATCH
 from k3client.errors import SlotsBusy
-from k3d.config import DEFAULT_PATTERN, resolve
-from k3d.memory.arena import Arena
-from k3d.serve.loop import Server
-from k3d.service.daemon import size_arena
-from k3d.sources.safetensors import SafetensorsSource
+from servers import Servers
 
 
 @pytest.fixture
 def server(checkpoint):
-    tmp = tempfile.mkdtemp(prefix="k3d-lost-", dir=SCRATCH)
-    cfg = resolve({"endpoint": f"ipc://{tmp}/k.sock", "slots": 16, "readers": 2, "state_dir": "none",
-                   "lease_s": 120}, {})          # a long lease: the lease thread beats only when told
-    src = SafetensorsSource(checkpoint, DEFAULT_PATTERN)
-    arena = Arena(*size_arena(cfg, src.expert_bytes))
-    srv = Server(cfg, src, arena, f"{tmp}/k.sock.arena")
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv
-    srv.request_stop()
-    t.join(10)
-    arena.close()
-    src.close()
+    servers = Servers(checkpoint, prefix="k3d-lost-")
+    yield servers.start(lease_s=120)          # a long lease: the lease thread beats only when told
+    servers.close()
 
 
 def image(e, layout):

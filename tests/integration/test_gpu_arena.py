@@ -19,7 +19,7 @@ from fake_cuda import FakeCuda
 from helpers import reference, verify
 from k3client.gpu import pinning
 from k3client.hf.gpu import GpuSide
-from k3client.hf.runtime import Runtime
+from k3client.runtime import Runtime, compute
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
@@ -111,7 +111,7 @@ def test_a_cpu_model_makes_no_cuda_call(start_daemon):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_the_cuda_layer_loop_equals_eager_bit_for_bit_run_on_cpu(family, start_daemon):
-    """``GpuSide.run_layer`` (one sort per layer, no torch.where per expert) run on CPU tensors:
+    """``compute.sorted_loop``, the CUDA loop (one sort per layer, no torch.where per expert) run on CPU tensors:
     the order of experts and of each expert's tokens is eager's, so the logits are its bits."""
     pytest.importorskip("transformers", minversion="5")
     from hf_common import checkpoint as hf_checkpoint, daemon_args, eager, prompt
@@ -123,7 +123,7 @@ def test_the_cuda_layer_loop_equals_eager_bit_for_bit_run_on_cpu(family, start_d
     ref = eager(path)
     model = load_model(path, endpoint=d.endpoint, dtype=torch.bfloat16)
     rt = model.k3d
-    rt.run_layer = lambda ml, *a: rt.gpu.run_layer(rt, ml, *a)
+    rt._loop = lambda device: compute.sorted_loop
     try:
         with torch.no_grad():
             for seed in range(3):

@@ -36,7 +36,7 @@ from vllm_common import (  # noqa: F401 -- the autouse fixture
 import k3client
 from conftest import spawn_daemon
 from k3client import cpu
-from k3client.vllm import gpt_oss_mxfp4
+from k3client.runtime import gpt_oss_mxfp4
 from mxfp4_reference import ocp_reference
 
 pytestmark = pytest.mark.vllm

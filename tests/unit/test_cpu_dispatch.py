@@ -1,5 +1,5 @@
 """CPU facts (``k3client.cpu``) from both kinds of x86 host, and the vLLM plugin's kernel choice
-(``k3client.vllm.dispatch``) for each: an AMD EPYC with AVX-512 and no AMX, an Intel Xeon
+(``k3client.runtime.dispatch``) for each: an AMD EPYC with AVX-512 and no AMX, an Intel Xeon
 with AMX.  The flag lines are real ``/proc/cpuinfo`` ones, shortened."""
 
 import pytest
@@ -7,7 +7,7 @@ import pytest
 from k3client import cpu
 
 torch = pytest.importorskip("torch")
-dispatch = pytest.importorskip("k3client.vllm.dispatch")
+dispatch = pytest.importorskip("k3client.runtime.dispatch")
 
 EPYC = ("flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr "
         "sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm constant_tsc rep_good nopl pni pclmulqdq ssse3 "

@@ -1,9 +1,11 @@
-"""Which kernel computes an expert's run of rows in the vLLM plugin: the decision, in one place.
+"""Which kernel computes an expert's run of rows under vLLM's numerics (``compute.fused``): the decision,
+in one place.
 
 ``kernels(cpu, device_type, dtype, rowmm, rowmajor)`` gives a layer's ``Kernels``,
 two row thresholds the runtime applies to each expert's run of ``n`` rows:
 
-- ``n <= rowmm_rows``: ``native.rowmm`` straight from the row-major bf16 view
+- ``n <= rowmm_rows``: the runtime's native kernel (``k3client.vllm.native.rowmm``)
+  straight from the row-major bf16 view
   (float32 accumulation; in a float32 engine exactly the float32 math of the cast
   weights, so float32's token-for-token equality with plain vLLM holds);
 - else torch, and where ``onednn_rows`` is set, with oneDNN (``torch.backends.mkldnn``)
@@ -27,7 +29,7 @@ The rules, per CPU (``k3client.cpu.CpuFacts``):
   casts of the bf16 weights; rowmm reads bf16);
 - not a CPU (a CUDA engine): torch as the caller left it.
 
-Pure functions (cached); any thread.
+Pure functions (cached); any thread.  Imports no engine.
 """
 
 from __future__ import annotations

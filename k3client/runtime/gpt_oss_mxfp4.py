@@ -1,5 +1,9 @@
 """gpt-oss's MXFP4 experts, as openai ships them, computed from the daemon's views the way vLLM's CPU kernel does.
 
+``compute.fused`` (vLLM's numerics) computes a quantized ``GptOss`` layer's experts with
+``expert``; the vLLM plugin accepts such a model only where plain vLLM runs it
+(``k3client.vllm.experts._quantized``).  Imports no engine.
+
 vLLM 0.32 runs an MXFP4 gpt-oss on a CPU only with ``CPUExpertsMxfp4``
 (``fused_experts_cpu`` with ``CPUQuantMethod.MXFP4``: weight-only W4A16 on AMX
 tiles; elsewhere plain vLLM refuses the model, and so does the plugin).  That
