@@ -2,7 +2,7 @@
 
     python bench/vllm_overhead.py [--family qwen3_moe] [--hidden 512] [--inter 1024] [--layers 4]
                                   [--tokens 32] [--reps 3] [--batch 1 4] [--no-predict]
-                                  [--dtype bfloat16|float32]
+                                  [--dtype bfloat16|float32] [--tp 2]
 
 Needs the ``vllm`` extra.  A tiny random model written by ``save_pretrained``
 (``k3d.demo.vllm_models``); a real ``k3d start`` whose default arena holds every
@@ -19,6 +19,11 @@ a step fetched per layer against B x top-k.  In float32 the tokens must be equal
 another order than vLLM's fused kernel, so greedy paths may part: the share of
 equal tokens is printed.  Random weights route nothing like trained ones; this measures the
 machinery's cost per step, not a real model's hit rate.
+
+``--tp N``: both engines run N tensor-parallel ranks (``distributed_executor_backend="mp"``;
+``VLLM_CPU_OMP_THREADS_BIND`` defaults to one core per rank, ``0|1|...``): each k3d rank
+computes its shard of each expert from the shared views, a daemon client of its own;
+the fetch figures are rank 0's.
 """
 
 from __future__ import annotations
@@ -41,10 +46,12 @@ from k3d.demo import vllm_models  # noqa: E402
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # apply_model(k3client.vllm.stats)
 
 
-def engine(path: str, max_num_seqs: int, k3d: dict | None, dtype: str):
+def engine(path: str, max_num_seqs: int, k3d: dict | None, dtype: str, tp: int = 1):
     from vllm import LLM
 
     extra = {"additional_config": {"k3d": k3d}} if k3d is not None else {}
+    if tp > 1:
+        extra.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     return LLM(model=path, enforce_eager=True, kv_cache_memory_bytes=256 << 20, skip_tokenizer_init=True,
                dtype=dtype, max_model_len=256, max_num_seqs=max_num_seqs, seed=0, **extra)
 
@@ -83,7 +90,11 @@ def main() -> int:
     ap.add_argument("--no-predict", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the engines' dtype; the checkpoint is bf16, so float32 casts each fetched expert")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of both engines (one core each)")
     a = ap.parse_args()
+    if a.tp > 1:
+        # vLLM's CPU build binds each rank's threads; without a binding it asks for NUMA nodes
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in range(a.tp)))
     tmp = tempfile.mkdtemp(prefix="k3d-vb-")
     # vLLM's engines make their ZMQ ipc sockets there, removed with it (else they stay in /tmp)
     os.environ.setdefault("VLLM_RPC_BASE_PATH", tmp)
@@ -97,8 +108,8 @@ def main() -> int:
         with harness.Daemon(path) as d:
             for b in a.batch:
                 prompts = [[(7 * i + j) % 120 + 1 for j in range(8)] for i in range(b)]
-                plain = engine(path, b, None, a.dtype)
-                k3d = engine(path, b, {"endpoint": d.endpoint, "predict": not a.no_predict}, a.dtype)
+                plain = engine(path, b, None, a.dtype, a.tp)
+                k3d = engine(path, b, {"endpoint": d.endpoint, "predict": not a.no_predict}, a.dtype, a.tp)
                 step_time(k3d, prompts, a.tokens)            # cold: every expert a miss
                 step_time(plain, prompts, a.tokens)
                 s0 = stats(k3d)
@@ -118,7 +129,7 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     harness.banner("vllm_overhead", f"{a.family} hidden {a.hidden} inter {a.inter}, {a.layers} layers, routed "
-                   f"experts {ebytes / 2**20:.1f} MiB; {a.tokens} decode steps x {a.reps} reps, {a.dtype}, "
+                   f"experts {ebytes / 2**20:.1f} MiB; {a.tokens} decode steps x {a.reps} reps, {a.dtype}, TP {a.tp}, "
                    f"predictions {'off' if a.no_predict else 'on'}")
     import torch
 

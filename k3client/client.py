@@ -103,7 +103,9 @@ class Client:
         self._ctx = zmq.Context()
         self._chan: Channel | None = None    # the connection to the daemon attached now
         self._pending: int | None = None     # id of a begin_token(wait=False) whose reply is not read
-        self._stream = None                  # the fetch_iter in progress (stream.py); another request ends it
+        self._done: dict[int, None] = {}     # released layers for the next message, without the hit path
+        self._stream = None                  # the fetch_iter in progress (stream.py); another request, or
+                                             # the release of its layer, ends it
         self._hb_stop = threading.Event()
         self._hb_wake = threading.Event()    # set: beat now (a new lease, or stop)
         self._io = threading.RLock()         # the request socket (module docstring)
@@ -268,12 +270,13 @@ class Client:
                 continue
             hits = self._hits
             fields.pop("hits", None)          # a retry's were applied with the first try
+            fields.pop("done", None)
             try:
                 with self._io:
                     try:
                         if hits is not None:
                             hits.open = False
-                            fields.update(hits.take())
+                        fields.update(self._outgoing(hits))
                         rid = self._chan.post(op, **fields)
                     except BaseException:
                         if hits is not None:     # under _io: the lease thread must not send a
@@ -283,6 +286,8 @@ class Client:
                         hits.sent()
                         if op == "begin_token":
                             hits.new_token()
+                    if op == "begin_token":
+                        self._done = {}
                     reply = self._chan.wait(rid, op, self.timeout)
             except Gone as e:
                 self._reattach(str(e))
@@ -304,6 +309,14 @@ class Client:
             if hits is not None and hits is self._hits:
                 hits.open = True
             return reply
+
+    def _outgoing(self, hits) -> dict:
+        """Under ``_io``: what the next message carries besides its op's fields: the hit
+        reports (``LocalHits.take``) and the layers released since the last message (``done``)."""
+        if hits is not None:
+            return hits.take()
+        done, self._done = self._done, {}
+        return {"done": list(done)} if done else {}
 
     def _lease_sync(self) -> None:
         """On the lease thread: send the hit reports and the index count seen (``LocalHits.sync``)
@@ -353,10 +366,9 @@ class Client:
         self._stream = None
         with self._io:
             try:
-                fields = {}
                 if hits is not None:         # shut until settle() reads the reply
                     hits.open = False
-                    fields = hits.take()
+                fields = self._outgoing(hits)
                 self._pending = self._chan.post("begin_token", **fields)
             except BaseException:
                 if hits is not None:         # (under _io, as in _call)
@@ -365,6 +377,7 @@ class Client:
             if hits is not None:
                 hits.sent()
                 hits.new_token()
+            self._done = {}
         return None
 
     def settle(self) -> None:
@@ -400,7 +413,7 @@ class Client:
             fields["predicted"] = preds
         slots = self._call("fetch", **fields)["slots"]
         if self._hits is not None:           # the session that answered (after a re-attach, a new one)
-            self._hits.held_by_daemon(slots)
+            self._hits.held_by_daemon(slots, layer)
         return [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
 
     def fetch_iter(self, layer: int, experts, predicted=None):
@@ -455,6 +468,28 @@ class Client:
                                 raise
                 return layer, experts, preds, [Expert(self, layer, e, s) for e, s in zip(experts, slots)]
         return layer, experts, preds, None
+
+    def release_layer(self, layer) -> None:
+        """Say that this client is done with ``layer`` for the current token: the daemon
+        unpins the slots of ``layer`` it holds for this token (and stops keeping those it
+        reported reading from reuse), so other clients' misses may evict them before this
+        client's next ``begin_token()``.  Its predictions not fetched yet stay pinned.
+        Nothing is sent now: the next message carries it (a fetch that misses, the lease
+        thread's report within a quarter lease), after that message's hit reports.
+
+        The caller's obligation: no view of ``layer`` obtained in this token (``fetch``,
+        ``fetch_iter``) is read again after this call (on a GPU, the copies from them are
+        complete).  A later fetch of ``layer`` in the same token is fine: it is pinned
+        afresh (one answered from the shared index before the release leaves cancels it).
+        A ``fetch_iter`` of ``layer`` still running ends here (its next step raises
+        ``K3Error``): the release unpins what it has yet to yield."""
+        layer = key_int("layer", layer)
+        if self._stream is not None and self._stream.layer == layer:
+            self._stream = None
+        if self._hits is not None:
+            self._hits.release(layer)
+        else:
+            self._done[layer] = None
 
     def layer_resident(self, layer: int, n: int) -> bool:
         """Whether the shared index shows experts 0..n-1 of ``layer`` all resident (or being

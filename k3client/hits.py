@@ -14,7 +14,17 @@ closed until a later request succeeds.  While it is closed every view the
 client holds was reported, so the daemon has pinned or claimed it; while it is
 open the daemon reuses nothing retired after the count it had when it sent that
 reply, until the client's next message.  Views therefore need no time bound:
-one holds its bytes until the client's next ``begin_token()`` or ``close()``.
+one holds its bytes until the client's next ``begin_token()`` or ``close()``, or
+its release of the view's layer.
+
+Layer releases (``release``; C4 there): the layers go with the next message
+(``take``, ``sync``: the ``done`` field), which the daemon applies after that
+message's reports.  A fetch of a released layer answered here before the
+release left cancels it (one the daemon answers carries it, applied first).
+With a quota, a released layer's slots stop counting here when the message
+carrying the release has left (``sent``; ``layer_slots``), not when it is queued
+or taken: the daemon still counts them while it applies the reports that
+message carries, or the next one's if its send fails.
 
 A client that computes for long holds the daemon's reuse back; its lease thread
 sends the reports and ``seen`` (``sync``) on the request socket, so that within a
@@ -23,7 +33,7 @@ client answers here no more distinct slots per token than the quota; after a
 failed request in a token it answers none until the next token (a fetch it gave
 up on may still pin slots it does not know of).
 
-Threads: ``answer``, ``take`` and ``new_token`` run on the owning ``Client``'s
+Threads: ``answer``, ``release``, ``take`` and ``new_token`` run on the owning ``Client``'s
 thread; ``sync`` on its lease thread.  ``lock`` makes a lookup and the record of
 its slots one step against ``sync``'s take-and-read: else a lookup made before
 ``sync`` read the count could be reported after it, and the daemon could reuse
@@ -74,6 +84,10 @@ class LocalHits:
         self.open = True                 # the window (module docstring)
         self.quota = quota
         self.token_slots: set[int] = set()    # with a quota: slots answered for this token
+        self.layer_slots: dict[int, set] = {}    # with a quota: token_slots by the layer answered
+        self._stuck = False              # with a quota: a request failed this token (``failed``)
+        self.done: dict[int, None] = {}  # layers released (``release``), for the next message
+        self._done_inflight: dict[int, set] = {}    # taken for a message not yet sent: layer -> its slots
         self.synced = 0                  # the retirement count last sent as ``seen``
         self._full: dict[int, int] = {}  # layer -> retired count when all its experts were seen resident
 
@@ -99,6 +113,11 @@ class LocalHits:
                 if len(new) > self.quota:
                     return None          # the daemon answers: within its quota, or QuotaExceeded
                 self.token_slots = new
+                self.layer_slots.setdefault(layer, set()).update(slots)
+            if layer in self.done:
+                # answered here before its release left: that release would end this view
+                # too.  (One the daemon answers keeps it: it applies before the fetch's keys.)
+                del self.done[layer]
             self.reports.append([layer, experts, slots])
             self.reported += len(experts)
         return slots
@@ -108,31 +127,76 @@ class LocalHits:
         in line); with a quota, this token's count is no longer known: answer nothing here
         until the next token."""
         self.open = False
+        with self.lock:                  # releases not sent are dropped: pins kept are safe
+            self.done, self._done_inflight = {}, {}
         self.unsend()
         if self.quota:
+            self._stuck = True
             self.token_slots = set(range(self.quota + 1))
 
     def sent(self) -> None:
-        """The message carrying the reports last taken left (they are the daemon's now)."""
+        """The message carrying the reports last taken left (they are the daemon's now).
+        With a quota, the slots of the layers it released stop counting here now: a
+        lookup made before (the lease thread's send: the client's thread answers
+        meanwhile) may be reported behind the release if the send fails (``unsend``),
+        and the daemon then counts them while it judges that report."""
         self.inflight = []
+        if self._done_inflight:
+            with self.lock:
+                self._done_inflight = {}
+                if self.quota and not self._stuck:
+                    self.token_slots = set().union(*self.layer_slots.values())
 
     def unsend(self) -> None:
         """The message meant to carry the reports last taken did not leave (an interrupt,
         a closing socket): they go first in the next one, in their order."""
-        if self.inflight:
+        if self.inflight or self._done_inflight:
             with self.lock:
+                # A layer looked up since the take (the lease thread's: the client's thread
+                # answers meanwhile) cancelled its release, as ``answer`` does one queued:
+                # put back behind that lookup's report, the release would unpin its view.
+                since = {r[0] for r in self.reports}
                 self.reports[:0] = self.inflight
                 self.reported += sum(len(r[1]) for r in self.inflight)
                 self.inflight = []
+                back, self._done_inflight = self._done_inflight, {}
+                for layer, slots in back.items():
+                    if layer not in since:
+                        self.done[layer] = None
+                    if slots:
+                        self.layer_slots.setdefault(layer, set()).update(slots)
+                        self.token_slots = self.token_slots.union(slots)
 
-    def held_by_daemon(self, slots) -> None:
-        """With a quota: slots the daemon answered (and pinned) count toward it here too."""
+    def held_by_daemon(self, slots, layer: int) -> None:
+        """With a quota: slots the daemon answered (and pinned) for ``layer`` count toward it
+        here too."""
         if self.quota:
             self.token_slots = self.token_slots.union(slots)
+            self.layer_slots.setdefault(layer, set()).update(slots)
+
+    def release(self, layer: int) -> None:
+        """The client is done with ``layer`` this token: the next message says so (``done``)."""
+        with self.lock:
+            self.done[layer] = None
+
+    def _take_done(self) -> list[int]:
+        """Under ``lock``: the released layers for the message being built (their slots
+        count toward the quota until it has left: ``sent``)."""
+        if not self.done:
+            return []
+        layers, self.done = list(self.done), {}
+        for layer in layers:
+            self._done_inflight[layer] = self.layer_slots.pop(layer, set())
+        return layers
 
     def new_token(self) -> None:
-        """The ``begin_token`` request left: the daemon's count starts again, so ours does."""
+        """The ``begin_token`` request left: the daemon's count starts again, so ours does
+        (a release taken with it is moot: every pin of the token goes)."""
         self.token_slots = set()
+        self.layer_slots = {}
+        self._stuck = False
+        with self.lock:
+            self.done, self._done_inflight = {}, {}
 
     def not_resident(self, keys: list[list[int]]) -> list[list[int]]:
         """``keys`` the index does not show resident (being read or READY): the ones worth
@@ -163,11 +227,12 @@ class LocalHits:
         The caller sends them next on the request socket, before any other message."""
         with self.lock:
             out = self.inflight + self.reports    # an interrupted message's first, never dropped
+            done = self._take_done()
             if not out:
-                return {}
+                return {"done": done} if done else {}
             self.reports, self.reported = [], 0
             self.inflight = out
-        return {"hits": out}
+        return {"hits": out, "done": done} if done else {"hits": out}
 
     def sync(self) -> dict | None:
         """The lease thread's message fields: the reports so far (an interrupted message's
@@ -181,8 +246,12 @@ class LocalHits:
             out = self.inflight + self.reports
             self.reports, self.reported = [], 0
             self.inflight = out
+            done = self._take_done()
         self.synced = seen
-        return {"hits": out, "seen": seen} if out else {"seen": seen}
+        fields = {"hits": out, "seen": seen} if out else {"seen": seen}
+        if done:
+            fields["done"] = done
+        return fields
 
     def close(self) -> None:
         with self.lock:

@@ -29,13 +29,23 @@ Ops (the ``op_*`` handler docstrings in ``k3d.serve.loop`` are the full spec):
 - ``predict {keys, hits}`` -> ``{queued: int}`` at once (reads run in the background).
 - ``hits {hits, seen?}`` -> no reply: reports sent without waiting (when many accumulate,
   and from the lease thread with ``seen``, the index's retirement count read after them).
-- ``begin_token {hits}`` -> ``{epoch, released}``.
+- ``begin_token {hits}`` -> ``{epoch, released}`` (a ``done`` here is ignored: every pin
+  of the epoch goes).
 - ``heartbeat {client_id, gen}`` -> no reply (sent from the client's lease thread;
   one for another daemon generation is ignored, one from another process than the
   client's renews nothing).
 - ``status {}`` -> ``{status: {...}}`` (the dict ``k3ctl status --json`` prints); no
   hello needed.
 - ``bye {hits}`` -> ``{}``; releases everything the client held.
+
+``done`` (version 6; optional on ``fetch``, ``hits``, ``predict``, ``status``): layers the
+client is done with for its current token, ``[layer, ...]``.  Applied after the
+message's ``hits``: the client's pins of slots whose key is of such a layer go
+(other clients' misses may evict them), and so do its claims of slots it reported
+under them (``k3d/cache/reuse.py``); its predictions not fetched yet stay pinned
+until its next ``begin_token`` (a fetched one's pin goes with its layer).  A client
+sends it (``Client.release_layer``) only once no view of those layers from this
+token is read again; a later fetch of the layer pins afresh.
 
 ``hits`` (optional everywhere) are the fetches a hit-path client answered itself
 from the shared index (``k3client.index``) since its last message, in order:
@@ -81,7 +91,7 @@ import msgpack
 
 from .errors import BadRequest
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_REPLY_BYTES = 64 * MAX_MESSAGE_BYTES    # a client's socket accepts no larger message (ZMQ_MAXMSGSIZE)
 MAX_KEYS = 4096          # keys in one fetch/predict

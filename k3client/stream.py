@@ -23,7 +23,11 @@ is pending, and there are no reports while the window is shut).
 
 One stream at a time: any other request of the client (``_call``, a
 ``begin_token(wait=False)``, ``close``) ends the stream (``client._stream``);
-resuming it then raises ``K3Error``, as its remaining parts went unread.
+resuming it then raises ``K3Error``, as its remaining parts went unread.  So does
+the client's release of the stream's layer (``release_layer``): the daemon unpins
+the layer when the release arrives, reads still running included, so a part sent
+after that names slots nothing keeps.  The window stays shut until the next
+request's reply (that request, or the lease thread before it, carries the release).
 
 Thread: the ``Client``'s thread, like every other call of it.
 """
@@ -37,13 +41,22 @@ from .channel import Gone
 from .views import Expert
 
 
+class _Token:
+    """``client._stream`` while a stream runs: ``Client.release_layer`` of its layer ends it."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: int):
+        self.layer = layer
+
+
 def stream(client, layer: int, experts: list[int], preds: list) -> object:
     """Yield ``(index, Expert)`` for ``experts`` of ``layer`` as the daemon sends them:
     the ready ones first, then each batch as its reads finish; each index once."""
     left = dict.fromkeys(range(len(experts)))    # indices not yet yielded, in request order
     deadline = time.monotonic() + client.timeout     # for retries of SlotsBusy, as ``_call``
     pause = 0.0005
-    token = object()
+    token = _Token(layer)
     client._stream = token
     while left:
         if client._chan is None:
@@ -61,7 +74,7 @@ def stream(client, layer: int, experts: list[int], preds: list) -> object:
                 try:
                     if hits is not None:
                         hits.open = False
-                        fields.update(hits.take())
+                    fields.update(client._outgoing(hits))
                     rid = client._chan.post("fetch", **fields)
                 except BaseException:
                     if hits is not None:         # under _io, as in ``Client._call``
@@ -78,15 +91,16 @@ def stream(client, layer: int, experts: list[int], preds: list) -> object:
                 final = part is None
                 got = list(zip(at, reply["slots"])) if final else [(at[j], s) for j, s in zip(part, reply["slots"])]
                 if client._hits is not None:     # pinned for this client's token: its quota count
-                    client._hits.held_by_daemon([s for _, s in got])
+                    client._hits.held_by_daemon([s for _, s in got], layer)
                 for i, slot in got:
                     if i in left:
                         del left[i]
                         yield i, Expert(client, layer, experts[i], slot)
                         if client._stream is not token:
                             raise errors.K3Error(
-                                "fetch_iter: this client sent another request before the iteration "
-                                "ended, so its remaining experts went unread; fetch them again")
+                                f"fetch_iter: this client sent another request, or released layer {layer}, "
+                                "before the iteration ended, so its remaining experts went unread; fetch "
+                                "them again")
         except Gone as e:
             if hits is not None:
                 hits.failed()

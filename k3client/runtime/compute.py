@@ -118,10 +118,12 @@ def fused(rt, ml, hidden_states, top_k_index, top_k_weights):
     tokens, k = top_k_index.shape
     device = hidden_states.device
     scales = ws = None
+    mine = ml.mine                                 # an expert-parallel rank: only its experts' pairs
     if tokens * k <= SMALL_STEP:
         ids = top_k_index.reshape(-1).tolist()
-        order = sorted(range(len(ids)), key=ids.__getitem__)        # stable: token order per expert
-        counts = Counter(ids)
+        pairs = range(len(ids)) if mine is None else [i for i, e in enumerate(ids) if e in mine]
+        order = sorted(pairs, key=ids.__getitem__)        # stable: token order per expert
+        counts = Counter(ids) if mine is None else Counter(ids[i] for i in order)
         experts = sorted(counts)
         w = top_k_weights.reshape(-1).tolist()
         scales = [w[i] for i in order]            # a one-row run is scaled by a Python float
@@ -131,7 +133,9 @@ def fused(rt, ml, hidden_states, top_k_index, top_k_weights):
     else:                                                            # a prefill: torch sorts
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=ml.module.num_experts).tolist()
+        if mine is not None:
+            order = order[ml.mine_mask(device)[flat[order]]]
+        counts = torch.bincount(flat[order], minlength=ml.module.num_experts).tolist()
         experts = [e for e, c in enumerate(counts) if c]
         rows = order // k
         ws = top_k_weights.reshape(-1)[order].unsqueeze(-1)
@@ -213,4 +217,5 @@ def gpt_oss_expert(math, views, x, device, dtype):
     gate = gate_up[..., ::2].clamp(max=math.limit)
     up = gate_up[..., 1::2].clamp(min=-math.limit, max=math.limit)
     h = (up + 1) * (gate * torch.sigmoid(gate * math.alpha))
-    return torch.addmm(w["down_proj_bias"], h, w["down_proj"])
+    bias = w.get("down_proj_bias")       # a tensor-parallel rank other than 0 has none (vLLM loads zeros)
+    return torch.mm(h, w["down_proj"]) if bias is None else torch.addmm(bias, h, w["down_proj"])

@@ -13,7 +13,9 @@ top_k_weights)``.  The runtime then:
   bit; ``compute.sorted_loop`` on a CUDA device) or ``"fused"`` (vLLM's: rows sorted
   by expert, an optional ``native`` kernel for small runs, ``StepStats``);
 - marks the layer's compute complete (``_layer_done``: CPU, it ran; GPU, the device
-  is synchronised before any epoch boundary, ``Epochs._sync_device``).
+  is synchronised before any epoch boundary or release, ``Epochs._sync_device``),
+  which releases the layer's pins (``Epochs.release_layer``) or, after the last MoE
+  layer, begins the next epoch.
 
 ``native``: a callable ``(math, views, x_float32, reduced_dtype_or_None) -> float32
 [rows, H]`` for gated experts of a ``Layer.rowmajor`` layer (``k3client.vllm.native``'s
@@ -66,7 +68,10 @@ class Runtime(Epochs):
 
     def _layer_done(self, ml) -> None:
         """``ml``'s compute is complete: no view it fetched is read again by it (CPU: the compute
-        ran; GPU: queued, and every epoch boundary synchronises the devices first).  The last
-        MoE layer begins the next forward's epoch (``epochs``)."""
+        ran; GPU: queued, and every epoch boundary or release synchronises the devices first).
+        The last MoE layer begins the next forward's epoch; another releases its pins of this
+        epoch (``Epochs.release_layer``)."""
         if ml.next is None:
             self._begin_next()
+        else:
+            self.release_layer(ml.layer)

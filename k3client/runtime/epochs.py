@@ -4,7 +4,7 @@ Owner: the thread that runs the model's forward (a ``k3client.Client`` is
 single-threaded).  One runtime per loaded model.
 
 The pin rule (the daemon's: everything a client touches in an epoch stays pinned
-until its next ``begin_token``):
+until its next ``begin_token``, or until it releases that layer):
 
 - every forward (a transformers forward, a vLLM step) is one epoch.  It begins right
   after the last MoE layer of the forward before (``_begin_next``, from
@@ -24,7 +24,16 @@ until its next ``begin_token``):
   iterator of the group's experts in arrival order (the resident ones first, the
   others as the daemon's reads finish), so compute overlaps reads; the compute then
   sums in a fixed order itself (``compute``).  Otherwise (a GPU) a group comes whole;
-- when the next group would not fit beside what this epoch already pinned
+- a layer's pins end with its compute (``release_layer``, from
+  ``Runtime._layer_done``, the one call at the end of every ``run_layer``): once no
+  view of the layer is read again (CPU: its compute ran; GPU: its devices are
+  synchronised first), the runtime releases the layer (``Client.release_layer``;
+  the next message tells the daemon) and ``held`` drops by what the layer fetched
+  in this epoch, so a step holds about one layer's union plus its predictions and
+  needs fewer mid-forward epochs.  ``K3D_RELEASE_LAYERS=0`` keeps every layer
+  pinned until the epoch ends (the comparison in ``bench/layer_pins.py``).  The
+  last MoE layer begins the next epoch instead;
+- when the next group would not fit beside what this epoch still pins
   (``held``), the compute of every earlier group is complete (CPU: it ran; GPU: its
   devices are synchronised first), so a new epoch starts and the group goes on.  A
   ``CacheFull``/``QuotaExceeded`` reply (other clients' pins, a quota) does the
@@ -41,6 +50,7 @@ by ``k3client.vllm.stats`` and ``model.k3d.stats.as_dict()``.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -59,6 +69,8 @@ class StaleSlots(Exception):
 class Stats:
     forwards: int = 0
     epochs: int = 0                 # begin_token calls (forwards + mid-forward ones)
+    layers_released: int = 0        # release_layer calls (a layer's pins ended with its compute)
+    held_max: int = 0               # the most experts one epoch held at once (client side count)
     fetches: int = 0                # fetch messages
     experts_fetched: int = 0
     cache_full_retries: int = 0
@@ -99,7 +111,9 @@ class Epochs:
         self.client = client
         self.gpu = GpuSide(client)             # idle until the model runs on a CUDA device
         self.stats = stats
-        self.held = 0                          # slots this epoch pinned (client side count)
+        self.held = 0                          # slots this epoch pins (client side count)
+        self._layer_held: dict[int, int] = {}  # layer -> of ``held``, what it fetched this epoch and holds
+        self.release = os.environ.get("K3D_RELEASE_LAYERS", "1") not in ("0", "off", "false", "no")
         self._restarts = client.restarts
         self._gen = None
         self._early = False                    # the next forward's epoch was begun by the last MoE layer
@@ -120,6 +134,7 @@ class Epochs:
         self._sync_device()
         self.client.begin_token(wait=False)
         self.held = 0
+        self._layer_held.clear()
         self._restarts = self.client.restarts
         self._early = True
 
@@ -130,7 +145,19 @@ class Epochs:
         self.client.begin_token(wait=False)
         self.stats.epochs += 1
         self.held = 0
+        self._layer_held.clear()
         self._restarts = self.client.restarts
+
+    def release_layer(self, layer: int) -> None:
+        """``layer``'s compute is complete: release its pins of this epoch (module docstring)."""
+        n = self._layer_held.get(layer, 0)
+        if not n or not self.release:
+            return
+        self._layer_held[layer] = 0         # (kept: this epoch has fetched, see _groups)
+        self._sync_device()
+        self.client.release_layer(layer)
+        self.held -= n
+        self.stats.layers_released += 1
 
     def _sync_device(self) -> None:
         """The pin rule on a GPU: no queued copy may outlive the epoch that pinned its slot
@@ -142,6 +169,7 @@ class Epochs:
         if self.client.restarts != self._restarts:   # a new daemon: no pins held there
             self._restarts = self.client.restarts
             self.held = 0
+            self._layer_held.clear()
         if self._gen != self.client.gen:
             self.gpu.follow(self.client)             # a new arena: registered where the model is on CUDA
             self._gen = self.client.gen
@@ -163,7 +191,9 @@ class Epochs:
                 got = self._fetch(ml, group, predicted, as_ready)
             except (errors.CacheFull, errors.QuotaExceeded) as e:
                 self.stats.cache_full_retries += 1
-                if self.held:
+                if self.held or self._layer_held:
+                    # (a released layer counts too: this epoch's predictions may still pin
+                    # slots, and only a new epoch ends them)
                     self._new_epoch()
                 elif n > 1:
                     cap = max(1, n // 2)
@@ -177,6 +207,8 @@ class Epochs:
                 continue                      # slots named by a daemon that is gone: fetch again
             predicted = None                  # sent once, with the layer's first fetch
             self.held += n
+            self._layer_held[ml.layer] = self._layer_held.get(ml.layer, 0) + n
+            self.stats.held_max = max(self.stats.held_max, self.held)
             i += n
             yield got
 

@@ -40,6 +40,8 @@ class GateAhead:
             self.pending = None
             return None
         experts = sorted(set(idx.reshape(-1).tolist()))
+        if nxt.mine is not None:             # an expert-parallel rank predicts the experts it computes
+            experts = [e for e in experts if e in nxt.mine]
         self.pending = (nxt.layer, set(experts))
         return [(nxt.layer, e) for e in experts]
 

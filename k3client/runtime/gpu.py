@@ -15,7 +15,7 @@ Then:
 - the pin rule: ``sync`` synchronises every device with copies or compute queued since
   the last one (not only the current device: a model on ``cuda:1``, or split across
   GPUs), and the runtime calls it before every ``begin_token`` (a forward's or a
-  mid-forward epoch's).
+  mid-forward epoch's) and before it releases a layer (``Epochs.release_layer``).
 
 The compute on a CUDA device is ``compute.sorted_loop``'s (transformers) or
 ``compute.fused``'s (vLLM); both stage their groups through ``groups``.

@@ -10,6 +10,12 @@ top ``top_k`` are the experts (vLLM).  ``specs`` is the daemon's layout of the
 layer; ``fused`` (derived from it) says the gate and up tensors lie back to back in
 a slot, so one view covers both (``views.views``).  ``rowmajor``: the adapter's
 native kernel can read this layer's views (False: computed with torch).
+
+On one rank of a multi-rank engine: ``shard`` slices each expert's views to the rank's
+tensor-parallel part (an object with ``of(views) -> views``, zero-copy: e.g.
+``k3client.vllm.ranks.Shard``; ``views.views`` applies it), and ``mine`` is the set of
+expert ids the rank computes under expert parallelism (``compute.fused`` skips the
+others' pairs; gate-ahead predicts only these).  None: the whole expert, every expert.
 """
 
 from __future__ import annotations
@@ -52,10 +58,22 @@ class Layer:
     rowmajor: bool = False          # the native kernel reads these views
     next: int | None = None         # next MoE layer (set by the Runtime)
     fused: bool = False             # gate and up back to back in a slot (from specs)
+    shard: object | None = None     # a tensor-parallel rank's slicing of the views (module docstring)
+    mine: frozenset | None = None   # an expert-parallel rank's expert ids
 
     def __post_init__(self):
         self.specs = tuple(self.specs)
         self.fused = back_to_back(self.specs, self.family)
+        self._mine_masks = {}
+
+    def mine_mask(self, device):
+        """``mine`` as a boolean tensor over the expert ids, on ``device`` (made once per device)."""
+        m = self._mine_masks.get(device)
+        if m is None:
+            m = torch.zeros(self.module.num_experts, dtype=torch.bool)
+            m[sorted(self.mine)] = True
+            m = self._mine_masks[device] = m.to(device)
+        return m
 
 
 def back_to_back(specs, family) -> bool:

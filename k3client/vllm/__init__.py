@@ -26,8 +26,13 @@ bf16 (vLLM's own router picks the experts).  The same math serves any family who
 experts vLLM builds with plain ``RoutedExperts`` as gated SiLU/GELU experts without
 bias (Qwen2-MoE, DeepSeek-V2, ...: untested).  Anything else (quantized experts, gpt-oss's
 MXFP4 as shipped among them, which vLLM's CPU build itself runs only on AMX CPUs;
-other ``RoutedExperts`` subclasses; tensor parallelism) is refused at load in one line
-naming the model type.
+other ``RoutedExperts`` subclasses) is refused at load in one line naming the model type.
+
+Tensor parallelism (``tensor_parallel_size=N``): every rank is a daemon client of its
+own (``vllm-<pid>-tp<rank>``) and computes its shard of each expert from the shared
+whole-expert views (``ranks``); vLLM all-reduces the ranks' outputs.  Expert
+parallelism computes each rank's own experts (vLLM's expert map), but vLLM 0.32's CPU
+build cannot run it, so a CPU engine with it is refused in one line naming vLLM.
 
 Covered vLLM versions: ``SUPPORTED_VLLM``.  The plugin reaches into internals
 that change between releases (``RoutedExperts``' quant-method hook,
@@ -35,10 +40,14 @@ that change between releases (``RoutedExperts``' quant-method hook,
 warning and installs nothing: that vLLM runs plain, the ``k3d`` key unused.
 
 Caller's obligations: a ``k3d start`` serving the same checkpoint; eager mode
-(``enforce_eager=True`` / ``--enforce-eager``: the only mode tested; a CUDA graph
-would replay a step without its Python fetches, so a CUDA engine without it is
-refused at load in one line: ``k3client.gpu.guards``); one rank per engine (no
-tensor or expert parallelism).
+(``enforce_eager=True`` / ``--enforce-eager``), on any device: a CUDA graph would replay
+a step without its Python fetches and ``torch.compile`` (which vLLM's CPU build turns on
+by default) would trace into the client; an engine that runs the model once per step on
+one thread (no speculative decoding, dual-batch overlap, pipeline parallelism or pooling
+runner); on a CPU engine, no expert or data parallelism (vLLM's CPU build cannot run
+them: the line names vLLM; ``ranks``, ``guards``).  Each of these is refused in one
+line before any weight is read, and so is an engine whose vLLM did not build the
+plugin's experts layers (``guards``).
 """
 
 from __future__ import annotations

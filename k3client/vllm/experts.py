@@ -28,7 +28,9 @@ the same path.  With the key its quant method is ``K3dMoEMethod``:
   ``Layer``: an ``Activation`` for the math, the gate (logits, top-k) for gate-ahead.
 
 The pin rule is the runtime's: one vLLM step (one model forward, B sequences)
-is one epoch, and a group that does not fit beside the epoch's pins starts a new one.
+is one epoch, a layer's pins end with its compute (``Runtime._layer_done``: its outputs
+are computed, no view of it is read again), and a group that does not fit beside the
+epoch's pins starts a new one.
 The epoch of step t+1 begins (``begin_token(wait=False)``) right after step t's last
 MoE layer, once no view of step t is read again; its reply is read before step t+1's
 first fetch (``Client.settle``), so no view is answered before the daemon began the
@@ -39,8 +41,17 @@ What is refused, in one line naming the model type (``FamilyError``), when the
 model is built: activations other than gated SiLU/GELU (gpt-oss: other than
 ``swigluoai``), expert biases outside gpt-oss, router weights applied on the input,
 quantized experts other than gpt-oss's MXFP4, gpt-oss's MXFP4 where plain vLLM cannot
-run it (a CPU without AMX: vLLM's CPU build has no other MXFP4 MoE kernel; a GPU engine:
-untested), and tensor/expert parallelism (each rank would compute whole experts).  Another
+run it (a CPU without AMX: vLLM's CPU build has no other MXFP4 MoE kernel; a GPU engine or
+tensor-parallel ranks: untested); and, with a ``ValueError`` naming vLLM, expert parallelism
+on a CPU engine (vLLM 0.32's CPU worker crashes with it: ``ranks.ep_refusal``).
+
+On a multi-rank engine each ``Layer`` carries its rank's part (``parallel``, from vLLM's
+own MoE parallel config and expert map): ``shard``, the rank's tensor-parallel
+``ranks.Shard``, by which ``k3client.runtime.views`` slices the whole-expert views
+(gate/up rows, down columns: strided views, cached per slot), and ``mine``, the
+expert-parallel rank's experts (the compute skips the pairs routed elsewhere).  The
+output is the rank's partial sum, which vLLM's MoE runner all-reduces once, as for its
+own experts (the method has no modular kernel that reduces).  Another
 subclass of ``RoutedExperts`` is not replaced out of tree; the loader finds its
 layers unbound and refuses it the same way.
 
@@ -61,12 +72,12 @@ from k3client.runtime import ACTIVATIONS, Activation, GptOss, Layer, Runtime, St
 from k3client.runtime.families import FamilyError
 
 from .. import cpu
-from . import native, settings
+from . import native, ranks, settings
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 SUPPORTED = ("it computes gated SiLU/GELU experts without bias built by vLLM's RoutedExperts, and gpt-oss's "
-             "experts (bf16, or MXFP4 as shipped where vLLM's CPU build computes them: x86 with AMX), on one rank "
-             "(tested: Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss bf16)")
+             "experts (bf16, or MXFP4 as shipped where vLLM's CPU build computes them: x86 with AMX, one rank), "
+             "on one rank or tensor-parallel ranks (tested: Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss bf16)")
 
 
 def _model_type() -> str:
@@ -76,13 +87,20 @@ def _model_type() -> str:
     return getattr(getattr(mc, "hf_config", None), "model_type", "?") if mc is not None else "?"
 
 
+def _device_type() -> str:
+    from vllm.config import get_current_vllm_config
+
+    dc = getattr(get_current_vllm_config(), "device_config", None)
+    return str(getattr(dc, "device_type", None) or "cpu")
+
+
 def _refuse(layer, moe_config, quant_config) -> None:
     """FamilyError unless the layer's experts are math this plugin computes: the gated MLP of
     ``RoutedExperts`` or, for ``GptOssRoutedExperts``, gpt-oss's biased clamped SwiGLU."""
     mt = _model_type()
     act = layer.activation.value
     gpt_oss = isinstance(layer, GptOssRoutedExperts)
-    why = _quantized(layer, quant_config) if quant_config is not None else None
+    why = _quantized(layer, quant_config, moe_config) if quant_config is not None else None
     if why is not None:
         pass
     elif gpt_oss and act != "swigluoai":
@@ -93,13 +111,16 @@ def _refuse(layer, moe_config, quant_config) -> None:
         why = "expert biases"
     elif layer.apply_router_weight_on_input:
         why = "router weights applied to the input"
-    elif moe_config.moe_parallel_config.tp_size > 1 or moe_config.moe_parallel_config.use_ep:
-        why = "tensor or expert parallelism"
+    if why is None:
+        # before any weight is read (the model is being built); the loader refuses it earlier still
+        ep = ranks.ep_refusal(_device_type(), moe_config.moe_parallel_config.use_ep)
+        if ep is not None:
+            raise ValueError(ep)
     if why is not None:
         raise FamilyError(f"k3client.vllm cannot compute the experts of model type {mt!r} ({why}); {SUPPORTED}")
 
 
-def _quantized(layer, quant_config) -> str | None:
+def _quantized(layer, quant_config, moe_config) -> str | None:
     """None where the plugin computes these quantized experts (gpt-oss's MXFP4 on a CPU engine where
     plain vLLM does: AMX); else why not."""
     name = type(quant_config).__name__
@@ -113,6 +134,9 @@ def _quantized(layer, quant_config) -> str | None:
     if not current_platform.is_cpu():
         return (f"MXFP4 experts ({name}) on {current_platform.device_name}: computed on CPU engines only, where "
                 "vLLM's CPUExpertsMxfp4 is the reference they are tested against")
+    if moe_config.moe_parallel_config.tp_size > 1:
+        # ranks.Shard slices bf16 rows and columns; MXFP4's blocks of 32 along the down input are not sliced
+        return f"MXFP4 experts ({name}) on tensor-parallel ranks: computed on one rank only"
     facts = cpu.facts()
     if not facts.amx:
         # vLLM's CPU build runs MXFP4 MoE only with CPUExpertsMxfp4, which needs AMX tiles; elsewhere plain
@@ -183,25 +207,40 @@ def is_k3d(module) -> bool:
     return isinstance(module, _K3dExperts) and isinstance(module.quant_method, K3dMoEMethod)
 
 
+# the vLLM classes replaced out of tree, by the name vLLM's registry keys them
+REPLACED = ("RoutedExperts", "GptOssRoutedExperts")
+
+
 def install() -> None:
     from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 
-    for cls, name in ((K3dRoutedExperts, "RoutedExperts"), (K3dGptOssRoutedExperts, "GptOssRoutedExperts")):
+    for cls, name in zip((K3dRoutedExperts, K3dGptOssRoutedExperts), REPLACED):
         if op_registry_oot.get(name) is not cls:
             PluggableLayer.register_oot(cls, name=name)
-
-
 
 
 # -- the runtime's side: what vLLM gives it ------------------------------------------------
 def layer(index: int, mod, router, family, specs) -> Layer:
     """The runtime's ``Layer`` for one k3d experts layer: its math reads an ``Activation`` (vLLM's
     experts module holds no ``act_fn``), its router returns logits whose ``top_k`` are the experts,
-    and ``rowmajor`` says ``native.rowmm`` can read its views (gated families only)."""
+    ``rowmajor`` says ``native.rowmm`` can read its views (gated families only; on a TP rank its
+    shard's), and ``shard``/``mine`` are this rank's part (``parallel``)."""
     math = Activation(mod.global_num_experts, mod.activation.value, mod.moe_config)
-    rowmajor = not isinstance(family, GptOss) and native.eligible(specs, family)
+    shard, mine = parallel(mod)
+    tp = shard.size if shard is not None else 1
+    rowmajor = not isinstance(family, GptOss) and native.eligible(specs, family, tp)
     return Layer(index, math, router, family, tuple(s.name for s in specs), mod.k3d_params_dtype,
-                 top_k=mod.top_k, specs=specs, rowmajor=rowmajor)
+                 top_k=mod.top_k, specs=specs, rowmajor=rowmajor, shard=shard, mine=mine)
+
+
+def parallel(mod):
+    """``(shard, mine)`` of a k3d experts module on this rank, from vLLM's own MoE parallel config
+    and expert map (what vLLM's weight loader would have loaded here); ``(None, None)`` on one rank."""
+    pc = mod.moe_config.moe_parallel_config
+    shard = ranks.Shard(pc.tp_rank, pc.tp_size) if pc.tp_size > 1 else None
+    emap = mod.expert_map if pc.use_ep else None
+    mine = ranks.owned(emap.tolist()) if emap is not None else None
+    return shard, mine
 
 
 def runtime(client, layers: dict[int, Layer], predict: bool = True, native_kernel: bool = True) -> Runtime:
@@ -216,4 +255,4 @@ def runtime(client, layers: dict[int, Layer], predict: bool = True, native_kerne
 
 
 __all__ = ["ACTIVATIONS", "K3dGptOssRoutedExperts", "K3dMoEMethod", "K3dRoutedExperts", "StepStats", "install",
-           "is_k3d", "layer", "runtime"]
+           "is_k3d", "layer", "parallel", "runtime"]

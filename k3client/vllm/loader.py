@@ -5,8 +5,10 @@ load formats, the ones vLLM's ``DefaultModelLoader`` serves.  Without
 ``additional_config['k3d']`` it *is* ``DefaultModelLoader`` (``load_model`` and
 ``get_all_weights`` go straight to it).  With it, ``load_model``:
 
-1. connects to the daemon first, so a daemon that is down fails in one line
-   (``DaemonNotRunning`` naming the endpoint) before any weight is read;
+1. refuses an engine configuration the runtime cannot serve (``guards.config_refusal``:
+   compilation or CUDA graphs on, a runner that does not run one forward per step, data
+   parallelism on a CPU), then connects to the daemon, so a daemon that is down fails in
+   one line (``DaemonNotRunning`` naming the endpoint) before any weight is read;
 2. parses only the safetensors headers (``k3client.hf.checkpoint``), sorts the
    routed-expert keys (``layers.{l}. ... .experts.``; shared experts are
    ``shared_expert(s)`` and stay) from the rest, and compares them with what the
@@ -16,7 +18,10 @@ load formats, the ones vLLM's ``DefaultModelLoader`` serves.  Without
    same shapes and other values, is the one-line ``Mismatch`` too), all before
    vLLM builds the model;
 3. lets vLLM build the model (``experts.K3dRoutedExperts`` allocates no expert
-   storage) and load every other tensor through the model's own ``load_weights``,
+   storage), checks in ``create_model``, before a weight is read, that every MoE layer
+   vLLM built is the plugin's (``guards.experts_refusal``: vLLM bypassed the out-of-tree
+   registration) and that they cover the checkpoint's expert layers (else the family's
+   ``FamilyError``), and loads every other tensor through the model's own ``load_weights``,
    each read by ``pread`` of its own byte range without readahead, so no page of
    an expert tensor is read by this process;
 4. binds every k3d MoE layer to one ``k3client.runtime.Runtime`` (``experts.runtime``;
@@ -42,14 +47,13 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from k3client.client import connect
-from k3client.gpu import guards
 from k3client.hf import fingerprint
 from k3client.hf.checkpoint import Files, LazyTensor
 from k3client.runtime import FamilyError, GptOss, Runtime, Standard
 from k3client.runtime.gpu import cuda_devices
 
-from . import experts, settings
-from .experts import SUPPORTED, K3dGptOssRoutedExperts, is_k3d
+from . import experts, guards, ranks, settings
+from .experts import REPLACED, SUPPORTED, K3dGptOssRoutedExperts, is_k3d
 
 FORMATS = ("auto", "safetensors", "hf")
 EXPERT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.")
@@ -84,15 +88,18 @@ class K3dLoader(DefaultModelLoader):
 
     _k3d_plan = None            # [(file, data start, key, header info)] of the non-expert tensors
     _k3d_dir = None             # the directory of the checkpoint's weight files
+    _k3d_layers = None          # the layers with routed-expert tensors in the checkpoint
 
     def load_model(self, vllm_config, model_config, prefix: str = ""):
         st = settings.from_config(vllm_config)
         if st is None:
             return super().load_model(vllm_config, model_config, prefix)
-        refusal = guards.vllm_config_refusal(vllm_config)
+        refusal = guards.config_refusal(vllm_config) or _ep_refusal(vllm_config)
         if refusal:
             raise ValueError(refusal)
-        client = connect(st.endpoint, name=st.name or f"vllm-{os.getpid()}")
+        tp_rank, tp_size = _tp_rank()
+        name = st.name or f"vllm-{os.getpid()}"
+        client = connect(st.endpoint, name=f"{name}-tp{tp_rank}" if tp_size > 1 else name)
         files = Files()
         try:
             path = model_config.model
@@ -101,7 +108,7 @@ class K3dLoader(DefaultModelLoader):
             fingerprint.check(client, path, fingerprint.local_layers(expert_keys), num_experts)
             client.verify(path if os.path.isdir(path) else self._k3d_dir)
             model = super().load_model(vllm_config, model_config, prefix)
-            rt = _bind(model, client, st, sorted(expert_keys), path)
+            rt = _bind(model, client, st, sorted(expert_keys), path, tp_rank)
             model.k3d = rt
             model.register_forward_pre_hook(lambda mod, args: rt.begin_forward())
             return model
@@ -109,7 +116,7 @@ class K3dLoader(DefaultModelLoader):
             client.close()
             raise
         finally:
-            self._k3d_plan = None
+            self._k3d_plan = self._k3d_layers = None
             files.close()
 
     def _plan(self, files: Files, model_config) -> dict[int, list]:
@@ -131,8 +138,17 @@ class K3dLoader(DefaultModelLoader):
             raise FamilyError(f"{model_config.model}: no routed-expert tensors (layers.N. ... .experts.) in the "
                               "checkpoint; serve it without the k3d additional_config")
         self._k3d_plan = (files, kept)
+        self._k3d_layers = sorted(experts)
         self._k3d_dir = os.path.dirname(weight_files[0])     # a hub id's snapshot directory
         return experts
+
+    def create_model(self, vllm_config, model_config, prefix: str = ""):
+        # DefaultModelLoader.load_model builds the model here and then reads its weights: with
+        # the k3d key, the built experts layers are checked in between, before any tensor is read
+        model = super().create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        if self._k3d_layers is not None:
+            _check_built(model, self._k3d_layers)
+        return model
 
     def get_all_weights(self, model_config, model):
         if self._k3d_plan is None:
@@ -143,7 +159,25 @@ class K3dLoader(DefaultModelLoader):
             yield key, LazyTensor(files, path, start, info)._read()
 
 
-def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> Runtime:
+def _tp_rank() -> tuple[int, int]:
+    """This worker's (rank, size) in vLLM's tensor-parallel group; (0, 1) outside a distributed engine."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _ep_refusal(vllm_config) -> str | None:
+    """``ranks.ep_refusal`` of the engine: EP is on where its MoE group spans ranks (vLLM's rule:
+    ``enable_expert_parallel`` and TP x DP x PCP > 1)."""
+    pc = vllm_config.parallel_config
+    group = pc.tensor_parallel_size * pc.data_parallel_size * getattr(pc, "prefill_context_parallel_size", 1)
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"
+    return ranks.ep_refusal(str(device), bool(pc.enable_expert_parallel) and group > 1)
+
+
+def _bind(model, client, st, checkpoint_layers: list[int], path: str, tp_rank: int = 0) -> Runtime:
     layers, modules = {}, {}
     for name, mod in model.named_modules():
         if not is_k3d(mod):
@@ -156,18 +190,32 @@ def _bind(model, client, st, checkpoint_layers: list[int], path: str) -> Runtime
             raise FamilyError(f"model type {_model_type(model)!r}: {e}") from None
         layers[layer] = experts.layer(layer, mod, _router_of(model, name), family, specs)
         modules[layer] = mod
-    if sorted(layers) != checkpoint_layers:
-        # a family whose experts class is another subclass of RoutedExperts is not replaced out of tree
-        own = sorted({type(m).__name__ for m in model.modules() if isinstance(m, RoutedExperts) and not is_k3d(m)})
-        raise FamilyError(f"k3client.vllm cannot compute the experts of model type {_model_type(model)!r} "
-                          f"(vLLM builds them with {', '.join(own) or 'no RoutedExperts'}; the checkpoint has "
-                          f"routed experts in layers {checkpoint_layers}); {SUPPORTED}")
     on_cuda = cuda_devices(model)     # the device decides: a CPU engine on a GPU host keeps rowmm
-    rt = experts.runtime(client, layers, predict=st.predict, native_kernel=st.native and not on_cuda)
+    # tensor-parallel ranks see the same tokens and fetch the same experts: rank 0 alone sends the
+    # gate-ahead predictions; expert-parallel ranks each predict the experts they compute
+    use_ep = any(ml.mine is not None for ml in layers.values())
+    predict = st.predict and (tp_rank == 0 or use_ep)
+    rt = experts.runtime(client, layers, predict=predict, native_kernel=st.native and not on_cuda)
     rt.gpu.use(client, on_cuda)           # registered at load, not in the first step
     for layer, mod in modules.items():
         mod._k3d = (rt, layers[layer])
     return rt
+
+
+def _check_built(model, checkpoint_layers: list[int]) -> None:
+    """Refuse, before any weight is read, a model whose experts layers are not the plugin's:
+    vLLM bypassed its out-of-tree registration (``guards.experts_refusal``), or built a family's
+    experts with a ``RoutedExperts`` subclass the plugin does not replace."""
+    built = [(n, type(m).__name__, is_k3d(m)) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]
+    refusal = guards.experts_refusal(built, REPLACED)
+    if refusal:
+        raise ValueError(refusal)
+    mine = sorted({m.k3d_layer for m in model.modules() if is_k3d(m)})
+    if mine != checkpoint_layers:
+        own = sorted({cls for _, cls, k3d in built if not k3d})
+        raise FamilyError(f"k3client.vllm cannot compute the experts of model type {_model_type(model)!r} "
+                          f"(vLLM builds them with {', '.join(own) or 'no RoutedExperts'}; the checkpoint has "
+                          f"routed experts in layers {checkpoint_layers}); {SUPPORTED}")
 
 
 def _family(mod, names: set[str]):

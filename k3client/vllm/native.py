@@ -132,12 +132,17 @@ def load():
         return op
 
 
-def eligible(specs, family) -> bool:
-    """A gated layer whose gate/up/down are bf16 ``[N, K]`` with ``K % 16 == 0`` (what ``rowmm`` reads)."""
+def eligible(specs, family, tp: int = 1) -> bool:
+    """A gated layer whose gate/up/down are bf16 ``[N, K]`` with ``K % 16 == 0`` (what ``rowmm`` reads);
+    on a rank of ``tp`` tensor-parallel ranks the down projection's ``K`` is its shard, ``K / tp``
+    columns of the row-major view (``ranks.Shard``: strided, which ``rowmm`` takes)."""
     by = {s.name: s for s in specs}
     names = (family.gate_up,) if family.gate_up is not None else (family.gate, family.up)
     ts = [by.get(n) for n in (*names, family.down)]
-    return all(t is not None and t.dtype == "BF16" and len(t.shape) == 2 and t.shape[1] % 16 == 0 for t in ts)
+    if not all(t is not None and t.dtype == "BF16" and len(t.shape) == 2 and t.shape[1] % 16 == 0 for t in ts):
+        return False
+    down = ts[-1].shape[1]
+    return down % tp == 0 and (down // tp) % 16 == 0
 
 
 def gated_expert(op, math, views, x, reduced):

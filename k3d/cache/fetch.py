@@ -14,6 +14,8 @@ The loop validates a request and makes one call here, with the client's session:
 - ``report``: fetches the client answered itself from the shared index (each a
   layer, its experts and the slots it saw), applied as hits in order
   (``Store.report``), each traced as a fetch line;
+- ``done``: after a message's reports, the layers its client is done with this
+  token: their pins and claims go (``Store.release_layers``), a ``done`` trace line;
 - ``predict``: slots for predicted keys, read BACKGROUND, within the client's
   prediction room (pin quota, and the waste throttle below); none with
   ``--predict off`` (``client_predictions`` False);
@@ -114,6 +116,7 @@ class FetchService:
                     if msg:
                         raise ReadFailed(f"expert (layer {key[0]}, expert {key[1]}): {msg}")
         plan = store.fetch(s.holder, keys, now)
+        self._note_pins(s)
         if plan.new_loads:
             self._start(plan.new_loads, urgent=True, owner=s.client_id)
         for slot in plan.promote:     # its predicted reads not started yet: urgent, in its fair share
@@ -148,6 +151,8 @@ class FetchService:
         if not hits:
             return 0
         used, skipped = self.store.report_all(s.holder, hits, pin=not ends_epoch, quota=s.pin_quota)
+        if not ends_epoch:
+            self._note_pins(s)
         s.fetches += len(hits)
         if self.live.trace is not None:
             for (keys, _), prefetched in zip(hits, used):
@@ -157,6 +162,14 @@ class FetchService:
             self.auto.after_reports(s.client_id, hits)
             self.auto.cpu_ns += thread_time_ns() - t
         return skipped
+
+    def done(self, s: Session, layers: set[int], now: float) -> int:
+        """``s`` is done with ``layers`` this token (after the message's reports, which may
+        name them): its pins and claims of them go, its predictions not used yet stay
+        (``Store.release_layers``); the trace gets a ``done`` line.  Returns the pins dropped."""
+        if self.live.trace is not None:
+            self.live.trace.done(now, s.client_id, s.epoch, layers)
+        return self.store.release_layers(s.holder, layers)
 
     def predict(self, s: Session, keys, now: float) -> int:
         """Start background reads of ``keys`` not resident; returns how many started.
@@ -173,6 +186,8 @@ class FetchService:
             self.live.trace.predict(now, s.client_id, s.epoch, keys)
         started = store.predict(s.client_id, keys, now)
         s.pf_started += len(started)
+        if started:
+            self._note_pins(s)
         self._start(started, urgent=False, owner=s.client_id)
         return len(started)
 
@@ -185,6 +200,7 @@ class FetchService:
             self.live.trace.begin(now, s.client_id, s.epoch)
         released, unused = self.store.end_epoch(s.client_id, s.holder)
         released += skipped
+        s.end_step()
         if self.auto is not None:             # after the client's own, as k3d replay does
             t = thread_time_ns()
             self.auto.end_token(s.client_id)
@@ -202,6 +218,13 @@ class FetchService:
         s.pf_started = 0
         s.epoch += 1
         return released
+
+    def _note_pins(self, s: Session) -> None:
+        """``s.step_peak``: the most slots pinned for ``s`` this epoch (its fetches' and
+        reports' pins and its predictions'; they only grow at a fetch, a report, a prediction)."""
+        n = self.store.step_pins(s.client_id, s.holder)
+        if n > s.step_peak:
+            s.step_peak = n
 
     def settle(self, now: float) -> None:
         """After a request: free what no client can read any more, and make room ahead."""

@@ -107,7 +107,7 @@ def _not_late(holder, keys, seen, quota: int, key_slot, state, policy, reuse, st
             good_s.append(s)
         elif quota and s not in claims and len(policy.held(holder)) + len(claims) >= quota:
             stats.bad_reports += 1
-        elif not reuse.claim(client, s):
+        elif not reuse.claim(client, s, key[0]):
             stats.bad_reports += 1
         claims = reuse.claims(client)
     return good_k, good_s

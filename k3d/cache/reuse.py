@@ -9,8 +9,9 @@ only when this module says so.  The scheme is epoch-based reclamation (Fraser;
 RCU's grace periods), with the clients' messages as the quiescent points.
 
 The guarantee (what ``k3client`` promises its caller): a view, however it was
-answered, keeps its bytes until the client's next ``begin_token()`` or
-``close()``, with no time bound while the process lives.  A client that dies, or
+answered, keeps its bytes until the client's next ``begin_token()``, its release
+of that view's layer (``release_layer``: protocol 6 ``done``), or ``close()``,
+with no time bound while the process lives.  A client that dies, or
 stops heartbeating for its lease, loses everything (``sessions.py``).
 
 The client's obligations (``k3client/hits.py``; the model test plays them):
@@ -23,6 +24,10 @@ The client's obligations (``k3client/hits.py``; the model test plays them):
   (the lease thread sends one when the client is idle, so a long hold does not
   hold back reuse).
 - C3. It answers no more slots in a token than its pin quota.
+- C4. It releases a layer (``done``) only once it reads no view of that layer
+  from this token again; a lookup of the layer answered after the release was
+  queued and before it left cancels it (``LocalHits.answer``), so a message's
+  ``done`` never covers a report of a lookup made after it.
 
 What the daemon knows of each hit-path client (``Viewer``):
 - ``synced``: a lower bound on the retirement count of any slot the client may
@@ -34,8 +39,9 @@ What the daemon knows of each hit-path client (``Viewer``):
   moves ``synced`` (a late reply to a request it gave up on must not: it may
   have opened its window on a later one, and looked up since).
 - ``claims``: slots it reported reading this token whose key had left by then
-  (``cache/reported.py``); they count toward its pin quota and are dropped at its
-  next token.  A claim must be a slot the client could have read: waiting here,
+  (``cache/reported.py``), each with the layer of the key reported; they count
+  toward its pin quota and are dropped at its next token, or at its release of
+  that layer.  A claim must be a slot the client could have read: waiting here,
   retired after the client's ``synced`` before the message; anything else is a
   garbage report, refused and counted.
 
@@ -64,7 +70,11 @@ pinned for ``c``'s token; ``k`` gone means ``s`` waits here with ``r > synced``,
 so it is claimed.  Only then may ``synced`` move (``INF`` for a request: C1
 says ``c`` looks nothing up until its reply, whose count covers every later
 lookup; ``seen`` for a ``hits``: every lookup after it reads entries after that
-count).  Pins and claims last until ``c``'s next token, when the view ends.
+count).  Pins and claims last until ``c``'s next token, when the view ends, or
+until a message of ``c``'s whose ``done`` names ``k``'s layer is handled, after
+its reports: by C4 that release was queued after ``L``, and ``c`` reads the view
+no more; a lookup of the layer after it went is reported in a later message,
+handled after the ``done``, and pinned or claimed afresh.
 A timeout or interrupt leaves ``c``'s window closed (C1): it reads nothing new,
 and what it read was reported in the request it gave up on.  A re-attach is a
 new session; the old one's views are of the old arena's mapping.
@@ -92,6 +102,7 @@ class Viewer:
     pending: int | None = None        # id of the latest request, until its reply
     before: float = 0                 # ``synced`` when that request came: what its reports may claim
     claims: set[int] = field(default_factory=set)
+    claimed_layer: dict[int, int] = field(default_factory=dict)    # claimed slot -> layer of its report
 
 
 class Reuse:
@@ -155,13 +166,28 @@ class Reuse:
         floor = r.before if r.pending is not None else r.synced
         return slot in r.claims or self.limbo.get(slot, -1) > floor
 
-    def claim(self, client: int, slot: int) -> bool:
-        """Keep ``slot`` from reuse until ``client``'s next token; False (refused) when it
-        could not have read it."""
+    def claim(self, client: int, slot: int, layer: int = -1) -> bool:
+        """Keep ``slot`` from reuse until ``client``'s next token, or its release of
+        ``layer`` (the layer of the key it reported there); False (refused) when it could
+        not have read it."""
         if not self.claimable(client, slot):
             return False
-        self.viewers[client].claims.add(slot)
+        r = self.viewers[client]
+        r.claims.add(slot)
+        r.claimed_layer[slot] = layer
         return True
+
+    def release_layers(self, client: int, layers) -> int:
+        """``client`` is done with ``layers`` for this token: its claims of slots it reported
+        under them end (the slots may be reused once no one else holds them); returns how many."""
+        r = self.viewers.get(client)
+        if r is None or not r.claims:
+            return 0
+        gone = [s for s, layer in r.claimed_layer.items() if layer in layers]
+        for s in gone:
+            r.claims.discard(s)
+            del r.claimed_layer[s]
+        return len(gone)
 
     def claims(self, client: int) -> set[int]:
         r = self.viewers.get(client)
@@ -171,6 +197,7 @@ class Reuse:
         r = self.viewers.get(client)
         if r is not None:
             r.claims.clear()
+            r.claimed_layer.clear()
 
     # -- slots --------------------------------------------------------------------
     def unpublished(self) -> None:

@@ -18,10 +18,12 @@ Thread: the server thread owns the registry; no locking.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 log = logging.getLogger("k3d")
 
 REAP_INTERVAL = 0.5      # seconds between liveness checks
+RECENT_STEPS = 256       # ended epochs whose pin peaks status lists in order (``step_pins.recent``)
 
 
 def start_ticks(pid: int) -> int | None:
@@ -68,6 +70,9 @@ class Session:
         "pid",
         "routing",
         "started",
+        "step_peak",
+        "step_pins",
+        "step_recent",
     )
 
     def __init__(self, routing, client_id, name, pid, started, now, lease_s=0.0):
@@ -87,6 +92,32 @@ class Session:
         self.paced, self.paced_s = 0, 0.0
         self.unbilled = 0.0        # CPU seconds spent for it that the pacer has not been told yet
         self.over_cap = 0          # requests refused: it had wire.MAX_QUEUED waiting (k3d/serve/intake.py)
+        # Slots pinned for it (its epoch's and its predictions') at most so far this epoch; per
+        # ended epoch, how many ended with each peak, and the last RECENT_STEPS peaks in order
+        # (status ``step_pins``; cache/fetch.py)
+        self.step_peak = 0
+        self.step_pins: dict[int, int] = {}
+        self.step_recent: deque[int] = deque(maxlen=RECENT_STEPS)
+
+    def end_step(self) -> None:
+        """Its epoch ended: its peak goes into ``step_pins`` and ``step_recent``."""
+        self.step_pins[self.step_peak] = self.step_pins.get(self.step_peak, 0) + 1
+        self.step_recent.append(self.step_peak)
+        self.step_peak = 0
+
+    def step_summary(self) -> dict:
+        """``{steps, max, median, recent}`` of the pins its ended epochs peaked at (status;
+        ``recent``: the last ``RECENT_STEPS`` in order)."""
+        n = sum(self.step_pins.values())
+        if not n:
+            return {"steps": 0, "max": 0, "median": 0, "recent": []}
+        seen, median = 0, 0
+        for peak in sorted(self.step_pins):
+            seen += self.step_pins[peak]
+            if 2 * seen >= n:
+                median = peak
+                break
+        return {"steps": n, "max": max(self.step_pins), "median": median, "recent": list(self.step_recent)}
 
     @property
     def holder(self):

@@ -13,7 +13,9 @@ Slot states and transitions (the server thread is the only caller)::
 Determinism: the policy hears of a key when it is *requested* (``insert`` for a
 miss or a prediction, ``touch`` for a hit or a key still loading), once per key, in
 request order, never when a read completes; a prediction is pinned under
-``("predict", client)`` until that client's next ``end_epoch``.  So victims and
+``("predict", client)`` until that client's next ``end_epoch``; a client's fetch
+pins last until its next ``end_epoch`` or its release of their layer
+(``release_layers``, a ``done`` line in the trace).  So victims and
 counters (hits, misses, evictions, prefetched, prefetch_hits, prefetch_unused) are
 a function of the request sequence alone, which ``k3d replay`` reproduces.  The one
 exception is physical: a LOADING slot is never a victim; when the policy's choice is
@@ -28,7 +30,8 @@ Invariants:
   failed ``complete``).
 - A LOADING slot is never evicted, never named in a reply, never read by a
   client; it leaves LOADING only when every part of its read has reported.
-- A pinned slot (any ``(client, epoch)`` holder) is never evicted.
+- A pinned slot (any ``(client, epoch)`` holder) is never evicted; so it keeps the
+  key it was pinned for, and ``release_layers`` finds a layer's pins by their keys.
 - Checks that can fail (validation, cache full, quota: ``k3d.cache.refusals``)
   run before any change, so a refused fetch changes nothing.
 
@@ -128,6 +131,11 @@ class Store:
     def pins(self, holder) -> int:
         """How many slots ``holder`` (client, epoch) pins now."""
         return len(self.policy.held(holder))
+
+    def step_pins(self, client: int, holder) -> int:
+        """How many slots ``holder`` (client, epoch) and ``client``'s predictions pin now."""
+        held, predicted = self.policy.held(holder), self.policy.held((PREDICT, client))
+        return len(held | predicted) if predicted else len(held)
 
     # -- fetch --------------------------------------------------------------
     def fetch(self, holder, keys: list[tuple[int, int]], now: float = 0.0) -> FetchPlan:
@@ -329,6 +337,29 @@ class Store:
             self.policy.demote(s)
         self._unused(client, [self.slot_key[s] for s in unused])
         return released, len(unused)
+
+    def release_layers(self, holder, layers) -> int:
+        """``holder``'s client is done with ``layers`` (a set) for this epoch: its pins of
+        slots holding their keys go, and its claims of slots reported under them
+        (``Reuse.release_layers``).  Its predictions not used yet stay pinned under
+        ``(PREDICT, client)`` until ``end_epoch`` judges them; a used one (a fetch took
+        it: out of the ``book``, already counted) is no prediction any more, and its
+        pin goes with its layer, as does one of the daemon's own predictions for the
+        client (``auto_id``: ``-1 - client``).  A pinned slot keeps its key (it is
+        never evicted), so a slot's key names the layer it was pinned for.  Returns the
+        pins dropped (counted in ``pins_done``)."""
+        key_of, policy, outstanding = self.slot_key, self.policy, self.book.predicted_by
+        client = holder[0]
+        mine = sorted(s for s in policy.held(holder) if key_of[s][0] in layers)
+        n = policy.release_some(holder, mine) if mine else 0
+        for who in (client, -1 - client):
+            used = sorted(s for s in policy.held((PREDICT, who)) if s not in outstanding and key_of[s][0] in layers)
+            if used:
+                n += policy.release_some((PREDICT, who), used)
+        self.reuse.release_layers(client, layers)
+        self.stats.layers_done += len(layers)
+        self.stats.pins_done += n
+        return n
 
     def _unused(self, client: int, keys: list) -> None:
         """Predictions of ``keys`` by ``client`` were never used (still resident)."""

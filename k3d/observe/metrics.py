@@ -57,6 +57,8 @@ HELP = {
     "bad_reports": "reported hits refused: slots the client could not have read in its window, or over its pin quota",
     "slots_busy": "fetches told to retry: the slots they needed waited until other clients' views ended",
     "evicted_ahead": "evictions made ahead of misses while several clients answer hits themselves",
+    "layers_done": "layers clients released mid-token, their compute done (protocol 6 done)",
+    "pins_done": "pins those layer releases dropped before their clients' next token",
     "replies_dropped": "replies not sent as they were: the client's queue was full (it is not reading), "
                        "or the reply could not be encoded (an error reply went instead)",
 }

@@ -44,6 +44,8 @@ class Counters:
     bad_reports: int = 0        # reported slots refused: the client could not have read them, or over its quota
     slots_busy: int = 0         # fetches told to retry: the slots they needed still waited for reuse
     evicted_ahead: int = 0      # evictions made ahead of misses while several clients read the index
+    layers_done: int = 0        # layers clients said they were done with mid-token (``done``)
+    pins_done: int = 0          # pins those releases dropped before the clients' next token
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -18,7 +18,9 @@ sections may be added, existing fields keep their meaning):
   (``hit_path``: ``client`` from the shared index, or ``daemon``), with its recent CPU share of the
   daemon (``cpu_share``), how often and how long it was held back (``pacing.py``), its
   requests waiting their turn (``queued``) and those refused over the cap (``over_cap``,
-  ``serve/intake.py``);
+  ``serve/intake.py``), and ``step_pins``: over its ended epochs (``steps``), the most
+  slots each had pinned for it at once (its pins and predictions), ``max``, ``median``,
+  and the last 256 in order (``recent``);
 - ``policy`` (its name), ``predict`` (auto, client or off), ``prediction``
   (quality in total, per client id, and the daemon's own predictions: ``quality.py``),
   ``warm`` (the state file and the warm restart's pre-load progress);
@@ -73,7 +75,7 @@ def build(srv, now: float) -> dict:
                   "reserve": srv.store.reserve, "held_by": srv.store.reuse.holders()},
         "clients": [{"name": s.name, "id": s.client_id, "pid": s.pid, "epoch": s.epoch,
                      "hit_path": "client" if s.hit_path else "daemon",
-                     "pins": srv.store.pins(s.holder), "fetches": s.fetches,
+                     "pins": srv.store.pins(s.holder), "step_pins": s.step_summary(), "fetches": s.fetches,
                      "idle_s": round(now - s.last_seen, 3),
                      "cpu_share": round(pacer.usage(s.client_id, now) / total_cpu, 4) if total_cpu else 0.0,
                      "paced": s.paced, "paced_s": round(s.paced_s, 3),

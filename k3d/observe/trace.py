@@ -7,6 +7,7 @@ Fields are separated by single spaces::
     <µs> c=<client> t=<epoch> L<layer> n=<keys> miss=<m> evict=<e> wait=<w> pf=<p> pfu=<u> <id> <id> ...
     <µs> c=<client> t=<epoch> predict <layer>:<expert> <layer>:<expert> ...
     <µs> c=<client> t=<epoch> auto [<layer>:<expert> ...]
+    <µs> c=<client> t=<epoch> done <layer> <layer> ...
     <µs> c=<client> t=<epoch> begin
     <µs> c=<client> bye
 
@@ -17,6 +18,9 @@ Fields are separated by single spaces::
   go), ``bye`` its leaving or being dropped.  ``predict`` lines are predictions, from
   ``predict`` or from a fetch's ``predicted`` (written after the fetch, as they are
   applied).
+- A ``done`` line is the client's release of those layers mid-token (protocol 6
+  ``done``): its pins of their slots go then, not at its next ``begin``.  It is
+  written where the daemon applied it: after that message's reported fetches.
 - ``auto`` lines are the daemon's own predictions for the client (``--predict auto``),
   written after every fetch and its ``predict`` line, even when empty: they mark
   where the daemon's predictor ran, so ``k3d replay`` runs it at the same point.
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("k3d")
 
-FETCH, PREDICT, AUTO, BEGIN, BYE = "fetch", "predict", "auto", "begin", "bye"
+FETCH, PREDICT, AUTO, BEGIN, BYE, DONE = "fetch", "predict", "auto", "begin", "bye", "done"
 COUNTERS = ("miss", "evict", "wait", "pf", "pfu")
 
 
@@ -87,6 +91,9 @@ class RouteTrace:
         ids = "".join(f" {l}:{e}" for l, e in keys)
         self._write(f"{self._head(now, client, epoch)} auto{ids}\n")
 
+    def done(self, now: float, client: int, epoch: int, layers) -> None:
+        self._write(f"{self._head(now, client, epoch)} done {' '.join(map(str, sorted(layers)))}\n")
+
     def begin(self, now: float, client: int, epoch: int) -> None:
         self._write(f"{self._head(now, client, epoch)} begin\n")
 
@@ -100,11 +107,12 @@ class RouteTrace:
 
 @dataclass(slots=True)
 class Event:
-    kind: str                          # FETCH, PREDICT, AUTO, BEGIN or BYE
+    kind: str                          # FETCH, PREDICT, AUTO, BEGIN, BYE or DONE
     client: int
     keys: list = field(default_factory=list)
     counts: tuple | None = None        # a fetch's recorded (miss, evict, wait, pf, pfu), if any
     us: int = 0
+    layers: tuple = ()                 # a DONE event's layers
 
 
 def _key(tok: str, layer: int | None) -> tuple[int, int]:
@@ -117,7 +125,8 @@ def _key(tok: str, layer: int | None) -> tuple[int, int]:
 
 
 def parse_line(line: str):
-    """(us, client | None, epoch | None, kind, layer, keys, counters) of one line."""
+    """(us, client | None, epoch | None, kind, keys, counters) of one line (a ``done``
+    line's keys: its layers, as ints)."""
     toks = line.split()
     if not toks:
         return None
@@ -128,11 +137,15 @@ def parse_line(line: str):
     for tok in toks[1:]:
         if tok.isdigit() and layer is not None:       # the common case: an expert id
             keys.append((layer, int(tok)))
+        elif kind == DONE:
+            if not tok.isdigit():
+                raise ValueError(f"{tok!r} is not a layer number")
+            keys.append(int(tok))
         elif tok.startswith("c="):
             client = int(tok[2:])
         elif tok.startswith("t="):
             epoch = int(tok[2:])
-        elif tok in (PREDICT, AUTO, BEGIN, BYE):
+        elif tok in (PREDICT, AUTO, BEGIN, BYE, DONE):
             kind = tok
         elif tok[0] == "L":
             layer = int(tok[1:])
@@ -149,6 +162,10 @@ def parse_line(line: str):
         raise ValueError("a predict line without keys")
     if "n" in counts and kind == FETCH and counts["n"] != len(keys):
         raise ValueError(f"n={counts['n']} but {len(keys)} expert ids")
+    if kind == DONE:
+        if not keys:
+            raise ValueError("a done line without layers")
+        return us, client, epoch, kind, keys, None
     if any(l < 0 or e < 0 for l, e in keys):
         raise ValueError("negative layer or expert")
     recorded = tuple(counts.get(c, 0) for c in COUNTERS) if kind == FETCH and "miss" in counts else None
@@ -188,6 +205,9 @@ def parse(lines, name: str = "trace") -> list[Event]:
             epoch[client] = ep
         elif kind == FETCH and untagged and client in last_layer and keys[0][0] <= last_layer[client]:
             events.append(Event(BEGIN, client, us=us))
+        if kind == DONE:
+            events.append(Event(DONE, client, us=us, layers=tuple(keys)))
+            continue
         if kind == FETCH:
             last_layer[client] = keys[0][0]
         events.append(Event(kind, client, keys, recorded, us))

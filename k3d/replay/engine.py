@@ -7,7 +7,8 @@ so the result is the deterministic one the daemon reproduces when no background
 read is slower than a token (``loading_skips == 0``).
 
 Events come from ``k3d.observe.trace.parse``: fetch (pinned under (client, epoch)),
-predict, begin (``end_epoch``), bye.  OPT replays fetches only.
+predict, done (``release_layers``: the client's pins of those layers go), begin
+(``end_epoch``), bye.  OPT replays fetches only.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from k3d.cache.predict.private import PerClient
 from k3d.cache.store import Store
 from k3d.memory.index import NoIndex
 from k3d.observe.stats import PredictionStats
-from k3d.observe.trace import AUTO, BEGIN, BYE, FETCH, PREDICT
+from k3d.observe.trace import AUTO, BEGIN, BYE, DONE, FETCH, PREDICT
 
 
 class ReplayError(ValueError):
@@ -81,6 +82,11 @@ def min_slots(events) -> int:
             best = max(best, total)
         elif ev.kind in (BEGIN, BYE):
             total -= len(held.pop(ev.client, ()))
+        elif ev.kind == DONE and ev.client in held:
+            mine = held[ev.client]
+            gone = {k for k in mine if k[0] in ev.layers}
+            mine -= gone
+            total -= len(gone)
     return best
 
 
@@ -187,6 +193,8 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
                 complete(s, None)
             if auto is not None:
                 pending = [c, ev.keys, plan.slots, 0, False]
+        elif kind == DONE:
+            store.release_layers((c, epoch.get(c, 0)), set(ev.layers))
         elif kind == PREDICT:
             if predictions:
                 predict(c, ev.keys)

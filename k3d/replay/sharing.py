@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 
-from k3d.observe.trace import BEGIN, FETCH, PREDICT, Event
+from k3d.observe.trace import BEGIN, DONE, FETCH, PREDICT, Event
 from k3d.replay.engine import layers_of, min_slots, run
 
 
@@ -31,7 +31,7 @@ def tokens_of(events) -> list[list[Event]]:
             if cur:
                 out.append(cur)
             cur = []
-        elif ev.kind in (FETCH, PREDICT):
+        elif ev.kind in (FETCH, PREDICT, DONE):
             cur.append(ev)
     if cur:
         out.append(cur)
@@ -43,7 +43,7 @@ def client_events(tokens, client: int, start: int) -> list[Event]:
     seq: list[Event] = []
     for t in range(n):
         for ev in tokens[(start + t) % n]:
-            seq.append(Event(ev.kind, client, ev.keys))
+            seq.append(Event(ev.kind, client, ev.keys, layers=ev.layers))
         seq.append(Event(BEGIN, client))
     return seq
 

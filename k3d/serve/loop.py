@@ -225,8 +225,8 @@ class Server:
         refused in one line.  The client's sync point (``cache/reuse.py``) stays where it
         is: no ``waiting``, no reply that moves it, and a ``seen`` is ignored, since its
         earlier messages still wait with reports of lookups made before that count."""
-        if s is not None and msg.get("hits") is not None:
-            self.cache.report(s, self._hits(msg), time.monotonic())
+        if s is not None and (msg.get("hits") is not None or msg.get("done") is not None):
+            self._reports(s, msg, time.monotonic())
         if msg.get("op") == "hits":
             return NO_REPLY
         raise BadRequest(f"more than {wire.MAX_QUEUED} requests queued from this client; "
@@ -279,6 +279,16 @@ class Server:
     def _hits(self, msg: dict):
         return wire.hits(msg, self.source, self.arena.slots)
 
+    def _reports(self, s: Session, msg: dict, now: float) -> None:
+        """The message's hit reports, then its ``done`` layers (protocol 6): a report may
+        name a layer the same message releases (the client read it before it was done)."""
+        self.cache.report(s, self._hits(msg), now)
+        done, bad = wire.done(msg, self.source)
+        if done:
+            self.cache.done(s, done, now)
+        if bad:
+            raise BadRequest(bad)
+
     @staticmethod
     def _attached(s: Session | None) -> Session:
         if s is None:
@@ -317,7 +327,9 @@ class Server:
         as_ready?: bool} -> {slots: [...]}, after parts {part: [indices], slots: [...]} with ``as_ready``.
 
         ``hits`` first: fetches the client answered itself (``[layer, [experts],
-        [slots seen]]`` each, in order), applied as hits.  Then the keys: hits are
+        [slots seen]]`` each, in order), applied as hits; then ``done`` (protocol 6):
+        layers the client is done with this token, whose pins and claims go
+        (``cache/fetch.py``; also read by ``hits``, ``predict`` and ``status``).  Then the keys: hits are
         touched and pinned under (client, epoch); keys being read are waited on
         (hit + waited); misses take free or evicted slots and are read URGENT, split
         into parts across readers.  Replies once every key is ready, slots in
@@ -331,7 +343,7 @@ class Server:
         Errors: cache full (nothing changes), slots busy (retry),
         quota, unknown or duplicate keys, a failed read."""
         s = self._attached(s)
-        self.cache.report(s, self._hits(msg), time.monotonic())     # first: nothing below may lose them
+        self._reports(s, msg, time.monotonic())     # first: nothing below may lose them
         keys = self._keys(msg, "keys", unique=True)
         if not keys:
             raise BadRequest("fetch of zero keys")
@@ -347,7 +359,7 @@ class Server:
         return DEFERRED
 
     def op_hits(self, s, routing, msg, frame, t0):
-        """hits {hits: [...], seen?: int} -> no reply.
+        """hits {hits: [...], seen?: int, done?: [layer, ...]} -> no reply.
 
         A client that answered many fetches itself reports them (as ``fetch``'s
         ``hits``) without waiting for its next request.  ``seen``: the index's
@@ -355,7 +367,7 @@ class Server:
         thread sends one while it computes): slots retired up to it may be reused
         unless these reports pinned or claimed them (``k3d/cache/reuse.py``)."""
         s = self._attached(s)
-        self.cache.report(s, self._hits(msg), time.monotonic())
+        self._reports(s, msg, time.monotonic())
         if "seen" in msg and s.hit_path and not self.store.reuse.seen(s.client_id, msg["seen"]):
             self.stats.bad_reports += 1
             raise BadRequest(f"hits: seen {str(msg['seen'])[:40]} is not a retirement count of this index")
@@ -371,11 +383,12 @@ class Server:
         throttle of ``cache/fetch.py`` applies."""
         s = self._attached(s)
         now = time.monotonic()
-        self.cache.report(s, self._hits(msg), now)
+        self._reports(s, msg, now)
         return {"queued": self.cache.predict(s, self._keys(msg, "keys", unique=False), now)}
 
     def op_begin_token(self, s, routing, msg, frame, t0):
-        """begin_token {hits?: [...]} -> {epoch, released}: next epoch; the previous epoch's pins go."""
+        """begin_token {hits?: [...]} -> {epoch, released}: next epoch; the previous epoch's pins go
+        (a ``done`` here is ignored: every pin of the epoch goes)."""
         s = self._attached(s)
         released = self.cache.begin_token(s, self._hits(msg))
         return {"epoch": s.epoch, "released": released}
@@ -398,7 +411,7 @@ class Server:
         """status {hits?} -> {status: {...}}; needs no hello (k3ctl uses it).  An attached
         client's reports are applied first, so its status counts its own hits."""
         if s is not None:
-            self.cache.report(s, self._hits(msg), time.monotonic())
+            self._reports(s, msg, time.monotonic())
         return {"status": self.status()}
 
     def op_bye(self, s, routing, msg, frame, t0):

@@ -259,6 +259,26 @@ def hits(msg: dict, source, slots: int) -> list[tuple[list[tuple[int, int]], lis
     return out
 
 
+def done(msg: dict, source) -> tuple[set[int], str | None]:
+    """``msg["done"]``: the layers a client is done with this token (protocol 6) that
+    ``source`` serves (an empty set when absent), and the error for the rest (None if
+    none).  The caller releases the good ones before it refuses the message: the client
+    stopped counting their slots toward its quota when it sent them (``k3client/hits.py``),
+    so keeping them pinned would refuse its later hits (nothing would keep their slots)."""
+    raw = msg.get("done")
+    if raw is None:
+        return set(), None
+    if type(raw) is not list or not set(map(type, raw)) <= _INT:
+        raise BadRequest(f"done must be a list of layer numbers, not {str(raw)[:80]}")
+    out = set(raw)
+    bad = out - _dense(source.keys).keys()
+    if bad:     # (rare: a layer whose experts are not 0..n-1 is looked up key by key)
+        bad -= {layer for layer, _ in source.keys if layer in bad}
+    if bad:
+        return out - bad, f"done: layer {min(bad)} is not a layer of the model this daemon serves"
+    return out, None
+
+
 _dense_of: list = [None, 0, {}]       # (the source's key dict, its size, its _dense table)
 
 

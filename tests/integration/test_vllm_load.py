@@ -77,3 +77,44 @@ def test_gpt_oss_mxfp4_is_one_line_where_vllm_cpu_has_no_mxfp4_kernel():
     assert "FamilyError" in last and "'gpt_oss'" in last and "MXFP4" in last and "AMX" in last, err[-3000:]
     assert "plain vLLM 0.32" in last and "no AMX" in last
     assert "gpt-oss bf16" in last                  # what it does compute
+
+
+def test_compile_on_a_cpu_engine_is_one_line_before_any_weight_is_read():
+    """Issue 33: vLLM's CPU build compiles by default (``DYNAMO_TRACE_ONCE``), which would trace
+    into the k3d client; without ``enforce_eager`` the plugin refuses in one line, before it
+    connects (the endpoint here has no daemon) and before any weight is read."""
+    path = checkpoint("qwen3_moe", split=True)
+    shards = [os.path.join(path, n) for n in ("rest.safetensors", "experts.safetensors")]
+    for s in shards:
+        _drop_cache(s)
+    rc, last, err = run_engine_script(path, {"endpoint": f"ipc://{SCRATCH}/vllm-none.sock"}, enforce_eager=False)
+    assert rc != 0
+    assert "torch.compile (DYNAMO_TRACE_ONCE)" in last and "enforce_eager=True" in last, err[-3000:]
+    for s in shards:
+        assert _resident_pages(s, 0)[0] == 0, f"{s} was read before the refusal"
+
+
+# what vllm#53153 fixes: a vLLM whose model code builds its layers from a registry the plugin's
+# register_oot did not write (the hardware-agnostic layers under VLLM_USE_HW_AGNOSTIC=1); vLLM
+# 0.32 reads the in-tree registry for RoutedExperts, so the bypass is made here the way such a
+# vLLM behaves: the plugin registers, and the registry vLLM builds from has no entry for it
+BYPASS = ("from vllm.plugins import load_general_plugins\n"
+          "load_general_plugins()\n"
+          "from vllm.model_executor.custom_op import op_registry_oot\n"
+          "from k3client.vllm.experts import REPLACED\n"
+          "for name in REPLACED:\n"
+          "    op_registry_oot.pop(name)\n")
+
+
+def test_bypassed_experts_registration_is_one_line_before_weights_load():
+    path = checkpoint("qwen3_moe")
+    d = spawn_daemon(path, "--arena", "8MiB")
+    try:
+        rc, last, err = run_engine_script(path, {"endpoint": d.endpoint}, prelude=BYPASS,
+                                          env={"VLLM_USE_HW_AGNOSTIC": "1"})
+    finally:
+        d.stop()
+    assert rc != 0
+    assert "vLLM built its own RoutedExperts" in last and "VLLM_USE_HW_AGNOSTIC=1" in last, err[-3000:]
+    assert "vllm#53153" in last
+    assert "Loading weights took" not in err           # DefaultModelLoader's line after load_weights

@@ -55,9 +55,12 @@ def _vllm_ipc_files():
     before, shm_before = set(os.listdir(tmp)), set(os.listdir(SHM))
     yield
     # Python shared-memory segments (``/dev/shm/psm_*``, hundreds of MiB each) of vLLM
-    # processes this module killed: nobody unlinks them.  Only new ones that no live
-    # process maps go (a concurrent run's segments in use are left alone).
-    for name in _unmapped({n for n in set(os.listdir(SHM)) - shm_before if n.startswith("psm_")}):
+    # processes this module killed, and the CPU build's tensor-parallel all-reduce buffers
+    # (``/dev/shm/vllm_dist_*-cpushm_*``, 4 MiB per rank, left by every TP engine's shutdown):
+    # nobody unlinks them.  Only new ones that no live process maps go (a concurrent run's
+    # segments in use are left alone).
+    new = {n for n in set(os.listdir(SHM)) - shm_before if n.startswith(("psm_", "vllm_dist_"))}
+    for name in _unmapped(new):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(SHM, name))
     for name in set(os.listdir(tmp)) - before:
@@ -149,11 +152,13 @@ def plain_engine(path: str, max_num_seqs: int = 4, dtype: str = "float32"):
 
 
 @contextlib.contextmanager
-def engine(path: str, k3d: dict | None = None, max_num_seqs: int = 4, dtype: str = "float32"):
-    """vLLM's ``LLM`` on ``path`` (with ``additional_config={"k3d": k3d}`` when given), shut down after."""
+def engine(path: str, k3d: dict | None = None, max_num_seqs: int = 4, dtype: str = "float32", **kwargs):
+    """vLLM's ``LLM`` on ``path`` (with ``additional_config={"k3d": k3d}`` when given), shut down after;
+    ``kwargs`` go to ``LLM`` as they are (``tensor_parallel_size``, ...)."""
     from vllm import LLM
 
     extra = {"additional_config": {"k3d": k3d}} if k3d is not None else {}
+    extra.update(kwargs)
     llm = LLM(model=path, enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, skip_tokenizer_init=True,
               dtype=dtype, max_model_len=128, max_num_seqs=max_num_seqs, seed=0, **extra)
     try:
@@ -188,16 +193,20 @@ def expert_params(model) -> list[str]:
     return [n for n, _ in model.named_parameters() if n.endswith(("w13_weight", "w2_weight", "w13_bias", "w2_bias"))]
 
 
-def run_engine_script(path: str, k3d: dict | None, timeout: float = 300, dtype: str = "float32"):
+def run_engine_script(path: str, k3d: dict | None, timeout: float = 300, dtype: str = "float32",
+                      prelude: str = "", env: dict | None = None, **engine_args):
     """A fresh Python that builds an in-process engine (no engine-core child) and exits: its stderr's last line.
-    ``k3d`` None: plain vLLM (no additional_config)."""
+    ``k3d`` None: plain vLLM (no additional_config); ``prelude``: code run before the engine is built;
+    ``env``: extra environment; ``engine_args``: ``LLM`` arguments over the defaults (e.g. ``enforce_eager=False``)."""
     import subprocess
 
     extra = f", additional_config={{'k3d': {k3d!r}}}" if k3d is not None else ""
-    code = ("from vllm import LLM\n"
-            f"LLM(model={path!r}, enforce_eager=True, kv_cache_memory_bytes={KV_BYTES}, skip_tokenizer_init=True,"
+    args = {"enforce_eager": True, **engine_args}
+    extra += "".join(f", {k}={v!r}" for k, v in args.items())
+    code = (f"{prelude}\nfrom vllm import LLM\n"
+            f"LLM(model={path!r}, kv_cache_memory_bytes={KV_BYTES}, skip_tokenizer_init=True,"
             f" dtype={dtype!r}, max_model_len=128, max_num_seqs=1{extra})\n")
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
                        check=False)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]

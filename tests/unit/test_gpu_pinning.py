@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from fake_cuda import FakeCuda
-from k3client.gpu import guards, pinning
+from k3client.gpu import pinning
 from k3client.gpu.cuda import REGISTER_PORTABLE, REGISTER_READ_ONLY, describe
 
 PAGE = 4096
@@ -125,39 +125,3 @@ def test_per_device_sync_covers_every_device_with_work():
 def test_errors_are_named_in_words():
     assert describe(712, "already mapped") == "cudaErrorHostMemoryAlreadyRegistered (712: already mapped)"
     assert describe(4242) == "cudaError (4242)"
-
-
-@pytest.mark.parametrize("device,eager,graphs,compiled,refused", [
-    ("cuda", False, "FULL_AND_PIECEWISE", "VLLM_COMPILE", True),
-    ("cuda", False, "NONE", "VLLM_COMPILE", True),
-    ("cuda", False, "PIECEWISE", "NONE", True),
-    ("cuda", True, "FULL_AND_PIECEWISE", "VLLM_COMPILE", False),
-    ("cuda", False, "NONE", "NONE", False),
-    ("cpu", False, "NONE", "VLLM_COMPILE", False),
-])
-def test_vllm_on_cuda_refuses_graphs_and_compile_without_enforce_eager(device, eager, graphs, compiled, refused):
-    why = guards.vllm_refusal(device, eager, graphs, compiled)
-    assert (why is not None) == refused
-    if refused:
-        assert "\n" not in why and "enforce_eager=True" in why
-
-
-def test_vllm_guard_reads_a_real_engine_config():
-    pytest.importorskip("vllm")
-    from vllm.config import CompilationConfig
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode
-
-    class Cfg:
-        class device_config:
-            device_type = "cuda"
-
-        class model_config:
-            enforce_eager = False
-
-        compilation_config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
-                                               cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
-
-    why = guards.vllm_config_refusal(Cfg)
-    assert "CUDA graphs (FULL_AND_PIECEWISE) and compilation (VLLM_COMPILE)" in why
-    Cfg.model_config.enforce_eager = True
-    assert guards.vllm_config_refusal(Cfg) is None

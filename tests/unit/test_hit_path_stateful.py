@@ -19,24 +19,36 @@ what the daemon does, one message at a time:
   timeout) with the parts' views still held;
 - a client's lease thread sends its reports and ``seen`` (``LocalHits.sync``) on
   its request socket (also between the parts of a stream: the client's thread
-  holds the socket only while it waits for one), and a client flushes reports
-  (``hits``) without waiting;
+  holds the socket only while it waits for one), or fails to (``unsend``) while
+  the client's thread answers a fetch, and a client flushes reports (``hits``)
+  without waiting;
 - the daemon handles a client's next message in order, as ``serve/loop.py``
   does: ``waiting`` for a request, then its reports, then the op; a fetch with
   misses is parked until its reads finish, then answered (re-pinned if the
   client has begun a token since);
 - a client **holds** its views for as long as hypothesis likes: nothing but its
-  own ``begin_token`` ends them (there is no clock: no lease bound);
+  own ``begin_token``, or its release of their layer, ends them (there is no
+  clock: no lease bound);
+- a client **releases** a layer (``LocalHits.release``, protocol 6 ``done``), also
+  between the parts of a stream (one of that layer then ends, as
+  ``Client.release_layer`` ends it): its next message says so, after that
+  message's reports; the daemon unpins the layer's slots and drops its claims of them.  The views of that layer it took
+  before are set aside: it keeps "reading" them (``released``), as a client
+  that breaks its obligation would, and nothing is promised for them; a fetch of
+  the layer after the release is a new view, promised again;
 - read completions and failed reads (their entries cleared, their fetches
   answered ``ReadFailed``), the daemon settling (reclaim, make room), a client
   dying, a client attaching, the daemon restarting (every client re-attaches;
   views of the old arena keep the old mapping, which nobody writes);
 - a misbehaving client sending reports of slots it never read and ``seen``
-  counts it never saw.
+  counts it never saw, and a client releasing layers whose views it still reads
+  (applied at once, out of turn: its own views of them are set aside).
 
 Invariant (the guarantee): every view an honest client holds in its current
-token shows the key it was taken for: the slot was neither rewritten nor given to
-another key.  An honest client's ``seen`` is never refused (it would hold reuse
+token, of a layer it has not released since, shows the key it was taken for: the
+slot was neither rewritten nor given to another key.  So a rewritten byte can be
+seen only through a view its client released (``released``), never through
+another client's view, released or not.  An honest client's ``seen`` is never refused (it would hold reuse
 back).  And the store's own invariants (``Store.check``: the count clients read
 is the count ``Reuse`` keeps), plus: a slot waiting for reuse is in neither the
 free list nor the index.
@@ -71,8 +83,10 @@ class Client:
         self.inbox: list = []        # replies: (rid, ok, slots or None, keys)
         self.waiting = None          # the rid it waits for
         self.streaming = False       # ... and it is an as_ready fetch (parts come first)
+        self.stream_layer = None     # ... of this layer
         self.rid = 0
         self.views: list = []        # (slot, key, written)
+        self.released: list = []     # views of layers it released this token, still read (nothing promised)
 
 
 class HitPathMachine(RuleBasedStateMachine):
@@ -128,10 +142,13 @@ class HitPathMachine(RuleBasedStateMachine):
     def send(self, c, op, **fields):
         c.hits.open = False
         c.rid += 1
-        c.outbox.append({"op": op, "rid": c.rid, "hits": c.hits.take().get("hits", []), **fields})
+        taken = c.hits.take()
+        c.outbox.append({"op": op, "rid": c.rid, "hits": taken.get("hits", []), "done": taken.get("done", []),
+                         **fields})
         c.hits.sent()
         c.waiting = c.rid
         c.streaming = bool(fields.get("as_ready"))
+        c.stream_layer = fields["keys"][0][0] if c.streaming else None
 
     @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st, as_ready=st.booleans())
     def send_fetch(self, data, layer, experts, as_ready):
@@ -146,9 +163,26 @@ class HitPathMachine(RuleBasedStateMachine):
             self.begin(c)
 
     def begin(self, c):
-        c.hits.new_token()
         c.views = []                        # the caller's views of the token end here
+        c.released = []
         self.send(c, "begin_token")
+        c.hits.new_token()                  # (as Client._call: after the message is taken)
+
+    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1))
+    def release_layer(self, data, layer):
+        """The client is done with ``layer`` (its compute ran): ``Client.release_layer``."""
+        c = self.pick(data, lambda c: c.waiting is None or c.streaming)
+        if c is not None:
+            self.release_layer_of(c, layer)
+
+    def release_layer_of(self, c, layer):
+        if c.streaming and c.stream_layer == layer:
+            # Client.release_layer ends a stream of the layer: no part after it is read
+            # (the window stays shut until the next request's reply)
+            c.waiting, c.streaming = None, False
+        c.hits.release(layer)
+        c.released += [v for v in c.views if v[1][0] == layer]
+        c.views = [v for v in c.views if v[1][0] != layer]
 
     @rule(data=st.data())
     def give_up(self, data):
@@ -181,7 +215,7 @@ class HitPathMachine(RuleBasedStateMachine):
             return
         c.hits.open = True
         if slots is not None:
-            c.hits.held_by_daemon(slots)    # (k3client's fetch: they count toward its quota)
+            c.hits.held_by_daemon(slots, keys[0][0])    # (k3client's fetch: they count toward its quota)
             c.views += [(s, k, self.written[s]) for k, s in zip(keys, slots)]
 
     @rule(data=st.data())
@@ -197,6 +231,17 @@ class HitPathMachine(RuleBasedStateMachine):
         if fields:
             c.outbox.append({"op": "hits", **fields})
             c.hits.sent()
+
+    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), experts=keys_st, lookup=st.booleans())
+    def lease_send_fails(self, data, layer, experts, lookup):
+        """The lease thread takes the reports and releases, its send fails (a closing
+        socket: ``unsend``); the client's thread may answer a fetch meanwhile."""
+        c = self.pick(data, lambda c: c.waiting is None or c.streaming)
+        if c is not None:
+            c.hits.sync()
+            if lookup:
+                self.answer(c, layer, experts)
+            c.hits.unsend()
 
     @rule(data=st.data())
     def flush_reports(self, data):
@@ -236,11 +281,15 @@ class HitPathMachine(RuleBasedStateMachine):
         store = self.store
         if msg["op"] == "hits":
             self.report(c, _wire(msg.get("hits", [])))
+            if msg.get("done"):
+                store.release_layers((c.id, c.epoch), set(msg["done"]))
             if "seen" in msg:
                 assert store.reuse.seen(c.id, msg["seen"])
         else:
             store.reuse.waiting(c.id, msg["rid"])
             self.report(c, _wire(msg["hits"]))
+            if msg.get("done") and msg["op"] != "begin_token":     # (ignored there: every pin goes)
+                store.release_layers((c.id, c.epoch), set(msg["done"]))
             if msg["op"] == "begin_token":
                 store.end_epoch(c.id, (c.id, c.epoch))
                 store.reuse.new_token(c.id)
@@ -355,6 +404,18 @@ class HitPathMachine(RuleBasedStateMachine):
                               quota=self.quota)
         self.store.reuse.seen(self.bogus, seen)
         self.store.reuse.seen(self.bogus, self.store.reuse.retired)   # (else it only holds reuse back)
+        self.settle()
+
+    @rule(data=st.data(), layers=st.sets(st.integers(0, LAYERS - 1), min_size=1))
+    def dishonest_release(self, data, layers):
+        """A client releases layers whatever it reads (``done`` on its next message, at
+        once here): only its own pins and claims may go, never what others' views need."""
+        c = self.pick(data, lambda c: c.waiting is None)
+        if c is None:
+            return
+        self.store.release_layers((c.id, c.epoch), layers)
+        c.released += [v for v in c.views if v[1][0] in layers]
+        c.views = [v for v in c.views if v[1][0] not in layers]
         self.settle()
 
     # -- invariants ---------------------------------------------------------------
@@ -812,3 +873,127 @@ def test_the_lease_thread_between_take_and_the_failure_sends_the_reports_first()
         miss(m, a, (1, 2), b)
         yield
     scenario(steps)
+
+
+def test_a_layer_fetched_again_after_its_release_is_pinned_afresh():
+    """B releases layer 0, then answers a fetch of it again before any message left: the
+    release is cancelled (it would end the new view too), so A's misses cannot take it."""
+    def steps(m, a, b):
+        m.send(b, "fetch", keys=[(0, 0), (0, 1)])
+        m.handle(b)
+        m.finish_reads()
+        m.receive(b)
+        yield
+        m.release_layer_of(b, 0)
+        m.answer(b, 0, [0])                    # the layer again, in the same token
+        assert len(b.views) == 1
+        m.sync(b)
+        m.handle(b)
+        yield
+        fill(m, a, [(1, 0), (1, 1)])
+        miss(m, a, (1, 2), b)
+        yield
+    scenario(steps)
+
+
+def test_a_released_layer_goes_to_misses_while_later_layers_stay_pinned():
+    """B holds layers 0 and 1 and releases layer 0: A's misses evict its slots (B's views
+    of them are over), while layer 1's stay pinned for B's token."""
+    def steps(m, a, b):
+        for layer in (0, 1):
+            m.send(b, "fetch", keys=[(layer, 0)])
+            m.handle(b)
+            m.finish_reads()
+            m.receive(b)
+        m.release_layer_of(b, 0)
+        assert not b.views[0][1][0] == 0 and len(b.released) == 1
+        m.sync(b)
+        m.handle(b)
+        assert {m.store.slot_key[s] for s in m.store.policy.held((b.id, 0))} == {(1, 0)}
+        yield
+        fill(m, a, [(1, 1), (1, 2)])
+        miss(m, a, (1, 3), b)
+        miss(m, a, (0, 3), b)
+        assert (0, 0) not in m.store.key_slot and m.store.key_slot[(1, 0)] == b.views[0][0]
+        yield
+    scenario(steps)
+
+
+def test_a_release_the_lease_thread_failed_to_send_is_cancelled_by_a_lookup_since():
+    """B releases layer 0; its lease thread takes the release for a message whose send
+    fails (a ``ZMQError``: ``unsend``), and meanwhile B's thread answers layer 0 again
+    (it needs no socket).  The release must not go back in line behind that lookup's
+    report: it would unpin the new view, and A's misses could reuse its slot."""
+    def steps(m, a, b):
+        m.send(b, "fetch", keys=[(0, 0)])
+        m.handle(b)
+        m.finish_reads()
+        m.receive(b)
+        m.release_layer_of(b, 0)
+        yield
+        b.hits.sync()                          # the lease thread takes the release ...
+        m.answer(b, 0, [0])                    # ... B's thread answers layer 0 again ...
+        assert len(b.views) == 1
+        b.hits.unsend()                        # ... and the send fails (a closing socket)
+        m.sync(b)
+        m.handle(b)
+        yield
+        fill(m, a, [(1, 0), (1, 1)])
+        miss(m, a, (1, 2), b)
+        miss(m, a, (1, 3), b)
+        yield
+    scenario(steps)
+
+
+def test_a_release_inside_a_stream_of_its_layer_ends_the_stream():
+    """B streams two cold experts of layer 0 and releases the layer between parts (its
+    lease thread carries the release, which unpins the reads still running): the
+    stream ends there, so B takes no view of a part sent after it, which A's misses
+    could then rewrite."""
+    def steps(m, a, b):
+        fill(m, a, [(1, 0), (1, 1)])
+        m.send(b, "fetch", keys=[(0, 0), (0, 1)], as_ready=True)
+        m.handle(b)                            # parked, both cold
+        m.release_layer_of(b, 0)
+        m.sync(b)
+        m.handle(b)
+        yield
+        m.finish_reads()
+        while b.inbox:
+            m.receive(b)                       # the parts and the reply: skipped
+        assert not b.views and not b.hits.open
+        yield
+        miss(m, a, (1, 2), b)
+        miss(m, a, (1, 3), b)
+        yield
+    scenario(steps)
+
+
+def test_with_a_quota_a_release_counts_until_its_message_left():
+    """Quota 2: B's two pins of layer 0 fill it; B releases the layer; its lease thread
+    takes the release and fails to send it (``unsend``) while B's thread answers two
+    experts of layer 1.  Counted without layer 0's pins, they fit; but the release goes
+    after their reports, so the daemon would count them over the quota, refuse them,
+    and keep nothing for B's views.  The release's slots count until its message left."""
+    def steps(m, a, b):
+        fill(m, a, [(1, 0), (1, 1)])
+        m.send(b, "fetch", keys=[(0, 0), (0, 1)])
+        m.handle(b)
+        m.finish_reads()
+        m.receive(b)
+        m.release_layer_of(b, 0)
+        yield
+        b.hits.sync()                          # the lease thread takes the release ...
+        m.answer(b, 1, [0, 1])                 # ... B's thread answers layer 1 meanwhile ...
+        b.hits.unsend()                        # ... and the send fails
+        m.sync(b)
+        m.handle(b)
+        assert m.store.stats.bad_reports == 0
+        yield
+        for key in ((1, 2), (1, 3), (0, 2), (0, 3)):
+            miss(m, a, key, b)                 # every unpinned slot in turn
+            m.begin(a)
+            m.handle(a)
+            m.receive(a)
+            yield
+    scenario(steps, quota=2)

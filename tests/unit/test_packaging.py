@@ -113,6 +113,28 @@ def test_plot_extra_is_part_of_test():
     assert set(EXTRAS["plot"]) <= set(EXTRAS["test"])
 
 
+def test_vllm_pin_is_the_releases_the_plugin_supports():
+    """The ``vllm`` extra admits exactly the minor releases in ``SUPPORTED_VLLM`` (what the tests
+    ran against): a release outside it would get a plugin that installs nothing."""
+    from packaging.requirements import Requirement
+
+    from k3client.vllm import SUPPORTED_VLLM
+
+    (spec,) = [Requirement(r).specifier for r in EXTRAS["vllm"] if r.startswith("vllm")]
+    for mm in SUPPORTED_VLLM:
+        assert f"{mm}.0" in spec and f"{mm}.9" in spec, (mm, str(spec))
+    versions = sorted(tuple(map(int, v.split("."))) for v in SUPPORTED_VLLM)
+    (lo_major, lo_minor), (hi_major, hi_minor) = versions[0], versions[-1]
+    assert f"{hi_major}.{hi_minor + 1}.0" not in spec, str(spec)
+    assert lo_minor == 0 or f"{lo_major}.{lo_minor - 1}.99" not in spec, str(spec)
+
+
+def test_ray_extra_is_part_of_test():
+    """The README's test install gets Ray, so tests/integration/test_vllm_ranks.py's Ray test runs."""
+    assert any(r.startswith("ray") for r in EXTRAS["ray"])
+    assert set(EXTRAS["ray"]) <= set(EXTRAS["test"])
+
+
 @pytest.mark.skipif(not os.path.isdir(os.path.join(ROOT, ".git")) and not os.path.isfile(os.path.join(ROOT, ".git")),
                     reason="not a git checkout")
 def test_gitignore_covers_virtualenvs_and_build_outputs():

@@ -4,7 +4,7 @@ The real routing trace's replays and the CLI are tests/integration/test_replay_t
 
 import pytest
 
-from k3d.observe.trace import BEGIN, FETCH, PREDICT, RouteTrace, TraceError, parse
+from k3d.observe.trace import BEGIN, DONE, FETCH, PREDICT, RouteTrace, TraceError, parse
 from k3d.replay.engine import min_slots, run
 
 
@@ -46,6 +46,8 @@ def test_epoch_growth_without_a_begin_line_is_a_new_token():
     ("abc L0 1", "invalid literal"),
     ("100 L0 bogus=1 1", "unknown field"),
     ("100 c=1 t=0 predict", "without keys"),
+    ("100 c=1 t=0 done", "without layers"),
+    ("100 c=1 t=0 done 1 x", "'x' is not a layer number"),
 ])
 def test_malformed_line_names_its_number(line, what):
     with pytest.raises(TraceError, match=rf"t.trace:2: malformed trace line .*{what}"):
@@ -71,3 +73,22 @@ def test_predictions_replayed_through_the_store():
     with_p = run(ev, "lru", 6)
     assert with_p.prefetched > 0 and with_p.prefetch_hits == with_p.prefetched and with_p.prefetch_unused == 0
     assert run(ev, "lru", 6, predictions=False).prefetched == 0
+
+
+def test_done_lines_release_a_layer_mid_token(tmp_path):
+    """A ``done`` line ends the client's pins of those layers before its ``begin``: a trace
+    that needs every slot of a token at once without it fits with it."""
+    path = tmp_path / "t.trace"
+    t = RouteTrace(str(path), 0.0)
+    t.fetch(0.001, 1, 0, [(0, 1), (0, 2)], 2, 0, 0, 0, 0)
+    t.done(0.002, 1, 0, {2, 0})
+    t.fetch(0.003, 1, 0, [(1, 1), (1, 2)], 2, 0, 0, 0, 0)
+    t.close()
+    text = path.read_text()
+    assert " c=1 t=0 done 0 2\n" in text
+    ev = parse(text.splitlines())
+    assert [e.kind for e in ev] == [FETCH, DONE, FETCH] and ev[1].layers == (0, 2) and ev[1].keys == []
+    assert min_slots(ev) == 2 and min_slots([e for e in ev if e.kind != DONE]) == 4
+    with_done, without = run(ev, "lru", 2), run([e for e in ev if e.kind != DONE], "lru", 2)
+    assert (with_done.cache_full, with_done.misses, with_done.evictions) == (0, 4, 2)
+    assert without.cache_full == 1

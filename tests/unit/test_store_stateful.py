@@ -1,7 +1,7 @@
 """Stateful property test of the cache invariants: hypothesis drives ``k3d.cache.store.Store``.
 
 Pure (no sockets, no threads): random interleavings of fetch, predict,
-begin_token, client death, and read completion (ok or failed) on a small
+begin_token, a layer's release (``release_layers``), client death, and read completion (ok or failed) on a small
 store (6 slots, 24 keys), with and without a pin quota.  The model keeps what
 the server keeps: the parked fetches (``Pending``) and the rule that a fetch
 is answered only once every one of its slots is READY and still holds its
@@ -143,6 +143,25 @@ class StoreMachine(RuleBasedStateMachine):
         c = self.live[i]
         self.end(c, dead=False)
         self.epoch[c] += 1
+
+    @rule(i=st.integers(0, CLIENTS - 1), layer=st.integers(0, LAYERS - 1))
+    def release_layer(self, i, layer):
+        """The client is done with ``layer`` (its fetches of it answered): its pins of the
+        layer go, and its used predictions' of it; outstanding predictions stay."""
+        c = self.live[i]
+        h = self.holder(c)
+        if any(p["holder"] == h and any(k[0] == layer for k in p["keys"]) for p in self.pending):
+            return                                  # (a client releases only what it has read)
+        predicted = self.store.book.predicted_by
+        gone = 0
+        for who, used_only in ((h, False), ((PREDICT, c), True)):
+            held = self.pins.get(who, {})
+            for slot in [s for s, k in held.items() if k[0] == layer and not (used_only and s in predicted)]:
+                del held[slot]
+                gone += 1
+            if who in self.pins and not held:
+                del self.pins[who]
+        assert self.store.release_layers(h, {layer}) == gone
 
     @rule(i=st.integers(0, CLIENTS - 1))
     def client_dies(self, i):

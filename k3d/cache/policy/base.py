@@ -98,6 +98,29 @@ class PinTable:
             self._unpinned_all(last)
         return sorted(held)
 
+    def release_some(self, holder, slots) -> int:
+        """Drop ``holder``'s pins of those of ``slots`` it holds (a layer's, when its client
+        is done with it); returns how many it dropped."""
+        held = self._pins.get(holder)
+        if not held:
+            return 0
+        holders, last, n = self._holders, [], 0
+        for slot in slots:
+            if slot not in held:
+                continue
+            held.discard(slot)
+            n += 1
+            hs = holders[slot]
+            hs.discard(holder)
+            if not hs:
+                del holders[slot]
+                last.append(slot)
+        if not held:
+            del self._pins[holder]                  # (no empty pin set is kept: check_pins)
+        if last:
+            self._unpinned_all(last)
+        return n
+
     def _unpinned_all(self, slots) -> None:
         """``_unpinned`` for each of ``slots`` (a policy may do it at once)."""
         for slot in slots:
