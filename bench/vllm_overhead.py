@@ -151,6 +151,16 @@ def main() -> int:
     harness.banner("vllm_overhead", f"{a.family} hidden {a.hidden} inter {a.inter}, {a.layers} layers, routed "
                    f"experts {ebytes / 2**20:.1f} MiB; {a.tokens} decode steps x {a.reps} reps, {a.dtype}, TP {a.tp}, "
                    f"predictions {'off' if a.no_predict else 'on'}")
+    import torch
+
+    from k3client import cpu
+    from k3client.runtime import dispatch
+    from k3client.vllm import native
+
+    facts = cpu.facts()
+    kern = dispatch.kernels(facts, "cpu", getattr(torch, a.dtype), native.load() is not None, True)
+    print(f"  CPU: {cpu.model_name()}, {facts.describe()}, {os.cpu_count()} cores; "
+          f"plugin experts: {kern.describe()}")
     for b, mp, mk, s0, s1 in rows:
         steps = s1["forwards"] - s0["forwards"]
         fs0 = s0["fetch_seconds"]

@@ -9,6 +9,9 @@ call to ``Runtime.run_layer``.  Modules, each one concern:
 - ``gate_ahead``: next-layer predictions from its router, and their score;
 - ``views``: the one rule for an expert's views;
 - ``compute``: the loops matching each engine's numerics, and the experts' math;
+- ``dispatch``: which kernel computes a run of rows under vLLM's numerics, per CPU
+  (``k3client.cpu``), dtype and layer;
+- ``gpt_oss_mxfp4``: gpt-oss's MXFP4 experts as vLLM's CPU kernel computes them;
 - ``families``: layout names -> roles, the gated-MLP and gpt-oss math, ``FamilyError``;
 - ``layer``: ``Layer`` (what the engine gives), ``Activation``;
 - ``gpu``: ``GpuSide`` (CUDA registration, copies, syncs).

@@ -15,9 +15,9 @@ the layer's output.  Where the compute of the layer is complete is the runtime's
   sync per expert), groups staged on the copy stream, so later copies overlap compute.
 - ``fused`` (vLLM, ``numerics="fused"``): the step's (token, expert) pairs sorted by
   expert once (stable), the tokens' rows gathered once, each expert computed on its
-  contiguous run of rows (``gated_expert``/``gpt_oss_expert``; bf16/fp16 on a CPU with
-  oneDNN off for runs of at most ``NATIVE_ROWS`` rows; the runtime's ``native`` kernel,
-  if given, for runs of at most ``NATIVE_MAX_ROWS`` rows of a ``Layer.rowmajor`` layer),
+  contiguous run of rows (``gated_expert``/``gpt_oss_expert``, gpt-oss's MXFP4:
+  ``gpt_oss_mxfp4.expert``; the runtime's ``native`` kernel or torch with or without
+  oneDNN per run, as ``dispatch.kernels`` decides for the CPU, dtype and layer),
   scaled by the routing weights in place and summed per token in ascending expert
   order once all are in (one ``index_add_``, or ``add_``s for one token), so the bits do
   not depend on arrival.  A decode step (at most ``SMALL_STEP`` pairs) is sorted in
@@ -37,21 +37,12 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from .. import cpu
+from . import dispatch, gpt_oss_mxfp4
 from .families import GptOss, on
 
-# bf16/fp16 weights on a CPU: an expert with at most NATIVE_ROWS rows is computed with oneDNN
-# off.  oneDNN's matmul repacks a plain (unprepacked) weight on every call, about twice
-# the bytes of ATen's own reduced-precision gemv (fp32 accumulation), which streams the
-# row-major arena view once; from 3 rows on oneDNN's blocked gemm is the faster
-# (bench/README.md, "vLLM overhead").
-REDUCED = (torch.bfloat16, torch.float16)
-NATIVE_ROWS = 2
 # (token, expert) pairs of a step up to which fused sorts them in Python (a decode step)
 SMALL_STEP = 64
-# an expert with at most this many rows goes to the native kernel (k3client.vllm.native.rowmm reads
-# its weights once per native.ROWS rows); more (a prefill) to torch's gemm
-NATIVE_MAX_ROWS = 16
-NATIVE_DTYPES = (torch.bfloat16, torch.float32)     # engine dtypes whose math the native kernel's is
 
 
 class InOrder:
@@ -156,14 +147,18 @@ def fused(rt, ml, hidden_states, top_k_index, top_k_weights):
     rt.ahead.score(ml.layer, experts)
     predicted = rt.ahead.predict(ml, hidden_states) if rt.predict else None
     dtype, out_dtype = ml.dtype, hidden_states.dtype
-    expert = gpt_oss_expert if isinstance(ml.family, GptOss) else gated_expert
+    if isinstance(ml.family, GptOss):
+        expert = gpt_oss_mxfp4.expert if ml.family.quantized else gpt_oss_expert
+    else:
+        expert = gated_expert
     parts, out = {}, None
     # each expert's run of rows, fixed by the ascending order whatever order they arrive in
     starts = dict(zip(experts, itertools.accumulate((counts[e] for e in experts), initial=0)))
     as_ready = device.type != "cuda"
-    reduced = device.type == "cpu" and dtype in REDUCED       # a bf16/fp16 engine on a CPU
-    # a float16 engine keeps torch: plain vLLM holds fp16 casts of the bf16 weights, the kernel reads bf16
-    native = rt.native if device.type == "cpu" and ml.rowmajor and dtype in NATIVE_DTYPES else None
+    reduced = device.type == "cpu" and dtype in dispatch.REDUCED       # a bf16/fp16 engine on a CPU
+    kern = dispatch.kernels(cpu.facts(), device.type, dtype, rt.native is not None, ml.rowmajor)
+    native = rt.native if kern.rowmm_rows else None
+    onednn = kern.onednn_rows
     # with the native kernel the weighted outputs are summed in float32 (vLLM's kernel does), else in out_dtype
     acc = torch.float32 if native is not None else out_dtype
     xf = xs.float() if native is not None else None        # its input: converted once per step
@@ -172,11 +167,11 @@ def fused(rt, ml, hidden_states, top_k_index, top_k_weights):
         for group in rt.gpu.groups(rt.client, rt._groups(ml, experts, predicted, as_ready), device):
             for e, views in group:
                 n, at = counts[e], starts[e]
-                if native is not None and n <= NATIVE_MAX_ROWS:
+                if n <= kern.rowmm_rows:
                     h = native(ml.module, views, xf if tokens == 1 else xf[at:at + n], dtype if reduced else None)
                     st.native_experts += 1
                 else:
-                    if reduced and on_ != (mkldnn and n > NATIVE_ROWS):
+                    if onednn is not None and on_ != (mkldnn and n > onednn):
                         on_ = torch.backends.mkldnn.enabled = not on_
                     h = expert(ml.module, views, xs if tokens == 1 else xs[at:at + n], device, dtype)
                 # in place, the product rounded to h's dtype: the bits of (h * w).to(dtype)

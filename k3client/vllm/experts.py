@@ -20,8 +20,11 @@ the same path.  With the key its quant method is ``K3dMoEMethod``:
   (``k3client.runtime.epochs``' epochs and pins), each expert computed on the rows of
   its tokens, times their routing weights, summed per token in ascending expert
   order.  Gated families: ``act(x W_gate^T) * (x W_up^T) W_down^T`` (``native.rowmm``
-  for small runs of bf16 row-major views); gpt-oss: vLLM's ``swigluoai`` with both
-  biases (``compute.gpt_oss_expert``).  What vLLM gives the runtime is ``layer``'s
+  for small runs of bf16 row-major views, where ``k3client.runtime.dispatch`` picks it
+  for the CPU: not for a bf16 engine on an AMX CPU, which uses oneDNN's AMX matmul);
+  gpt-oss: vLLM's ``swigluoai`` with both biases (``compute.gpt_oss_expert``; MXFP4 as
+  shipped: ``k3client.runtime.gpt_oss_mxfp4``, dequantized per expert, where vLLM's CPU
+  build computes MXFP4 at all: an x86 CPU with AMX).  What vLLM gives the runtime is ``layer``'s
   ``Layer``: an ``Activation`` for the math, the gate (logits, top-k) for gate-ahead.
 
 The pin rule is the runtime's: one vLLM step (one model forward, B sequences)
@@ -37,10 +40,10 @@ before did not (the first step, or one that stopped before its last MoE layer).
 What is refused, in one line naming the model type (``FamilyError``), when the
 model is built: activations other than gated SiLU/GELU (gpt-oss: other than
 ``swigluoai``), expert biases outside gpt-oss, router weights applied on the input,
-quantized experts (gpt-oss's MXFP4 as shipped among them: vLLM's CPU build runs it
-only on x86 CPUs with AMX, so no plain-vLLM reference exists here to test against);
-and, with a ``ValueError`` naming vLLM, expert parallelism on a CPU engine (vLLM 0.32's
-CPU worker crashes with it: ``ranks.ep_refusal``).
+quantized experts other than gpt-oss's MXFP4, gpt-oss's MXFP4 where plain vLLM cannot
+run it (a CPU without AMX: vLLM's CPU build has no other MXFP4 MoE kernel; a GPU engine or
+tensor-parallel ranks: untested); and, with a ``ValueError`` naming vLLM, expert parallelism
+on a CPU engine (vLLM 0.32's CPU worker crashes with it: ``ranks.ep_refusal``).
 
 On a multi-rank engine each ``Layer`` carries its rank's part (``parallel``, from vLLM's
 own MoE parallel config and expert map): ``shard``, the rank's tensor-parallel
@@ -68,12 +71,14 @@ from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
 from k3client.runtime import ACTIVATIONS, Activation, GptOss, Layer, Runtime, StepStats
 from k3client.runtime.families import FamilyError
 
+from .. import cpu
 from . import native, ranks, settings
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 SUPPORTED = ("it computes gated SiLU/GELU experts without bias built by vLLM's RoutedExperts, and gpt-oss's "
-             "unquantized experts, on one rank or tensor-parallel ranks (tested: Qwen3-MoE, Mixtral, "
-             "DeepSeek-V3, gpt-oss bf16)")
+             "experts (bf16, or MXFP4 as shipped where vLLM's CPU build computes them: x86 with AMX, one rank), "
+             "on one rank or tensor-parallel ranks (tested: Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss bf16)")
+
 
 def _model_type() -> str:
     from vllm.config import get_current_vllm_config
@@ -95,9 +100,9 @@ def _refuse(layer, moe_config, quant_config) -> None:
     mt = _model_type()
     act = layer.activation.value
     gpt_oss = isinstance(layer, GptOssRoutedExperts)
-    why = None
-    if quant_config is not None:
-        why = _quantized(quant_config)
+    why = _quantized(layer, quant_config, moe_config) if quant_config is not None else None
+    if why is not None:
+        pass
     elif gpt_oss and act != "swigluoai":
         why = f"gpt-oss experts with activation {act!r}, not 'swigluoai'"
     elif not gpt_oss and act not in ACTIVATIONS:
@@ -115,15 +120,31 @@ def _refuse(layer, moe_config, quant_config) -> None:
         raise FamilyError(f"k3client.vllm cannot compute the experts of model type {mt!r} ({why}); {SUPPORTED}")
 
 
-def _quantized(quant_config) -> str:
+def _quantized(layer, quant_config, moe_config) -> str | None:
+    """None where the plugin computes these quantized experts (gpt-oss's MXFP4 on a CPU engine where
+    plain vLLM does: AMX); else why not."""
     name = type(quant_config).__name__
-    if "mxfp4" in name.lower():
-        # vLLM 0.32's CPU build runs MXFP4 MoE only with CPUExpertsMxfp4 (x86 with AMX tiles); elsewhere
-        # plain vLLM raises "No MXFP4 MoE backend supports the deployment configuration", so no
-        # reference exists here to test a k3d MXFP4 compute against
-        return (f"MXFP4 experts ({name}): not computed; vLLM's own CPU MXFP4 MoE kernel needs an x86 CPU with "
-                "AMX; serve a bf16 copy, or use k3client.hf, which dequantizes MXFP4")
-    return f"quantized experts ({name})"
+    if "mxfp4" not in name.lower():
+        return f"quantized experts ({name})"
+    if not isinstance(layer, GptOssRoutedExperts):
+        return f"MXFP4 experts ({name}) outside gpt-oss"
+    from vllm import __version__
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return (f"MXFP4 experts ({name}) on {current_platform.device_name}: computed on CPU engines only, where "
+                "vLLM's CPUExpertsMxfp4 is the reference they are tested against")
+    if moe_config.moe_parallel_config.tp_size > 1:
+        # ranks.Shard slices bf16 rows and columns; MXFP4's blocks of 32 along the down input are not sliced
+        return f"MXFP4 experts ({name}) on tensor-parallel ranks: computed on one rank only"
+    facts = cpu.facts()
+    if not facts.amx:
+        # vLLM's CPU build runs MXFP4 MoE only with CPUExpertsMxfp4, which needs AMX tiles; elsewhere plain
+        # vLLM raises "No MXFP4 MoE backend supports the deployment configuration"
+        return (f"MXFP4 experts ({name}): plain vLLM {__version__} computes them on a CPU only with AMX tiles "
+                f"(CPUExpertsMxfp4) and this CPU has {facts.describe()}; serve a bf16 copy, or use "
+                "k3client.hf, which dequantizes MXFP4")
+    return None
 
 
 class K3dMoEMethod(FusedMoEMethodBase):
@@ -162,6 +183,7 @@ class _K3dExperts:
         if settings.current() is None:
             return super()._get_quant_method(prefix, quant_config, moe_config)
         _refuse(self, moe_config, quant_config)
+        self.k3d_mxfp4 = quant_config is not None      # accepted quantized experts are gpt-oss's MXFP4
         return K3dMoEMethod(moe_config)
 
     @property

@@ -223,10 +223,14 @@ def _family(mod, names: set[str]):
     if not isinstance(mod, K3dGptOssRoutedExperts):
         return Standard(names)
     family = GptOss(names)
-    if family.quantized:
+    built = getattr(mod, "k3d_mxfp4", False)      # built with an mxfp4 quantization_config (experts._quantized)
+    if family.quantized and not built:
         # the model was built unquantized (no mxfp4 quantization_config), so vLLM would not run these
         raise FamilyError(f"gpt-oss experts in the daemon are MXFP4 ({sorted(names)}) but the model's config has "
-                          "no mxfp4 quantization_config; k3client.vllm computes gpt-oss's bf16 experts only")
+                          "no mxfp4 quantization_config; serve the checkpoint the model is")
+    if built and not family.quantized:
+        raise FamilyError(f"the model's config quantizes gpt-oss's experts (mxfp4) but the daemon serves them "
+                          f"unquantized ({sorted(names)}); serve the checkpoint the model is")
     return family
 
 

@@ -25,9 +25,10 @@ Build: ``load()`` compiles the C++ below once per machine with
 ``torch.utils.cpp_extension.load_inline`` (``-O3 -mavx512f``) into torch's extension
 directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; torch's
 file lock makes concurrent engines build it once); about a minute on a 2-core VM,
-then a load of the cached library.  Where the CPU has no AVX-512 (torch's
-``get_cpu_capability``), or there is no compiler, ``load()`` returns None once and
-logs why in one line: the caller computes with torch, as before.
+then a load of the cached library.  Where the CPU has no AVX-512 (``k3client.cpu``), or
+there is no compiler, ``load()`` returns None once and logs why in one line: the caller
+computes with torch, as before.  Whether a loaded op is used is
+``k3client.runtime.dispatch.kernels``' choice (a bf16 engine on an AMX CPU uses oneDNN instead).
 
 Thread: ``load()`` may be called from any thread (a lock); ``rowmm`` is reentrant and
 splits ``N`` over torch's intra-op threads (``at::parallel_for``).
@@ -39,6 +40,8 @@ import logging
 import threading
 
 import torch
+
+from .. import cpu
 
 log = logging.getLogger("k3client.vllm")
 
@@ -112,9 +115,9 @@ def load():
         if "op" in _state:
             return _state["op"]
         op = None
-        cap = torch.backends.cpu.get_cpu_capability()
-        if "AVX512" not in cap:
-            log.warning("k3client.vllm: CPU capability %s has no AVX-512; experts computed with torch", cap)
+        facts = cpu.facts()
+        if not facts.avx512:
+            log.warning("k3client.vllm: the CPU has %s; experts computed with torch", facts.describe())
         else:
             try:
                 from torch.utils.cpp_extension import load_inline

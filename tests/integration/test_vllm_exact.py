@@ -20,7 +20,17 @@ import threading
 import pytest
 from test_hf_arena import _slot_arena
 from test_hf_load import _drop_cache, _resident_pages
-from vllm_common import _vllm_ipc_files, checkpoint, engine, expert_params, first_logprobs, generate, stats  # noqa: F401 -- the autouse fixture
+from vllm_common import (  # noqa: F401 -- the autouse fixture
+    _vllm_ipc_files,
+    checkpoint,
+    engine,
+    expert_params,
+    first_logprobs,
+    generate,
+    plain_engine,
+    plain_limit,
+    stats,
+)
 
 import k3client
 from conftest import spawn_daemon
@@ -144,7 +154,7 @@ def test_family_tokens_equal_plain_vllm(family):
     top-k router logits).  Batched (B = 4) and one prompt at a time (B = 1); one step's top-5
     log-probabilities within ``F32_TOL`` too, so a mistake too small to flip a greedy token still shows."""
     path = checkpoint(family)
-    with engine(path) as llm:
+    with plain_engine(path) as llm:        # float32 DeepSeek-V3 on an AMX CPU: vLLM's AMX_MLA refuses it
         ref, ref1, want = generate(llm), generate(llm, one_by_one=True), first_logprobs(llm)
         (plain_params,) = llm.apply_model(expert_params)
     d = spawn_daemon(path, "--arena", "16MiB")
@@ -174,7 +184,7 @@ def test_bfloat16_logprobs_within_tolerance(family):
     after some steps (they do on this random Mixtral); one step's top-5 log-probabilities agree within
     ``BF16_TOL`` nats (measured: Mixtral 0.00003-0.004, gpt-oss 0.002-0.004) and name the same top token."""
     path = checkpoint(family)
-    with engine(path, dtype="bfloat16") as llm:
+    with plain_engine(path, dtype="bfloat16") as llm:
         want = first_logprobs(llm)
     d = spawn_daemon(path, "--arena", "16MiB")
     try:
@@ -192,3 +202,14 @@ def _logprobs_close(want, got, tol):
         common = set(w) & set(g)
         assert len(common) >= 4, (w, g)
         assert max(abs(w[t] - g[t]) for t in common) <= tol, (w, g)
+
+
+def test_plain_vllm_limits_are_read_from_its_traceback():
+    """What the family test skips on: vLLM's AMX_MLA refusing a float32 DeepSeek-V3 (the engine core's
+    traceback, as an AMX Xeon prints it), and nothing else."""
+    amx = ('  File "/venv/lib/python3.11/site-packages/vllm/v1/attention/backends/mla/amx_mla.py", line 303, in '
+           'process_weights_after_loading\n    self._w_uk_packed = torch.ops._C.convert_weight_packed(w_uk_for_bmm)\n'
+           "RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4).\n")
+    assert plain_limit(amx) == "its AMX_MLA attention backend needs bf16/fp16/int8 weights"
+    assert plain_limit(amx.replace("amx_mla.py", "cpu_moe.py")) is None        # another kernel's check
+    assert plain_limit("RuntimeError: Engine core initialization failed. See root cause above.") is None

@@ -1,5 +1,5 @@
 """The vLLM plugin refuses in one line: daemon down (before any weight is read), another
-checkpoint, a fine-tune of the served one, experts it cannot compute (gpt-oss's MXFP4).
+checkpoint, a fine-tune of the served one, experts it cannot compute (gpt-oss's MXFP4 without AMX).
 
 Each case builds an in-process engine in a fresh Python (``run_engine_script``) and
 reads the last line of its stderr, what a person running ``vllm serve`` sees last.
@@ -12,6 +12,7 @@ from test_hf_load import _drop_cache, _resident_pages
 from vllm_common import _vllm_ipc_files, checkpoint, run_engine_script  # noqa: F401 -- the autouse fixture
 
 from conftest import SCRATCH, spawn_daemon
+from k3client import cpu
 
 pytestmark = pytest.mark.vllm
 torch = pytest.importorskip("torch")
@@ -55,17 +56,18 @@ def test_fine_tune_is_one_line_mismatch():
     assert "Mismatch" in last and "holds other bytes" in last and served in last and other in last, err[-3000:]
 
 
+@pytest.mark.skipif(cpu.facts().amx, reason="this CPU has AMX: plain vLLM and the plugin compute gpt-oss's MXFP4 "
+                    "here (test_vllm_mxfp4.py compares them)")
 def test_gpt_oss_mxfp4_is_one_line_where_vllm_cpu_has_no_mxfp4_kernel():
     """gpt-oss as openai ships it (MXFP4 ``_blocks``/``_scales`` experts, ``quant_method: mxfp4``, bf16):
     plain vLLM 0.32's CPU build runs MXFP4 MoE only with its AMX kernel (``CPUExpertsMxfp4``), so on a
     CPU without AMX it refuses the model; with k3d the plugin refuses it first, in one line naming
-    the family and why, while the model is built (after the daemon check, before any weight is read)."""
+    vLLM, AMX and the family, while the model is built (after the daemon check, before any weight is read)."""
     path = checkpoint("gpt_oss_mxfp4")
-    if not torch.cpu._is_amx_tile_supported():
-        rc, last, err = run_engine_script(path, None, dtype="bfloat16")
-        assert rc != 0
-        assert "NotImplementedError: No MXFP4 MoE backend supports the deployment configuration" in last, err[-3000:]
-        assert "backend: CPU, reason: kernel does not support current device cpu" in last
+    rc, last, err = run_engine_script(path, None, dtype="bfloat16")
+    assert rc != 0
+    assert "NotImplementedError: No MXFP4 MoE backend supports the deployment configuration" in last, err[-3000:]
+    assert "backend: CPU, reason: kernel does not support current device cpu" in last
     d = spawn_daemon(path, "--arena", "8MiB")
     try:
         rc, last, err = run_engine_script(path, {"endpoint": d.endpoint}, dtype="bfloat16")
@@ -73,6 +75,7 @@ def test_gpt_oss_mxfp4_is_one_line_where_vllm_cpu_has_no_mxfp4_kernel():
         d.stop()
     assert rc != 0
     assert "FamilyError" in last and "'gpt_oss'" in last and "MXFP4" in last and "AMX" in last, err[-3000:]
+    assert "plain vLLM 0.32" in last and "no AMX" in last
     assert "gpt-oss bf16" in last                  # what it does compute
 
 

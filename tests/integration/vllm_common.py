@@ -103,6 +103,54 @@ def checkpoint(family: str, split: bool = False, **sizes) -> str:
     return _CACHE[key]
 
 
+# What plain vLLM's engine prints when it cannot run a configuration on this CPU: (its error, the vLLM
+# source file the error comes from, why in words).  vLLM 0.32 picks AMX_MLA for an MLA model wherever
+# torch reports AMX tiles (platforms/cpu.py), and its process_weights_after_loading packs kv_b_proj
+# with convert_weight_packed, which takes no float32.
+PLAIN_LIMITS = (
+    ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8", "amx_mla.py",
+     "its AMX_MLA attention backend needs bf16/fp16/int8 weights"),
+)
+
+
+def plain_limit(stderr: str) -> str | None:
+    """Why plain vLLM failed, in words, where its stderr shows a known limit of one of its backends."""
+    for error, source, why in PLAIN_LIMITS:
+        if error in stderr and source in stderr:
+            return why
+    return None
+
+
+def skip_where_plain_vllm_cannot(path: str, dtype: str) -> None:
+    """After plain vLLM failed to build an engine on ``path``: rebuild it in a fresh process (its engine
+    core's traceback goes to that child's stderr, which the engine's own error only points to) and skip
+    in one line where the cause is a known limit of vLLM on this CPU; else return (the caller raises)."""
+    import json
+
+    import vllm
+
+    _, _, err = run_engine_script(path, None, dtype=dtype)
+    why = plain_limit(err)
+    if why is not None:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type", "?")
+        version = ".".join(vllm.__version__.split(".")[:2])
+        pytest.skip(f"plain vLLM {version} cannot run {dtype} {model_type} on this CPU ({why})")
+
+
+@contextlib.contextmanager
+def plain_engine(path: str, max_num_seqs: int = 4, dtype: str = "float32"):
+    """``engine(path)`` without k3d, the reference of a comparison: where plain vLLM itself cannot run the
+    configuration on this CPU the test skips in one line naming vLLM and the backend."""
+    with contextlib.ExitStack() as stack:
+        try:
+            llm = stack.enter_context(engine(path, max_num_seqs=max_num_seqs, dtype=dtype))
+        except Exception:
+            skip_where_plain_vllm_cannot(path, dtype)
+            raise
+        yield llm
+
+
 @contextlib.contextmanager
 def engine(path: str, k3d: dict | None = None, max_num_seqs: int = 4, dtype: str = "float32", **kwargs):
     """vLLM's ``LLM`` on ``path`` (with ``additional_config={"k3d": k3d}`` when given), shut down after;
