@@ -55,3 +55,15 @@ def test_ruff_dot_skips_virtualenvs_in_the_checkout(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     (tmp_path / "k3d" / "bad.py").write_text("import os\n")     # the project's own code is still linted
     assert "k3d/bad.py" in _ruff(tmp_path, ".").stdout
+
+
+def test_test_modules_have_distinct_basenames():
+    """tests/ has no __init__.py (pytest's rootdir import mode): two test files of one name in
+    different layers make the whole run stop at collection ("import file mismatch")."""
+    seen: dict[str, str] = {}
+    for d, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for f in files:
+            if f.startswith("test_") and f.endswith(".py"):
+                path = os.path.relpath(os.path.join(d, f), ROOT)
+                assert f not in seen, f"{path} and {seen[f]} share a basename: rename one"
+                seen[f] = path
