@@ -273,21 +273,7 @@ class Client:
             fields.pop("done", None)
             try:
                 with self._io:
-                    try:
-                        if hits is not None:
-                            hits.open = False
-                        fields.update(self._outgoing(hits))
-                        rid = self._chan.post(op, **fields)
-                    except BaseException:
-                        if hits is not None:     # under _io: the lease thread must not send a
-                            hits.failed()        # count before these reports go again
-                        raise
-                    if hits is not None:
-                        hits.sent()
-                        if op == "begin_token":
-                            hits.new_token()
-                    if op == "begin_token":
-                        self._done = {}
+                    rid = self._post(hits, op, fields)
                     reply = self._chan.wait(rid, op, self.timeout)
             except Gone as e:
                 self._reattach(str(e))
@@ -309,6 +295,29 @@ class Client:
             if hits is not None and hits is self._hits:
                 hits.open = True
             return reply
+
+    def _post(self, hits, op: str, fields: dict) -> int:
+        """Under ``_io``: send ``op`` with ``fields`` plus what every message carries
+        (``_outgoing``); returns its request id.  The local-hit window shuts first (C1).  If
+        the message does not leave, the reports taken for it go first in the next one
+        (``LocalHits.failed``, still under ``_io``: the lease thread must not send a count
+        before they go again).  A ``begin_token`` that left starts the new token's counts."""
+        try:
+            if hits is not None:
+                hits.open = False
+            fields.update(self._outgoing(hits))
+            rid = self._chan.post(op, **fields)
+        except BaseException:
+            if hits is not None:
+                hits.failed()
+            raise
+        if hits is not None:
+            hits.sent()
+            if op == "begin_token":
+                hits.new_token()
+        if op == "begin_token":
+            self._done = {}
+        return rid
 
     def _outgoing(self, hits) -> dict:
         """Under ``_io``: what the next message carries besides its op's fields: the hit
@@ -364,20 +373,8 @@ class Client:
         if wait or self._chan is None or self._closed:
             return self._call("begin_token")["epoch"]
         self._stream = None
-        with self._io:
-            try:
-                if hits is not None:         # shut until settle() reads the reply
-                    hits.open = False
-                fields = self._outgoing(hits)
-                self._pending = self._chan.post("begin_token", **fields)
-            except BaseException:
-                if hits is not None:         # (under _io, as in _call)
-                    hits.failed()
-                raise
-            if hits is not None:
-                hits.sent()
-                hits.new_token()
-            self._done = {}
+        with self._io:                       # the window stays shut until settle() reads the reply
+            self._pending = self._post(hits, "begin_token", {})
         return None
 
     def settle(self) -> None:

@@ -71,17 +71,7 @@ def stream(client, layer: int, experts: list[int], preds: list) -> object:
         final = False
         try:
             with client._io:
-                try:
-                    if hits is not None:
-                        hits.open = False
-                    fields.update(client._outgoing(hits))
-                    rid = client._chan.post("fetch", **fields)
-                except BaseException:
-                    if hits is not None:         # under _io, as in ``Client._call``
-                        hits.failed()
-                    raise
-                if hits is not None:
-                    hits.sent()
+                rid = client._post(hits, "fetch", fields)
             while not final:
                 with client._io:
                     # each part within ``timeout`` of asking for it: the caller's compute
