@@ -41,16 +41,20 @@ def request(op: str, rid: int, **fields) -> bytes:
     return pack({"v": PROTOCOL_VERSION, "op": op, "id": rid, **fields})
 
 
-def raw_client(ctx, endpoint: str, hit_path: bool = False):
-    """A DEALER that said hello (so its requests are an attached client's)."""
+def attach(ctx, endpoint: str, name: str, hit_path: bool = False):
+    """A DEALER that said hello (so its requests are an attached client's), and the hello reply."""
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(endpoint)
-    s.send(request("hello", 0, name="flood", pid=os.getpid(), hit_path=hit_path))
+    s.send(request("hello", 0, name=name, pid=os.getpid(), hit_path=hit_path))
     assert s.poll(10000)
     reply = unpack(s.recv())
     assert reply["ok"], reply
-    return s
+    return s, reply
+
+
+def raw_client(ctx, endpoint: str, hit_path: bool = False):
+    return attach(ctx, endpoint, "flood", hit_path)[0]
 
 
 def drain(s) -> list[dict]:

@@ -4,26 +4,18 @@ client does not lag (found by review: an honest paced client was named lagging).
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import zmq
-from test_intake_caps import request, server  # noqa: F401  (fixture)
+from test_intake_caps import attach, request, server  # noqa: F401  (fixture)
 
 import k3client
 from k3client.errors import SlotsBusy
-from k3client.protocol import unpack
 
 
 def hello(ctx, endpoint):
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    s.send(request("hello", 0, name="b", pid=os.getpid(), hit_path=True))
-    assert s.poll(10000)
-    reply = unpack(s.recv())
-    assert reply["ok"], reply
+    s, reply = attach(ctx, endpoint, "b", hit_path=True)
     return s, reply["client_id"]
 
 
