@@ -120,12 +120,14 @@ def test_deterministic_and_no_cache_full(seed, slots):
 
 
 
-def drive_auto(store, auto, tokens, before_learning=lambda: None) -> list:
+def drive_auto(store, auto, tokens, before_learning=lambda: None, on_token=lambda t: None) -> list:
     """Client 1 fetches ``tokens`` (per token, each layer's experts) through ``store`` with
     ``auto`` after each fetch and at each token's start, reads completing at once, as the
-    daemon calls them; returns the events its trace would hold."""
+    daemon calls them; returns the events its trace would hold.  ``on_token(t)`` runs before
+    token ``t``, ``before_learning()`` before each ``after_fetch``."""
     ev = []
     for t, token in enumerate(tokens):
+        on_token(t)
         for layer, experts in enumerate(token):
             keys = [(layer, e) for e in experts]
             plan = store.fetch((1, t), keys)

@@ -14,12 +14,13 @@
 import random
 
 import pytest
+from test_predictor import drive_auto
 
 import k3d.cache.predict.prefetch as pf
 from k3d.cache.policy import make
 from k3d.cache.predict import AutoPrefetch, CoPredictor
 from k3d.cache.store import Store
-from k3d.observe.trace import AUTO, BEGIN, FETCH, Event
+from k3d.observe.trace import BEGIN, FETCH, Event
 from k3d.replay.engine import run
 
 L, E = 6, 8
@@ -38,30 +39,6 @@ def random_token(rng) -> list[list[int]]:
 def quick(monkeypatch):
     """Judgements every 48 keys (4 tokens of 6 x 2): the rule, not its scale."""
     monkeypatch.setattr(pf, "JUDGE_KEYS", 48)
-
-
-def drive(store, auto, tokens, on_token=lambda t: None) -> list[Event]:
-    """Client 1 fetches ``tokens`` with ``auto``'s hooks where the daemon calls them, reads
-    completing at once; returns the trace the daemon would write."""
-    ev = []
-    for t, token in enumerate(tokens):
-        on_token(t)
-        for layer, experts in enumerate(token):
-            keys = [(layer, e) for e in experts]
-            plan = store.fetch((1, t), keys)
-            for s in plan.new_loads:
-                store.complete(s, None)
-            proposed, started = auto.after_fetch(1, keys, plan.slots, 0)
-            for s in started:
-                store.complete(s, None)
-            ev += [Event(FETCH, 1, keys), Event(AUTO, 1, proposed)]
-        store.end_epoch(1, (1, t))
-        auto.end_token(1)
-        proposed, started = auto.begin_token(1)
-        for s in started:
-            store.complete(s, None)
-        ev += [Event(BEGIN, 1), Event(AUTO, 1, proposed)]
-    return ev
 
 
 def fresh(slots: int = 2 * L + 4) -> tuple[Store, AutoPrefetch]:
@@ -101,7 +78,7 @@ def test_nothing_to_predict_backs_off_and_skipped_tokens_teach_nothing(quick):
     def on_token(t):                                     # (skipped, fetches learned so far)
         taught.append((auto._tokens.get(1, 0) % auto.skip != 0, p.learned + p.c.pending()))
 
-    ev = drive(store, auto, tokens, on_token)
+    ev = drive_auto(store, auto, tokens, on_token=on_token)
     assert auto.skip == pf.MAX_SKIP and auto.backoffs >= 4
     assert auto.as_dict()["skip"] == pf.MAX_SKIP
     # a skipped token learned nothing; a worked-on one learned its L fetches
@@ -116,7 +93,7 @@ def test_nothing_to_predict_backs_off_and_skipped_tokens_teach_nothing(quick):
 
 def test_a_stream_it_predicts_never_backs_it_off(quick):
     store, auto = fresh()
-    drive(store, auto, [pattern_token(t) for t in range(300)])
+    drive_auto(store, auto, [pattern_token(t) for t in range(300)])
     assert auto.skip == 1 and auto.backoffs == 0
     assert store.stats.prefetch_hits > 0.8 * 300 * L * 2        # nearly every key, once learned
 
@@ -124,10 +101,10 @@ def test_a_stream_it_predicts_never_backs_it_off(quick):
 def test_it_comes_back_when_predictions_pay_again(quick):
     store, auto = fresh()
     rng = random.Random(9)
-    drive(store, auto, [random_token(rng) for _ in range(400)])
+    drive_auto(store, auto, [random_token(rng) for _ in range(400)])
     assert auto.skip == pf.MAX_SKIP
     hits = store.stats.prefetch_hits
-    drive(store, auto, [pattern_token(t) for t in range(1500)])
+    drive_auto(store, auto, [pattern_token(t) for t in range(1500)])
     assert auto.skip == 1
     assert store.stats.prefetch_hits - hits > 1000
 
@@ -174,7 +151,7 @@ def test_a_skipped_clients_token_keeps_its_room():
     """A client in a skipped token is forgotten by the predictor, yet its token still
     needs slots: the room other clients' predictions may take leaves a whole pass for it."""
     store, auto = fresh(4 * L * 2)
-    drive(store, auto, [pattern_token(t) for t in range(3)])   # client 1: fetch size 2, ends token 3
+    drive_auto(store, auto, [pattern_token(t) for t in range(3)])   # client 1: fetch size 2, ends token 3
     room = auto._room()
     auto.skip = 2                                        # its 4th token (3 ended: 3 % 2) is skipped
     auto.end_token(1)                                    # ... and its 5th (4 % 2 == 0) is not
