@@ -139,12 +139,14 @@ def skip_where_plain_vllm_cannot(path: str, dtype: str) -> None:
 
 
 @contextlib.contextmanager
-def plain_engine(path: str, max_num_seqs: int = 4, dtype: str = "float32"):
+def plain_engine(path: str, max_num_seqs: int = 4, dtype: str = "float32", **kwargs):
     """``engine(path)`` without k3d, the reference of a comparison: where plain vLLM itself cannot run the
-    configuration on this CPU the test skips in one line naming vLLM and the backend."""
+    configuration on this CPU the test skips in one line naming vLLM and the backend (the cause is
+    read from a one-rank rebuild: an attention backend's limit does not depend on ``kwargs`` such as
+    ``tensor_parallel_size``)."""
     with contextlib.ExitStack() as stack:
         try:
-            llm = stack.enter_context(engine(path, max_num_seqs=max_num_seqs, dtype=dtype))
+            llm = stack.enter_context(engine(path, max_num_seqs=max_num_seqs, dtype=dtype, **kwargs))
         except Exception:
             skip_where_plain_vllm_cannot(path, dtype)
             raise
