@@ -73,6 +73,7 @@ from k3d.cache.resident import residency
 MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
 DEPTH = 4               # context layers, where the counts fit in COUNTS_BYTES
 COUNTS_BYTES = 16 << 20  # the counts' memory, above which the context is shallower (down to 1 layer)
+TEMPER = 0.7            # a context layer at distance d weighs TEMPER ** (d - 1) in the naive Bayes product
 
 
 def depth_for(layers: int, experts: int) -> int:
@@ -90,11 +91,13 @@ class CoPredictor:
     name = "coact"
 
     def __init__(self, layers: int = 1, experts: int = 1, depth: int | None = None, prior: float = 2.0,
-                 window: int = 4096, min_prob: float = 0.3, cal_every: int = CAL_EVERY):
+                 window: int = 4096, min_prob: float = 0.3, cal_every: int = CAL_EVERY,
+                 temper: float = TEMPER):
         self.layers, self.experts = max(1, layers), max(1, experts)
         depth = depth_for(self.layers, self.experts) if depth is None else depth
         self.depth, self.prior, self.window, self.min_prob = depth, prior, window, min_prob
         self.cal_every = max(1, cal_every)
+        self.weights = [temper ** d for d in range(depth)]   # distance d + 1's exponent (score.py)
         self._deferrals = 0                     # proposals deferred (_defer), ever
         self.c = Counts(self.layers, self.experts, depth, window)
         self.learned = 0                        # fetches folded into the counts, ever
