@@ -30,8 +30,9 @@ Guarantees:
 - A read budget (``_afford``): the expected unused reads of the predictions started
   (the sum of 1 - confidence: the confidences are measured frequencies) stay within
   ``slack`` (``READ_SLACK``) times the reads demand needed (the store's misses plus
-  the predictions used), plus ``RESERVE``; so total reads stay within about
-  1 + ``slack`` times those of no predictions.  A proposal is taken only while the
+  the predictions used); so total reads stay within about 1 + ``slack`` times
+  those of no predictions (more only by the calibration's error and by misses
+  of what a prediction evicted).  A proposal is taken only while the
   allowance left covers ``RESERVE`` times its expected waste: where reads are
   scarce only sure proposals go, and the budget is spent where it pays most.
   And the expected share of predictions used stays at least ``precision``
@@ -62,7 +63,7 @@ from k3d.observe.stats import PredictionStats
 
 READ_SLACK = 0.2        # expected unused reads allowed per read demand needs
 PRECISION = 0.4         # the least expected share of predictions used, on average
-RESERVE = 16.0          # the allowance to start with, and how many times its expected waste a take needs left
+RESERVE = 16.0          # how many times its expected waste a take needs left in the allowance
 JUDGE_KEYS = 2048       # keys fetched in worked-on tokens between two judgements of usefulness
 GAIN_POINTS = 2         # hit-rate points (used predictions per 100 keys) below which it backs off
 MAX_SKIP = 16           # backed off the furthest: one token in this many per client
@@ -209,10 +210,10 @@ class AutoPrefetch:
 
     def _allowance(self) -> float:
         """Expected unused reads the predictions may still spend: ``slack`` per read demand
-        needed so far (misses, and predictions used: reads a miss would have made),
-        plus ``RESERVE``, less what the started ones are expected to waste."""
+        needed so far (misses, and predictions used: reads a miss would have made), less
+        what the started ones are expected to waste."""
         demand = self.store.stats.misses + self.used_in_time + self.used_late
-        return self.slack * demand + RESERVE - self.waste
+        return self.slack * demand - self.waste
 
     def _afford(self, props, allowance: float) -> list:
         """The proposals (best first) the read budget affords: each needs the allowance
