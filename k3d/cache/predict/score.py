@@ -125,7 +125,7 @@ def set_table(p, t: Tables, n: int) -> tuple:
             rows = np.subtract(1.0, q)
             np.divide(q, rows, out=rows)                                            # q / (1 - q) ...
             rows *= t.io[:, None, None, :]                                          # ... * io
-            rows **= np.array(p.weights)[None, :, None, None]                       # ... tempered
+            rows **= p.weights_v[None, :, None, None]                               # ... tempered
         tab = t.sets[n] = (index, rows)
     return tab
 
@@ -208,7 +208,7 @@ def _bins(p, out, part, q, io, sizes: tuple) -> None:
     f *= io[:, None, :] if io.ndim == 2 else io
     starts = np.cumsum((0,) + sizes[:-1])
     d0 = np.array([e[2] for e in part], np.int64)[:, starts] // p.experts      # (N, groups): d - 1
-    f **= np.array(p.weights)[d0][:, :, None]
+    f **= p.weights_v[d0][:, :, None]
     odds = np.multiply.reduce(f, axis=1)
     odds /= io
     out[[e[0] for e in part]] = EDGES.searchsorted(odds, side="right")
@@ -287,7 +287,7 @@ def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray, sizes: tuple = ())
         # distance's weight, multiply over the prior odds (counted once)
         f = q / (1.0 - q)
         f *= t.io[m]
-        f **= np.array([p.weights[d - 1] for d, _ in parts])[:, None]
+        f **= p.weights_v[[d - 1 for d, _ in parts]][:, None]
         odds = np.multiply.reduce(f, axis=0)
         odds /= t.io[m]
     else:
