@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import harness  # noqa: E402
 
+import k3client  # noqa: E402
 from k3d.demo import vllm_models  # noqa: E402
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # apply_model(k3client.vllm.stats)
@@ -79,6 +80,24 @@ def stats(llm) -> dict:
     from k3client.vllm import stats as model_stats
 
     return llm.apply_model(model_stats)[0]
+
+
+def cpu_seconds(daemon_pid: int, client_pids: list[int]) -> tuple[float, float, float]:
+    """CPU seconds so far of the daemon (every thread), of the k3d engine's rank processes'
+    main threads (their model compute) and of their other threads (ZeroMQ I/O, the lease
+    thread, torch's and vLLM's helpers): what competes with the ranks for their cores."""
+    import psutil
+
+    d = psutil.Process(daemon_pid).cpu_times()
+    main = side = 0.0
+    for pid in client_pids:
+        with contextlib.suppress(psutil.Error):
+            for t in psutil.Process(pid).threads():
+                if t.id == pid:
+                    main += t.user_time + t.system_time
+                else:
+                    side += t.user_time + t.system_time
+    return d.user + d.system, main, side
 
 
 def _remove_tp_buffers(before: set) -> None:
@@ -132,11 +151,15 @@ def main() -> int:
                 step_time(k3d, prompts, a.tokens)            # cold: every expert a miss
                 step_time(plain, prompts, a.tokens)
                 s0 = stats(k3d)
-                tp, tk = [], []
+                with k3client.connect(d.endpoint, name="bench-status", hit_path="daemon") as c:
+                    pids = sorted({cl["pid"] for cl in c.status()["clients"] if cl["name"].startswith("vllm-")})
+                tp, tk, cpu = [], [], [0.0, 0.0, 0.0]
                 for _ in range(a.reps):
                     t, want = step_time(plain, prompts, a.tokens)
                     tp.append(t)
+                    c0 = cpu_seconds(d.pid, pids)
                     t, got = step_time(k3d, prompts, a.tokens)
+                    cpu = [x + y1 - y0 for x, y0, y1 in zip(cpu, c0, cpu_seconds(d.pid, pids))]
                     tk.append(t)
                     ok &= got == want
                     agree += [x == y for g, w in zip(got, want) for x, y in zip(g, w)]
@@ -144,7 +167,9 @@ def main() -> int:
                 for llm in (plain, k3d):
                     llm.llm_engine.engine_core.shutdown()
                 del plain, k3d
-                rows.append((b, statistics.median(tp), statistics.median(tk), s0, s1))
+                # step_time runs 1 + (1 + tokens) steps per rep
+                per_step = [1e3 * x / (a.reps * (a.tokens + 2)) for x in cpu]
+                rows.append((b, statistics.median(tp), statistics.median(tk), s0, s1, per_step, len(pids)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_tp_buffers(shm_before)
@@ -161,7 +186,7 @@ def main() -> int:
     kern = dispatch.kernels(facts, "cpu", getattr(torch, a.dtype), native.load() is not None, True)
     print(f"  CPU: {cpu.model_name()}, {facts.describe()}, {os.cpu_count()} cores; "
           f"plugin experts: {kern.describe()}")
-    for b, mp, mk, s0, s1 in rows:
+    for b, mp, mk, s0, s1, per_step, ranks in rows:
         steps = s1["forwards"] - s0["forwards"]
         fs0 = s0["fetch_seconds"]
         per_layer = {k: 1e3 * (v - fs0.get(k, 0.0)) / steps for k, v in sorted(s1["fetch_seconds"].items())}
@@ -171,6 +196,8 @@ def main() -> int:
               f"k3d {1e3 * mk:7.2f} ms/step   ratio {mk / mp:.2f}x")
         print("           fetch per layer per forward " + "  ".join(f"L{k} {v:.3f} ms" for k, v in per_layer.items())
               + f"; experts fetched per layer-step {union:.1f} of {routed:.1f} routed (tokens x top-k)")
+        print(f"           CPU per k3d step (ms, all {ranks} ranks): daemon {per_step[0]:.3f}, ranks' main threads "
+              f"{per_step[1]:.3f}, ranks' other threads {per_step[2]:.3f}")
     print(f"  same tokens: {ok} ({sum(agree)}/{len(agree)} equal, position by position)")
     return 0 if ok or a.dtype != "float32" else 1
 

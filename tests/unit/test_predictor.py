@@ -187,24 +187,46 @@ def test_state_round_trip_and_bad_state():
     assert q.state() == before
 
 
-def test_an_arena_holding_the_whole_model_stops_learning_and_proposing_and_replays_alike():
-    """Once every known expert is resident (only an arena as large as the model), nothing can
-    be predicted again: the daemon's predictor neither learns nor proposes, and a replay,
-    which goes on learning, still counts the same."""
-    known = frozenset((layer, e) for layer in range(L) for e in range(E))
-    store = Store(L * E, policy=make("cycle", L))
+def test_an_arena_holding_the_whole_model_never_learns_or_proposes_and_replays_alike():
+    """An arena of a slot per key of the predictor's shape (layers x experts) reads each key at
+    most once: the predictor stays idle from the start (no count learned, nothing proposed), and
+    a replay at that size, which knows only the trace, decides the same.  One slot fewer, and it
+    works."""
+    tokens = [pattern_token(t) for t in range(60)]
+    fresh = CoPredictor(L, E).state()
+    for slots, idle in ((L * E, True), (L * E + 3, True), (L * E - 1, False)):
+        store = Store(slots, policy=make("cycle", L))
+        auto = AutoPrefetch(store, CoPredictor(L, E))
+        ev = drive_auto(store, auto, tokens)
+        assert auto.holds_model is idle and auto.as_dict()["holds_model"] is idle
+        assert (auto.predictor.state() == fresh) is idle
+        assert (store.stats.prefetched == 0) is idle
+        r = run(ev, "cycle", slots, predictor="coact")
+        assert (r.hits, r.misses, r.prefetched) == (store.stats.hits, store.stats.misses, store.stats.prefetched)
+
+
+def test_once_every_known_expert_is_resident_it_stops_learning_and_replays_alike():
+    """A model with fewer experts than its shape (its layer 0 is dense: no key there) in an arena
+    just its size: once every known expert is resident nothing can be predicted again, so the
+    daemon's predictor neither learns nor proposes, and a replay, which goes on learning, still
+    counts the same."""
+    known = frozenset((layer, e) for layer in range(1, L) for e in range(E))
+    store = Store(len(known), policy=make("cycle", L))
     auto = AutoPrefetch(store, CoPredictor(L, E), known=known)
+    assert not auto.holds_model
     states = []
 
     def before_learning():                                # the counts when the model became resident
         if len(store.key_slot) == len(known) and not states:
             states.append(auto.predictor.state())
 
-    ev = drive_auto(store, auto, [random_tokens(1, t)[0] for t in range(40)], before_learning)
+    tokens = [[[], *random_tokens(1, t)[0][1:]] for t in range(40)]
+    ev = drive_auto(store, auto, tokens, before_learning)
     learned = states[0] if states else None
     assert learned is not None and len(store.key_slot) == len(known)
+    assert learned != CoPredictor(L, E).state()          # it did learn before
     assert auto.predictor.state() == learned
-    r = run(ev, "cycle", L * E, predictor="coact")
+    r = run(ev, "cycle", len(known), predictor="coact")
     assert (r.hits, r.misses, r.prefetched) == (store.stats.hits, store.stats.misses, store.stats.prefetched)
 
 

@@ -48,6 +48,14 @@ Guarantees:
   (a fetch costs it a counter; the predictor forgets the client's context, so a
   token it skipped never teaches a wrong one).  At or above, ``skip`` is 1 again.
   Every figure is a count of the stream, so replay backs off where the daemon does.
+- It stays idle where the arena holds the whole model (``holds_model``: at least
+  one slot per key of the predictor's shape, layers x experts): there, every key
+  is read at most once in the daemon's life, so a prediction could save at most
+  one first-touch miss per key, while learning and proposing would cost the loop
+  thread on every fetch (bench/README.md, "vLLM overhead with tensor
+  parallelism": 0.36 ms of the daemon's CPU per step of a two-rank engine whose
+  experts were all resident but one, on cores the ranks need).  The daemon and
+  ``k3d replay`` decide it from the same two figures, so replay stays exact.
 
 The daemon's predictions are kept under a client id of their own per client,
 ``-1 - client`` (``auto_id``), so the store's per-client prediction quality keeps
@@ -92,6 +100,7 @@ class AutoPrefetch:
         self.slack, self.precision, self.credit_cap = slack, precision, credit_cap
         self.credit = 0.0
         self.known = known
+        self.holds_model = store.slots >= predictor.layers * predictor.experts
         self._all_known = None                   # (layers, experts) when every such key is known
         self.waste = 0.0                         # expected unused reads of the predictions started
         self.fetches = 0
@@ -189,12 +198,14 @@ class AutoPrefetch:
         return proposed, started
 
     def _all_resident(self) -> bool:
-        """Every expert of the model is resident (``known`` given: the daemon).  Only an
-        arena that holds the whole model gets here, and it stays so (nothing is evicted
-        while a slot is free), so no prediction can ever be made again: learning and
-        proposing stop, and cost nothing per fetch.  ``k3d replay`` (no ``known``) goes
-        on learning, but can propose nothing either, so its counters stay the daemon's."""
-        return self.known is not None and len(self.store.key_slot) >= len(self.known)
+        """Nothing can be predicted that pays: the arena holds the model (``holds_model``,
+        module docstring), or every expert of the model is resident (``known`` given: the
+        daemon).  Only an arena that holds the whole model gets to the second, and it stays
+        so (nothing is evicted while a slot is free), so no prediction can ever be made
+        again: learning and proposing stop, and cost nothing per fetch.  ``k3d replay`` (no
+        ``known``) goes on learning there, but can propose nothing either, so its counters
+        stay the daemon's."""
+        return self.holds_model or (self.known is not None and len(self.store.key_slot) >= len(self.known))
 
     def _resident(self):
         """The keys never to propose: resident ones, and (``known`` given) those that do not exist."""
@@ -303,7 +314,7 @@ class AutoPrefetch:
                 "unused": q.prefetch_unused, "unused_bytes": q.unused_bytes, "refused": q.refused,
                 "precision": round(q.prefetch_hits / q.prefetched, 4) if q.prefetched else None,
                 "fetches": self.fetches, "cpu_s": self.cpu_ns / 1e9,
-                "skip": self.skip, "backoffs": self.backoffs}
+                "skip": self.skip, "backoffs": self.backoffs, "holds_model": self.holds_model}
 
 
 class _Resident:

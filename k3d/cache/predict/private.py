@@ -22,7 +22,8 @@ class PerClient:
     def __init__(self, make: Callable[[], object]):
         self._make = make
         self._of: dict[int, object] = {}
-        self.name = make().name
+        probe = make()
+        self.name, self.layers, self.experts = probe.name, probe.layers, probe.experts
 
     def _p(self, client: int):
         p = self._of.get(client)
