@@ -73,11 +73,19 @@ def _pages(a: dict) -> str:
     return ""
 
 
+def _preparing(a: dict) -> str:
+    """While the arena's collapse and pre-fault still run after ready (``k3d.memory.prepare``)."""
+    p = a.get("prepare") or {}
+    if p.get("state") != "running" or not p.get("total"):
+        return ""
+    return f", preparing in the background ({100 * p['done'] // p['total']} % pre-faulted)"
+
+
 EXIT_OK, EXIT_DOWN, EXIT_STARTING = 0, 1, 3
 
 
 def render_starting(st: dict) -> str:
-    """``starting: pre-faulting the arena 1.2/4.0 GiB (30 %), ~8 s left``."""
+    """``starting: reserving the arena 1.2/4.0 GiB (30 %), ~8 s left``."""
     return f"starting: {describe(st)}"
 
 
@@ -128,7 +136,7 @@ def render(st: dict) -> str:
         f"layers {_layers(m['layers'])}",
         f"digest  {_digest(m.get('digest'))}",
         f"arena   {show_size(a['bytes'])}: {a['slots']} slots x {show_size(a['slot_bytes'])}"
-        f"{_pages(a)}, "
+        f"{_pages(a)}{_preparing(a)}, "
         f"used {a['used']}, pinned {a['pinned']}, loading {a['loading']}",
         f"cache   hit rate {hit} ({s['hits']} hits, {s['misses']} misses, {s['waited']} waited), "
         f"{s['evictions']} evictions",

@@ -2,14 +2,17 @@
 
 Order: open and validate the source (so a bad checkpoint fails before any
 memory is taken), size the arena, refuse to steal the endpoint of a live
-daemon (a stale socket left by ``kill -9`` is removed), collapse the arena
-into transparent huge pages (unless ``--no-thp``/``--hugepages``), reserve and
-pre-fault it, bind, then print ``ready`` and tell systemd READY=1.
+daemon (a stale socket left by ``kill -9`` is removed), collapse what the
+kernel has free 2 MiB blocks for into transparent huge pages (unless
+``--no-thp``/``--hugepages``), reserve every page of the arena, bind, then
+print ``ready`` and tell systemd READY=1; only then does the arena's preparer
+thread collapse the rest and pre-fault it while the loop serves
+(``k3d.memory.prepare``; status ``arena.prepare`` says how far).
 
 Signal handlers only ask the loop to act (gunicorn's arbiter rule): SIGTERM/
 SIGINT to stop (the loop drains and returns, ``run`` releases the arena and
 exits 0), SIGHUP to reload the config (``reload`` re-resolves it).  The stop
-handlers are installed first of all: a stop during start-up (a long pre-fault)
+handlers are installed first of all: a stop during start-up (a long reservation)
 ends it at the next progress tick, releasing what was built, with exit 0.
 One daemon per endpoint: ``claim_endpoint`` flocks ``ARENA_SOCK.lock`` for the
 daemon's life, so a second start is refused even before the first answers.
@@ -244,7 +247,7 @@ def _check_socket_dir(d: str) -> None:
 
 
 # What the arena's progress steps are called where a person reads them.
-PHASES = {"collapsing": "collapsing the arena into huge pages", "pre-faulting": "pre-faulting the arena"}
+PHASES = {"collapsing": "collapsing the arena into huge pages", "reserving": "reserving the arena"}
 
 
 class _StopDuringStartup(Exception):
@@ -252,7 +255,7 @@ class _StopDuringStartup(Exception):
 
 
 def run(cfg, env, reload=None) -> int:
-    # Stop requests are honoured from the first instruction: during a long arena pre-fault
+    # Stop requests are honoured from the first instruction: during a long arena reservation
     # a SIGTERM (systemctl stop) must end the start-up cleanly, not kill it by default.
     stop = {"requested": False, "server": None}
 
@@ -278,7 +281,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
     notifier = Notifier(env)
     if not cfg.source:
         raise StartupError("no checkpoint: pass --source PATH (or set source in the config file / K3D_SOURCE)")
-    if cfg.trace:                        # before anything is built: a typo must not cost a pre-fault
+    if cfg.trace:                        # before anything is built: a typo must not cost a reservation
         try:
             open(cfg.trace, "a").close()
         except OSError as e:
@@ -296,7 +299,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
         board = SnapshotBoard()
         board.publish(responder.status())
-        if cfg.metrics:                  # before the arena: a port in use must not cost a pre-fault
+        if cfg.metrics:                  # before the arena: a port in use must not cost a reservation
             try:
                 exporter = Exporter(cfg.metrics, board)
             except RuntimeError as e:
@@ -335,6 +338,10 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
               f"experts={len(source.keys)} pid={os.getpid()} in {progress.snapshot()['uptime_s']:.1f}s",
               file=sys.stderr, flush=True)
         notifier.ready(server.status_line())
+        arena.prepare(on_done=lambda p: log.info(
+            "arena: pre-faulted%s, %.1fs after ready", "" if p.thp_why == "off" else
+            f", {p.thp_bytes >> 20} of {p.total >> 20} MiB in transparent huge pages"
+            + (f" ({p.thp_why})" if p.thp_why else ""), p.seconds))
         collector.settle()               # start-up's objects leave the collector's scans
         server.serve_forever()
         log.info("stopped")
@@ -392,7 +399,7 @@ def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop
         printer.show(p)
         publish()                        # /metrics shows the start-up too
         notifier.status(f"starting: {describe(p)}")
-        if notifier.watchdog_interval:   # a long pre-fault is not a hang
+        if notifier.watchdog_interval:   # a long reservation is not a hang
             notifier.watchdog()
     try:
         arena = Arena(slots, slot_bytes, progress=tick, huge=cfg.hugepages, thp=cfg.thp)
@@ -400,8 +407,7 @@ def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop
         raise StartupError(str(e)) from None
     check_stop()
     if cfg.thp and not cfg.hugepages:
-        log.info("arena: %d of %d MiB in transparent huge pages%s, prepared in %.1fs (huge pages cost start-up "
-                 "time and make O_DIRECT/disk reads into the arena faster; --no-thp skips them)",
-                 arena.thp_bytes >> 20, arena.mapped >> 20, f" ({arena.thp_why})" if arena.thp_why else "",
-                 time.monotonic() - t0)
+        log.info("arena: %d of %d MiB in transparent huge pages, reserved in %.1fs; the rest is collapsed and "
+                 "the arena pre-faulted after ready (huge pages make O_DIRECT/disk reads into the arena faster; "
+                 "--no-thp skips them)", arena.thp_bytes >> 20, arena.mapped >> 20, time.monotonic() - t0)
     return arena
