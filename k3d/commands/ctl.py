@@ -116,6 +116,8 @@ def _digest(d) -> str:
     """The content digest line (``k3d.sources.digest``): prefix, rule, what it cost."""
     if not isinstance(d, dict):
         return "-"
+    if d.get("pending"):
+        return f"computing after ready: {d.get('done', 0)} of {d.get('total', '?')} experts"
     if "hex" not in d:
         return f"none: {d.get('error', '?')}"
     how = "from the state directory" if d.get("cached") else \

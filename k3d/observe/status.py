@@ -5,7 +5,8 @@ sections may be added, existing fields keep their meaning):
 - top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``,
   ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model`` (the source's
   ``describe()``; ``model.digest`` is the content digest: ``rule``, ``hex``, ``parts``,
-  ``cached``, ``bytes_read``, ``seconds``, or ``error``: ``k3d.sources.digest``);
+  ``cached``, ``bytes_read``, ``seconds``, or ``error``, or while it is computed after
+  ready ``pending`` with ``done`` and ``total`` experts: ``k3d.sources.digest``);
 - ``arena``: sizes, ``thp_bytes`` (in transparent huge pages so far), ``prepare`` (the
   collapse and pre-fault after ready: ``state`` ``running`` until ``done``, ``done`` and
   ``total`` bytes pre-faulted, ``seconds``: ``k3d.memory.prepare``), plus the store's

@@ -7,7 +7,9 @@ kernel has free 2 MiB blocks for into transparent huge pages (unless
 ``--no-thp``/``--hugepages``), reserve every page of the arena, bind, then
 print ``ready`` and tell systemd READY=1; only then does the arena's preparer
 thread collapse the rest and pre-fault it while the loop serves
-(``k3d.memory.prepare``; status ``arena.prepare`` says how far).
+(``k3d.memory.prepare``; status ``arena.prepare`` says how far), and the
+content digest, unless cached, is computed (``k3d.sources.digest.AfterReady``;
+``model.digest`` is ``pending`` until it is done).
 
 Signal handlers only ask the loop to act (gunicorn's arbiter rule): SIGTERM/
 SIGINT to stop (the loop drains and returns, ``run`` releases the arena and
@@ -44,7 +46,7 @@ from k3d.sizes import show_size
 
 from ..reads.plan import readers_for
 from ..sources import SourceError, open_source
-from ..sources.digest import RULE as DIGEST_RULE, for_source as digest_for, threads_for as digest_threads
+from ..sources.digest import AfterReady as DigestAfterReady, cached as cached_digest, threads_for as digest_threads
 from . import collector
 from .notify import Notifier
 from .sizing import arena_warnings
@@ -286,7 +288,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             open(cfg.trace, "a").close()
         except OSError as e:
             raise StartupError(f"cannot open the route trace {cfg.trace}: {e.strerror}") from None
-    source = arena = server = lock = exporter = responder = None
+    source = arena = server = lock = exporter = responder = digester = None
     try:
         arena_sock = arena_socket_for(cfg.endpoint, env)
         lock = claim_endpoint(cfg.endpoint, arena_sock)
@@ -320,8 +322,10 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
                  source.path, len(source.keys), source.expert_bytes, slots, slot_bytes, cfg.readers, chosen)
         arena = build_arena(cfg, slots, slot_bytes, progress, notifier, check_stop,
                             lambda: board.publish(responder.status()))
-        # after every check a bad start fails (its one line stays the only one), before any client
-        source.digest = digest_of(source, cfg, progress, check_stop)
+        # a cached digest now (before any client); one to compute once serving (k3d.sources.digest)
+        source.digest = cached_digest(source, cfg.state_dir)
+        if source.digest is None:
+            digester = DigestAfterReady(source, cfg.state_dir, digest_threads(source, cfg.readers))
         try:
             server = Server(cfg, source, arena, arena_sock, notifier, board, sock=responder.hand_over())
         except zmq.ZMQError as e:
@@ -338,6 +342,8 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
               f"experts={len(source.keys)} pid={os.getpid()} in {progress.snapshot()['uptime_s']:.1f}s",
               file=sys.stderr, flush=True)
         notifier.ready(server.status_line())
+        if digester is not None:
+            digester.start()
         arena.prepare(on_done=lambda p: log.info(
             "arena: pre-faulted%s, %.1fs after ready", "" if p.thp_why == "off" else
             f", {p.thp_bytes >> 20} of {p.total >> 20} MiB in transparent huge pages"
@@ -359,28 +365,13 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             exporter.stop()
         if arena is not None:
             arena.close()
+        if digester is not None:
+            digester.stop()              # before the source closes: it reads the source
         if source is not None and (server is None or not server.reads.readers_alive()):
             source.close()               # (a stuck reader may still use the fds)
         notifier.close()
         if lock is not None:
             lock.release()
-
-
-def digest_of(source, cfg, progress, check_stop) -> dict:
-    """The source's content digest (``k3d.sources.digest``), on ``digest_threads`` threads.
-
-    A source that cannot be read for it (an origin down at start, EIO) does not stop
-    the start: the digest then carries ``error``, and ``Client.verify`` refuses in one
-    line naming it."""
-    def tick(done, total):
-        check_stop()
-        progress.update("digest of the expert bytes", done, total)
-
-    try:
-        return digest_for(source, cfg.state_dir, digest_threads(source, cfg.readers), tick)
-    except (SourceError, OSError) as e:
-        log.warning("cannot compute the content digest of %s: %s (clients cannot verify it)", source.path, e)
-        return {"rule": DIGEST_RULE, "error": str(e)}
 
 
 def with_readers(cfg, source):
