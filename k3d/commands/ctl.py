@@ -10,7 +10,10 @@ start; elsewhere (a pipe, a log) it prints one frame per interval, and with
 ``--json`` one JSON object per line.  Ctrl-C ends it with exit 0.
 
 A short-lived process of its own (the ``k3ctl`` console script), one thread;
-``status`` needs no hello.
+``status`` needs no hello.  Its imports are kept to the standard library, zmq,
+msgpack and ``k3client.endpoint``/``protocol`` (``k3client`` loads its client and
+numpy lazily), so that ``k3ctl status`` costs little beyond Python's own start;
+``verify`` and the daemon's ``printable`` rule are loaded where they are used.
 """
 
 from __future__ import annotations
@@ -30,8 +33,6 @@ from k3client.endpoint import (
     unreachable_dir,
 )
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
-from k3d.observe.quality import line as prediction_line
-from k3d.serve.access import printable
 from k3d.service.starting import describe
 from k3d.sizes import show_size
 
@@ -63,6 +64,14 @@ def query_status(endpoint: str, timeout: float) -> dict:
     if not reply.get("ok"):
         raise RuntimeError(f"k3d at {endpoint} refused status: {reply.get('error', {}).get('message')}")
     return reply["status"]
+
+
+def prediction_line(q: dict) -> str:
+    """Prediction quality in one line (``k3d.observe.quality``'s figures)."""
+    prec = q.get("precision")
+    p = "-" if prec is None else f"{100 * prec:.1f}%"
+    return (f"precision {p} ({q['prefetch_hits']}/{q['prefetched']}), fetched keys ready {q['ready']} / "
+            f"waited {q['waited']} / missed {q['missed']}, {q['unused_bytes'] / 2**20:.1f} MiB unused")
 
 
 def _pages(a: dict) -> str:
@@ -176,6 +185,8 @@ def render(st: dict) -> str:
     paced = (f" ({s['paced']} holds of clients over their CPU share, {s['paced_seconds']:.1f}s)"
              if s.get("paced") else "")
     lines.append(f"clients {len(st['clients'])}{paced}")
+    if st["clients"]:     # (the daemon's rule, loaded only where names are shown: logging, sockets)
+        from k3d.serve.access import printable
     for c in st["clients"]:
         lines.append(f"  {printable(str(c['name'])):<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  "
                      f"fetches {c['fetches']}{_cpu(c)}{_over_cap(c)}")
