@@ -10,10 +10,15 @@ _ERRORS = ("K3Error", "Mismatch", "BadRequest", "CacheFull", "DaemonNotRunning",
 
 
 def __getattr__(name):
-    module = _LAZY.get(name) or ("errors" if name in _ERRORS else None)
-    if module is None:
-        raise AttributeError(f"module 'k3client' has no attribute {name!r}")
     import importlib
+    module = _LAZY.get(name) or ("errors" if name in _ERRORS else None)
+    if module is None:       # a submodule not imported yet (``k3client.errors.X`` after ``import k3client``)
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'k3client' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value          # the next use is a plain attribute
     return value
