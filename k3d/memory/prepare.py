@@ -22,7 +22,8 @@ counting.
 
 State for ``status`` (read from any thread; each field a plain int or str set
 by this thread): ``state`` ``running`` -> ``done`` (or ``stopped`` when the
-arena closed first), ``done``/``total`` bytes pre-faulted, ``thp_bytes`` in
+arena closed first, ``failed`` on an unexpected error: the arena still serves,
+taking its faults on first writes), ``done``/``total`` bytes pre-faulted, ``thp_bytes`` in
 huge pages so far (the start's included), ``thp_why`` why not all.
 
 Thread: one daemon thread, nice 10 (the loop and the readers come first); its
@@ -83,6 +84,15 @@ class Preparer:
     def status(self) -> dict:
         return {"state": self.state, "done": self.done, "total": self.total, "seconds": round(self.seconds, 3)}
 
+    def outcome(self) -> str:
+        """What it did, in words (for the log once it has ended)."""
+        if self.state != "done":
+            return f"{self.thp_why} after {self.seconds:.1f}s; it serves on, taking page faults on first writes"
+        thp = "" if self.thp_why == "off" else \
+            f", {self.thp_bytes >> 20} of {self.total >> 20} MiB in transparent huge pages" \
+            + (f" ({self.thp_why})" if self.thp_why else "")
+        return f"pre-faulted{thp}, {self.seconds:.1f}s after ready"
+
     def _run(self):
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
@@ -117,6 +127,8 @@ class Preparer:
                 elif self.total > self.whole:
                     self.thp_why = f"the last {self.total - self.whole} bytes are less than a region"
             self.state = "done"
+        except Exception as e:   # noqa: BLE001 -- the arena stays reserved and correct: say so, serve on
+            self.state, self.thp_why = "failed", f"the preparation stopped: {e!r}"
         finally:
             if c is not None:
                 c.close()

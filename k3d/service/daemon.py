@@ -344,10 +344,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         notifier.ready(server.status_line())
         if digester is not None:
             digester.start()
-        arena.prepare(on_done=lambda p: log.info(
-            "arena: pre-faulted%s, %.1fs after ready", "" if p.thp_why == "off" else
-            f", {p.thp_bytes >> 20} of {p.total >> 20} MiB in transparent huge pages"
-            + (f" ({p.thp_why})" if p.thp_why else ""), p.seconds))
+        arena.prepare(on_done=lambda p: (log.info if p.state == "done" else log.warning)("arena: %s", p.outcome()))
         collector.settle()               # start-up's objects leave the collector's scans
         server.serve_forever()
         log.info("stopped")
