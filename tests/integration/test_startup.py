@@ -145,3 +145,49 @@ def test_connect_wait_for_a_daemon_not_there_yet(checkpoint, start_daemon, tmp_p
             waiter.wait(10)
     assert waiter.returncode == 0 and out.strip() == "2"
     assert d.stop() == 0
+
+
+# ``k3d start`` whose content digest (computed after ready) waits for the file argv[1].
+HELD_DIGEST = r"""
+import os, sys, time
+gate = sys.argv.pop(1)
+from k3d.sources.digest import AfterReady
+run = AfterReady._run
+def held_run(self):
+    print("gate: digest holding", file=sys.stderr, flush=True)
+    while not os.path.exists(gate):
+        time.sleep(0.01)
+    run(self)
+AfterReady._run = held_run
+from k3d.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_digest_after_ready_is_pending_and_verify_waits_for_it(checkpoint, start_daemon, tmp_path):
+    """Ready does not wait for the content digest: it serves meanwhile, says the digest is
+    pending, and a verify begun then waits for it and compares."""
+    gate = tmp_path / "gate"
+    d = start_daemon(checkpoint, "--arena", "8MiB", launcher=[sys.executable, "-c", HELD_DIGEST, str(gate)])
+    poll_for(lambda: in_log(d, "gate: digest holding"), 30, d.log)
+    with k3client.connect(d.endpoint, name="early") as c:
+        assert c.model["digest"] == {"rule": "k3d-digest/1", "pending": True, "done": 0, "total": 64}
+        assert c.fetch(0, [3])[0].expert == 3
+        assert "digest  computing after ready: 0 of 64 experts" in k3ctl("--endpoint", d.endpoint).stdout
+        got = {}
+
+        def check():
+            try:
+                got["hex"] = c.verify(checkpoint)["hex"]
+            except Exception as e:   # noqa: BLE001 -- reported by the asserts below
+                got["error"] = repr(e)
+        t = threading.Thread(target=check)
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not got         # the gate is shut: it can only be waiting
+        gate.touch()
+        t.join(60)
+        served = c.status()["model"]["digest"]
+    assert got == {"hex": served["hex"]}, got
+    assert f"digest  {served['hex'][:16]}" in k3ctl("--endpoint", d.endpoint).stdout
+    assert d.stop() == 0
