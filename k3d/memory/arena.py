@@ -123,7 +123,7 @@ class Arena:
                 collapser = Collapser(self.fd, self.mapped)
                 tick = (lambda d, t, sec: progress(d, t, sec, "collapsing")) if progress else None
                 try:
-                    first, why = collapser.front(self.fd, self.mapped, reserve_seconds(), tick)
+                    first, why = collapser.front(self.fd, self.mapped, reserve_seconds(self.mapped), tick)
                 except OSError as e:
                     # a region's first page does not fit: the full reservation below says why
                     first, why = 0, e.strerror

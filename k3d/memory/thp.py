@@ -111,15 +111,18 @@ def _libc():
     return libc
 
 
-def reserve_seconds(length: int = 64 << 20) -> float:
-    """What reserving ``length`` bytes of shmem in 4 KiB pages takes here, now: a scratch
-    memfd, ``posix_fallocate``, closed again (the floor ``Collapser.front`` compares with)."""
+def reserve_seconds(most: int) -> float:
+    """What reserving ``STEP`` bytes of shmem in 4 KiB pages takes here, now, measured on a
+    scratch memfd of at most ``most`` bytes (the arena's own size: in a tight memory cgroup
+    the scratch must fit where the arena was found to fit), closed again: the floor
+    ``Collapser.front`` compares with."""
+    length = max(mmap.PAGESIZE, min(STEP, most) // mmap.PAGESIZE * mmap.PAGESIZE)
     fd = os.memfd_create("k3d-floor", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, length)
         t = time.monotonic()
         os.posix_fallocate(fd, 0, length)
-        return time.monotonic() - t
+        return (time.monotonic() - t) * STEP / length
     finally:
         os.close(fd)
 
