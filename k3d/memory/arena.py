@@ -36,9 +36,10 @@ turns it off): before the memfd is reserved, its whole 2 MiB regions are
 collapsed into transparent huge pages (``k3d/memory/thp.py``) from offset 0 up
 while that is cheaper than reserving them in 4 KiB pages, which gives the same
 physical contiguity from ordinary memory; the rest is reserved in 4 KiB pages
-and collapsed after ready, best effort.  ``thp_bytes`` is how much of the memfd (slack included) is in huge
-pages so far, ``thp_why`` why not all ("" when all was).  Mappings and seals
-are unchanged.
+and collapsed after ready, best effort.  ``thp_bytes`` is how much of the memfd
+(slack included) is in huge pages so far, ``thp_why`` why not all ("" when all
+was, or while the preparer may still collapse the rest).  Mappings and seals are
+unchanged.
 
 Order and invariant: ``Arena()`` returns with every page of the memfd reserved
 and sealed, the cheap huge pages collapsed, nothing pre-faulted: every byte
