@@ -8,6 +8,7 @@ lose: nothing here depends on how fast this machine reserves an arena.
 """
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -191,3 +192,35 @@ def test_digest_after_ready_is_pending_and_verify_waits_for_it(checkpoint, start
     assert got == {"hex": served["hex"]}, got
     assert f"digest  {served['hex'][:16]}" in k3ctl("--endpoint", d.endpoint).stdout
     assert d.stop() == 0
+
+
+def test_a_file_written_in_place_before_the_digest_is_never_verified(checkpoint, start_daemon, tmp_path):
+    """A shard overwritten in place (``cp``: same inode) after ready but before the digest is
+    computed: the daemon still serves the experts it read before, so a digest of the new bytes
+    would let a client holding the new checkpoint verify and then compute with the old.
+    The digest must say it cannot be computed (the source changed while served)."""
+    import shutil
+
+    import numpy as np
+
+    from helpers import reference
+    from k3d.demo.synthetic import write_checkpoint
+    served = shutil.copytree(checkpoint, str(tmp_path / "served"))
+    tuned = write_checkpoint(str(tmp_path / "tuned"), layers=4, experts=16, shards=2, seed=8)
+    gate = tmp_path / "gate"
+    d = start_daemon(served, "--arena", "8MiB", launcher=[sys.executable, "-c", HELD_DIGEST, str(gate)])
+    poll_for(lambda: in_log(d, "gate: digest holding"), 30, d.log)
+    with k3client.connect(d.endpoint, name="early") as c:
+        name = c.layout[0].name
+        old = c.fetch(0, [1])[0].array(name).copy()            # resident from here on
+        for f in os.listdir(tuned):
+            if f.endswith(".safetensors"):
+                with open(os.path.join(tuned, f), "rb") as src, open(os.path.join(served, f), "r+b") as dst:
+                    shutil.copyfileobj(src, dst)                # in place: the same inode
+        gate.touch()
+        with pytest.raises(k3client.Mismatch, match="changed while served"):
+            c.verify(tuned)
+        c.begin_token()
+        got = c.fetch(0, [1])[0].array(name)
+        assert np.array_equal(got, old) and not np.array_equal(got, reference(tuned).expert(0, 1, name))
+    d.stop()
