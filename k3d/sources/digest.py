@@ -14,10 +14,13 @@ pages dropped after: the arena is the cache), remote ones with the source's
 retrying ``fetch_into`` (the disk tier is bypassed: it holds whole experts only).
 
 Cache: ``<state_dir>/digest-<key>.json``, ``key`` a hash of the files' identity
-(local: path, st_dev, st_ino, st_size, st_mtime_ns of the open descriptor;
+(local: path, st_dev, st_ino, st_size, st_mtime_ns as the source opened it;
 remote: URL, size and validator — ETag or Last-Modified) and of the layout the
 source found (kind, keys, layouts), so a restart on the same files reads
-nothing and a changed file (or ``--pattern``) computes anew.  Writes are atomic
+nothing and a changed file (or ``--pattern``) computes anew.  A file written
+in place since the source opened it (``unchanged``, before and after the
+reads) is refused (``SourceError``: the digest's ``error``), never digested:
+the arena may hold its old bytes.  Writes are atomic
 (temporary file + rename).  ``prune`` (after a new digest is saved) deletes only
 the cached digests of local checkpoints whose files are gone or changed, which no
 start can use again, and crashed saves' temporary files; it touches no other
@@ -51,6 +54,7 @@ from k3client.digest import RULE, assemble, sample_ranges, tensor_hash
 from k3d import statefile
 
 from .base import PAGE, SourceError, read_fully
+from .identity import Identity, difference, message
 
 log = logging.getLogger("k3d")
 
@@ -68,10 +72,10 @@ def identity(source) -> list:
         files = [[url, size, sorted((v or {}).items())]
                  for url, size, v in zip(source.files, source.sizes, source.validators)]
     else:
-        files = []
-        for path, fd in zip(source.files, source.fds):
-            st = os.fstat(fd)
-            files.append([os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns])
+        # the files as the source opened them (``source.identities``): what it serves, even
+        # where one was written since (``unchanged`` then refuses to compute)
+        ids = getattr(source, "identities", None) or [Identity.of(os.fstat(fd)) for fd in source.fds]
+        files = [[os.path.abspath(path), *i] for path, i in zip(source.files, ids)]
     layout = hashlib.blake2b(repr((source.kind, sorted(source.keys),
                                    [(l, source.layout_of(l)) for l in sorted({k[0] for k in source.keys})])).encode(),
                              digest_size=16).hexdigest()
@@ -166,6 +170,18 @@ def _read(source, fi: int, off: int, bufs, fds) -> None:
     os.posix_fadvise(fds[fi], lo, -(-(off + n - lo) // PAGE) * PAGE, os.POSIX_FADV_DONTNEED)
 
 
+def unchanged(source) -> None:
+    """SourceError unless every local file is still as the source opened it (``source.identities``).
+
+    Checked before and after the samples are read: the arena may hold experts read before a
+    write in place, so a digest of the new bytes would verify a checkpoint the daemon does
+    not serve (and one read across the write would match neither)."""
+    for path, fd, was in zip(source.files, source.fds, getattr(source, "identities", None) or []):
+        what = difference(was, Identity.of(os.fstat(fd)))
+        if what is not None:
+            raise SourceError(message(path, what))
+
+
 def _open_local(source) -> list[int]:
     """Own descriptors on the source's files, readahead off (a sampled block must not pull in
     its neighbours), checked to be the very files the source opened."""
@@ -197,6 +213,7 @@ def compute(source, threads: int, progress=None, nice: bool = False) -> tuple[di
 
     ``progress(done, total)`` is called on the calling thread as experts finish (it may
     raise to stop: the experts not begun are cancelled); ``nice``: the pool runs at nice 10."""
+    unchanged(source)
     fds = _open_local(source) if source.fds else None       # None: a remote source, read by fetch_into
     layers = sorted({l for l, _ in source.keys})
     specs = {l: [(s.name, s.dtype, s.shape) for s in source.layout_of(l)] for l in layers}
@@ -219,6 +236,7 @@ def compute(source, threads: int, progress=None, nice: bool = False) -> tuple[di
     finally:
         for fd in fds or []:
             os.close(fd)
+    unchanged(source)
     return assemble(specs, hashes), nread
 
 
