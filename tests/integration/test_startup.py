@@ -224,3 +224,28 @@ def test_a_file_written_in_place_before_the_digest_is_never_verified(checkpoint,
         got = c.fetch(0, [1])[0].array(name)
         assert np.array_equal(got, old) and not np.array_equal(got, reference(tuned).expert(0, 1, name))
     d.stop()
+
+
+# ``k3d start`` whose digest pool meets an error no source raises (a bug's ValueError).
+BROKEN_DIGEST = r"""
+import sys
+from k3d.sources import digest
+def broken(source, key, fds):
+    raise ValueError("injected: not a source error")
+digest._expert_hashes = broken
+from k3d.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_digest_that_fails_unexpectedly_is_not_pending_for_ever(checkpoint, start_daemon, tmp_path):
+    """Whatever stops the digest after ready, it ends as an error a verify names at once, not as
+    ``pending`` for ever (every loader would wait its whole timeout, then blame the daemon's pace)."""
+    import shutil
+    served = shutil.copytree(checkpoint, str(tmp_path / "served"))      # no cached digest
+    d = start_daemon(served, "--arena", "8MiB", launcher=[sys.executable, "-c", BROKEN_DIGEST])
+    with k3client.connect(d.endpoint, name="early", timeout=30) as c:
+        with pytest.raises(k3client.Mismatch, match="cannot verify .*injected: not a source error"):
+            c.verify(served)
+        assert c.fetch(0, [3])[0].expert == 3                        # and it serves on
+    assert d.stop() == 0
