@@ -333,7 +333,8 @@ class AfterReady:
     ``__init__`` sets ``source.digest`` to the pending dict; ``start`` begins;
     ``stop`` (before the source closes) ends it at the next expert finished and joins.
     A source it cannot read gives ``{"rule", "error"}`` (a warning in the log), as a
-    start would have: ``Client.verify`` then refuses in one line naming it."""
+    start would have: ``Client.verify`` then refuses in one line naming it.  Any other
+    exception does too (logged with its traceback): the digest never stays pending."""
 
     def __init__(self, source, state_dir: str, threads: int):
         self.source, self.state_dir, self.threads = source, state_dir, threads
@@ -363,4 +364,7 @@ class AfterReady:
         except (SourceError, OSError) as e:
             log.warning("cannot compute the content digest of %s: %s (clients cannot verify it)", self.source.path, e)
             d = {"rule": RULE, "error": str(e)}
+        except Exception as e:   # noqa: BLE001 -- a bug: said, never left "pending" for verify to wait on
+            log.exception("the content digest of %s failed (clients cannot verify it)", self.source.path)
+            d = {"rule": RULE, "error": f"its content digest failed: {e!r}"}
         self.source.digest = d
