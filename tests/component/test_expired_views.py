@@ -81,3 +81,18 @@ def test_close_refuses_views(server):  # noqa: F811
     a.close()
     with pytest.raises((k3client.Expired, k3client.DaemonRestarted)):
         got[0].memory()
+
+
+def test_a_fetch_iter_not_begun_before_begin_token_ends_there(server):  # noqa: F811
+    """An iterator made before ``begin_token()`` and first stepped after it: the call ended it
+    (its next step raises, as for one begun), so no fetch goes out in the new epoch to pin
+    experts whose ``Expert``s would refuse anyway (numbered before the ``begin_token``)."""
+    srv = server(slots=8, predict="off")
+    with k3client.connect(srv.cfg.endpoint, name="a") as a:
+        it = a.fetch_iter(0, [0, 1])             # not resident: the daemon answers it
+        a.begin_token()
+        with pytest.raises(k3client.K3Error, match="fetch_iter"):
+            next(it)
+        assert [c["pins"] for c in a.status()["clients"]] == [0]
+        now = a.fetch(0, [0, 1])                 # fetched now: views as usual
+        assert [bytes(e.memory()) for e in now] == [reference(srv, (0, x)) for x in (0, 1)]
