@@ -51,13 +51,26 @@ class _Token:
 
 
 def stream(client, layer: int, experts: list[int], preds: list) -> object:
-    """Yield ``(index, Expert)`` for ``experts`` of ``layer`` as the daemon sends them:
-    the ready ones first, then each batch as its reads finish; each index once."""
+    """An iterator of ``(index, Expert)`` for ``experts`` of ``layer`` as the daemon sends them:
+    the ready ones first, then each batch as its reads finish; each index once.
+
+    The stream is the client's from this call, not from the first step: a call made
+    before that step (``begin_token``, the release of ``layer``) ends it as it ends one
+    begun, and nothing is sent for it (its ``Expert``s would carry the number of a fetch
+    made before that call: ``Expired``)."""
+    token = _Token(layer)
+    client._stream = token
+    return _steps(client, token, layer, experts, preds)
+
+
+def _steps(client, token: _Token, layer: int, experts: list[int], preds: list):
+    if client._stream is not token:
+        raise errors.K3Error(
+            f"fetch_iter: this client sent another request, or released layer {layer}, before the "
+            "iteration began, so nothing was fetched; call fetch_iter again")
     left = dict.fromkeys(range(len(experts)))    # indices not yet yielded, in request order
     deadline = time.monotonic() + client.timeout     # for retries of SlotsBusy, as ``_call``
     pause = 0.0005
-    token = _Token(layer)
-    client._stream = token
     while left:
         if client._chan is None:
             client._reattach("not attached")
