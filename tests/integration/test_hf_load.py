@@ -11,6 +11,7 @@ import pytest
 from hf_common import checkpoint, daemon_args, hf_models, torch
 
 import k3client
+from helpers import served_digest
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -50,6 +51,8 @@ def test_expert_bytes_never_read_nor_allocated(start_daemon, tmp_path):
     path = hf_models.split_experts(checkpoint("qwen3_moe", hidden=128, inter=256), str(tmp_path / "split"))
     shard = os.path.join(path, "experts.safetensors")
     d = start_daemon(path, *daemon_args("qwen3_moe", arena="16MiB"))
+    with k3client.connect(d.endpoint, name="digest") as c:
+        served_digest(c)     # the daemon's digest after ready samples this shard: done before the drop
     head = 1 << 20       # the safetensors header (and its readahead) is read: skip the first MiB
     assert os.path.getsize(shard) > 4 * head
     _drop_cache(shard)
