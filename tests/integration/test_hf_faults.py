@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from hf_common import checkpoint, daemon_args, eager, torch
 
 from helpers import poll_for
@@ -80,3 +81,27 @@ def test_killed_client_leaves_others_unaffected(start_daemon):
         poll_for(lambda: not any(cl["pid"] == victim.pid for cl in c.status()["clients"]), 30,
                  lambda: f"the killed client to be reaped: {c.status()['clients']}", interval=0.1)
     assert d.proc.poll() is None and os.path.exists(d.endpoint[len("ipc://"):])
+
+
+def test_daemon_back_on_a_fine_tune_refuses_the_next_forward(start_daemon, tmp_path):
+    """The daemon restarts on another checkpoint of the same shapes (a fine-tune): the model,
+    verified at load against the first, refuses its next forward in one line instead of
+    computing with the other's experts after its transparent re-attach."""
+    import k3client
+    from k3client.hf import load_model
+    from k3d.demo import hf_models
+
+    path = checkpoint("qwen2_moe")
+    tuned = hf_models.write("qwen2_moe", str(tmp_path / "tuned"), seed=1)
+    d = start_daemon(path, *daemon_args("qwen2_moe"))
+    model = load_model(path, endpoint=d.endpoint, dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    try:
+        model(ids)
+        assert d.stop() == 0
+        start_daemon(tuned, *daemon_args("qwen2_moe"), endpoint=d.endpoint)
+        with pytest.raises(k3client.Mismatch, match="restarted .* not the checkpoint this model verified"):
+            model(ids)
+        assert model.k3d.client.restarts == 1
+    finally:
+        model.k3d.client.close()
