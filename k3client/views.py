@@ -7,8 +7,10 @@ view is read-only.
 
 Views are cached per client by (slot, layer layout, tensor): a view is a window
 on the mapping, valid for whatever key the slot holds now, so a slot seen before
-costs a dict lookup, not a new mapping.  The cache goes with the mapping (a
-re-attach clears it).
+costs a dict lookup, not a new mapping.  The cache goes with the mapping: it is
+the attachment's (``attachment.py``; a re-attach clears it).  An ``Expert`` reads
+the mapping, layouts and cache from its client's attachment (``_at``) and holds
+its client too: while an ``Expert`` lives, its client does, and so does its lease.
 
 Thread: an ``Expert`` belongs to its ``Client``'s thread.  Caller's obligation: a
 view is valid until the client's next ``begin_token()`` (the daemon keeps the
@@ -34,26 +36,27 @@ _TORCH_FILTER = []
 class Expert:
     """One fetched expert: ``layer``, ``expert``, ``slot``; views into the arena."""
 
-    __slots__ = ("layer", "expert", "slot", "gen", "_client")
+    __slots__ = ("layer", "expert", "slot", "gen", "_client", "_at")
 
     def __init__(self, client, layer: int, expert: int, slot: int):
         self.layer, self.expert, self.slot, self._client = layer, expert, slot, client
-        self.gen = client.gen
+        self._at = at = client._at
+        self.gen = at.gen
 
     def _mapping(self):
         """The arena this expert's slot number refers to, or DaemonRestarted."""
-        c = self._client
-        if self.gen != c.gen or c._mm is None:
+        c = self._at
+        if self.gen != c.gen or c.mm is None:
             raise errors.DaemonRestarted(
                 f"expert (layer {self.layer}, expert {self.expert}) was fetched from a daemon that has "
                 "since restarted (or this client is closed); its slot means nothing now: fetch it again")
-        return c._mm
+        return c.mm
 
     def __repr__(self):
         return f"Expert(layer={self.layer}, expert={self.expert}, slot={self.slot})"
 
     def _spec(self, name: str) -> TensorSpec:
-        specs = self._client._specs_of(self.layer)
+        specs = self._at.specs_of(self.layer)
         try:
             return specs[name]
         except KeyError:
@@ -62,12 +65,12 @@ class Expert:
     def memory(self) -> memoryview:
         """Read-only view of the whole expert span in its slot (its layer's layout)."""
         mm = self._mapping()
-        c = self._client
+        c = self._at
         base = self.slot * c.slot_bytes
         return memoryview(mm)[base:base + layout_bytes(c.layout_of(self.layer))]
 
     def _key(self, name: str):
-        return (self.slot, self.layer if self._client.layouts else -1, name)
+        return (self.slot, self.layer if self._at.layouts else -1, name)
 
     def array(self, name: str) -> np.ndarray:
         """Read-only numpy view of one tensor, no copy.
@@ -76,12 +79,12 @@ class Expert:
         integer of the same width (BF16 -> ``uint16``, F8_* -> ``uint8``) holding the raw
         bits; ``tensor()`` gives the real dtype, or ``arr.view(ml_dtypes.bfloat16)``."""
         mm = self._mapping()
-        views, key = self._client._views, ("np", *self._key(name))
+        views, key = self._at.views, ("np", *self._key(name))
         v = views.get(key)
         if v is None:
             spec = self._spec(name)
             dt = numpy_dtype(spec.dtype)
-            off = self.slot * self._client.slot_bytes + spec.offset
+            off = self.slot * self._at.slot_bytes + spec.offset
             v = views[key] = np.frombuffer(mm, dtype=dt, count=spec.nbytes // dt.itemsize,
                                            offset=off).reshape(spec.shape)
         return v
@@ -96,7 +99,7 @@ class Expert:
                               "Expert.array() works without it") from None
 
         mm = self._mapping()
-        views, key = self._client._views, ("torch", *self._key(name))
+        views, key = self._at.views, ("torch", *self._key(name))
         v = views.get(key)
         if v is None:
             if not _TORCH_FILTER:
@@ -104,7 +107,7 @@ class Expert:
                 _TORCH_FILTER.append(True)
             spec = self._spec(name)
             tdt = getattr(torch, DTYPES[spec.dtype][2])
-            off = self.slot * self._client.slot_bytes + spec.offset
+            off = self.slot * self._at.slot_bytes + spec.offset
             v = views[key] = torch.frombuffer(mm, dtype=tdt, count=spec.nbytes // DTYPES[spec.dtype][0],
                                               offset=off).view(spec.shape)
         return v
@@ -115,7 +118,7 @@ class Expert:
         like ``tensor``.  Do not write to it."""
         self._mapping()                            # first: a cached view may be of a later attachment's slot
         key = ("torch-stacked", *self._key("\0".join(names)))
-        views = self._client._views
+        views = self._at.views
         v = views.get(key)
         if v is False:                             # not back to back: known from this layout
             return None
@@ -130,7 +133,7 @@ class Expert:
             import torch
 
             rows = sum(s.shape[0] for s in specs)
-            off = self.slot * self._client.slot_bytes + s0.offset
+            off = self.slot * self._at.slot_bytes + s0.offset
             v = views[key] = torch.frombuffer(self._mapping(), dtype=first.dtype,
                                               count=sum(s.nbytes for s in specs) // first.element_size(),
                                               offset=off).view(rows, *s0.shape[1:])
