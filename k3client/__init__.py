@@ -6,6 +6,7 @@ from .errors import (
     CacheFull,
     DaemonNotRunning,
     DaemonRestarted,
+    Expired,
     K3Error,
     Mismatch,
     NotAttached,
@@ -25,7 +26,7 @@ from .protocol import PROTOCOL_VERSION
 
 __all__ = [
     "Client", "Expert", "connect", "TensorSpec", "PROTOCOL_VERSION",
-    "K3Error", "Mismatch", "BadRequest", "CacheFull", "DaemonNotRunning", "DaemonRestarted",
+    "K3Error", "Mismatch", "BadRequest", "CacheFull", "DaemonNotRunning", "DaemonRestarted", "Expired",
     "NotAttached", "PermissionDenied", "ProtocolMismatch", "QuotaExceeded",
     "ReadFailed", "ShuttingDown", "SlotsBusy", "Starting", "Timeout", "UnknownExpert", "Untrusted",
 ]

@@ -109,6 +109,10 @@ class Client:
         self._pending: int | None = None     # id of a begin_token(wait=False) whose reply is not read
         self._stream = None                  # the fetch_iter in progress (stream.py); another request, or
                                              # the release of its layer, ends it
+        # Expired Experts (views.py): every fetch call's number, the number at the last
+        # begin_token/close, and per released layer the number at its release this token
+        self._seq = self._expired = 0
+        self._released: dict[int, int] = {}
         self._closed = False
         self._hb_thread = None
         try:
@@ -198,8 +202,11 @@ class Client:
         answers a hit from the shared index, too).  So no view is handed out before the
         daemon has started the epoch, and the pin and reuse rules are a waited
         ``begin_token``'s; what it saves is the wait, overlapped with the caller's work
-        until its next call.  A restart found then re-attaches and begins the epoch there."""
+        until its next call.  A restart found then re-attaches and begins the epoch there.
+        Every ``Expert`` fetched before this call builds no view after it (``Expired``)."""
         self.settle()
+        self._expired = self._seq            # from here on, no Expert fetched before builds a view
+        self._released.clear()
         hits = self._at.hits
         if wait or self._at.chan is None or self._closed:
             return self._call("begin_token")["epoch"]
@@ -274,6 +281,7 @@ class Client:
         else:
             experts = [key_int("expert", e) for e in items("experts", experts)]
         preds = key_pairs("predicted", predicted) if predicted else []
+        self._seq += 1                       # this fetch's Experts (views.py: Expired)
         if self._pending is not None:
             self.settle()                    # the epoch has begun before a view is answered here
         hits = self._at.hits
@@ -302,8 +310,11 @@ class Client:
         complete).  A later fetch of ``layer`` in the same token is fine: it is pinned
         afresh (one answered from the shared index before the release leaves cancels it).
         A ``fetch_iter`` of ``layer`` still running ends here (its next step raises
-        ``K3Error``): the release unpins what it has yet to yield."""
+        ``K3Error``): the release unpins what it has yet to yield.  What the client
+        enforces: an ``Expert`` of ``layer`` fetched before this call builds no view after
+        it (``Expired``, ``views.py``)."""
         layer = key_int("layer", layer)
+        self._released[layer] = self._seq    # its Experts fetched so far build no view
         if self._stream is not None and self._stream.layer == layer:
             self._stream = None
         self._at.release(layer)
@@ -339,6 +350,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._expired = self._seq
         self._pending = None             # bye's wait skips that reply
         self._stream = None
         self._at.bye()

@@ -83,6 +83,14 @@ class DaemonRestarted(K3Error):
     code = "daemon_restarted"
 
 
+class Expired(K3Error):
+    """An ``Expert`` whose pin has ended (this client's ``begin_token()``, ``close()``, or its
+    ``release_layer()`` of the expert's layer since the fetch): its slot may hold another
+    expert now, so no view of it is built.  Client side only; fetch it again."""
+
+    code = "expired"
+
+
 class PermissionDenied(K3Error):
     """This process may not use the daemon: it is not the daemon's user, root, or in its group."""
 

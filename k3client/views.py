@@ -14,8 +14,16 @@ its client too: while an ``Expert`` lives, its client does, and so does its leas
 
 Thread: an ``Expert`` belongs to its ``Client``'s thread.  Caller's obligation: a
 view is valid until the client's next ``begin_token()`` (the daemon keeps the
-slot pinned until then) or ``close()``; an ``Expert`` bound to an older daemon
-generation raises ``DaemonRestarted`` instead of building a view.
+slot pinned until then), ``close()``, or ``release_layer()`` of its layer.  What
+the client enforces: an ``Expert`` builds no view once its pin has ended.  Each
+fetch call takes the next number of the client's fetch count (``Client._seq``);
+an ``Expert`` keeps its fetch's number (``seq``) and refuses (``Expired``) when
+that number is at most the count at the client's last ``begin_token()`` or
+``close()`` (``Client._expired``) or at its last release of the expert's layer
+(``Client._released``).  A view built earlier cannot be taken back (it is memory),
+but one asked for after the pin ended is refused instead of showing whatever the
+slot holds by then.  An ``Expert`` bound to an older daemon generation raises
+``DaemonRestarted`` instead of building a view.
 """
 
 from __future__ import annotations
@@ -36,21 +44,27 @@ _TORCH_FILTER = []
 class Expert:
     """One fetched expert: ``layer``, ``expert``, ``slot``; views into the arena."""
 
-    __slots__ = ("layer", "expert", "slot", "gen", "_client", "_at")
+    __slots__ = ("layer", "expert", "slot", "gen", "seq", "_client", "_at")
 
     def __init__(self, client, layer: int, expert: int, slot: int):
         self.layer, self.expert, self.slot, self._client = layer, expert, slot, client
         self._at = at = client._at
-        self.gen = at.gen
+        self.gen, self.seq = at.gen, client._seq
 
     def _mapping(self):
-        """The arena this expert's slot number refers to, or DaemonRestarted."""
-        c = self._at
-        if self.gen != c.gen or c.mm is None:
+        """The arena this expert's slot number refers to, or DaemonRestarted / Expired."""
+        at = self._at
+        if self.gen != at.gen or at.mm is None:
             raise errors.DaemonRestarted(
                 f"expert (layer {self.layer}, expert {self.expert}) was fetched from a daemon that has "
                 "since restarted (or this client is closed); its slot means nothing now: fetch it again")
-        return c.mm
+        c = self._client
+        if self.seq <= c._expired or self.seq <= c._released.get(self.layer, 0):
+            why = "begin_token()" if self.seq <= c._expired else f"release_layer({self.layer})"
+            raise errors.Expired(
+                f"expert (layer {self.layer}, expert {self.expert}) was fetched before this client's "
+                f"{why}: its pin has ended and its slot may hold another expert now; fetch it again")
+        return at.mm
 
     def __repr__(self):
         return f"Expert(layer={self.layer}, expert={self.expert}, slot={self.slot})"

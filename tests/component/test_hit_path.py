@@ -17,7 +17,7 @@ import os
 import socket
 
 import pytest
-from test_server_component import ask, raw_dealer, server  # noqa: F401 -- the fixture, and its helpers
+from test_server_component import ask, raw_dealer, reference, server  # noqa: F401 -- the fixture, and its helpers
 
 import k3client
 from helpers import poll_for
@@ -35,11 +35,11 @@ def test_a_hit_sends_nothing_and_is_counted_with_the_next_message(server):  # no
         ex = c.fetch(0, [1, 2])                  # hits: answered here
         assert [e.slot for e in ex] == [e.slot for e in c.fetch(0, [2, 1])][::-1]
         assert srv.stats.fetches == before       # the daemon has heard nothing yet
+        for e in ex:                             # (read before begin_token: then their pins end)
+            assert bytes(e.memory()) == reference(srv, (0, e.expert))
         c.begin_token()                          # carries the two reports
         st = srv.stats
         assert st.fetches == before + 2 and st.hits == 4 and st.misses == 2 and st.client_hits == 4
-        for e in ex:
-            assert bytes(e.memory()) == bytes(c.fetch(0, [e.expert])[0].memory())
 
 
 def test_a_fetch_answered_at_once_ends_the_clients_wait(server):  # noqa: F811
@@ -111,9 +111,10 @@ def test_views_of_a_slot_seen_before_are_reused(server):  # noqa: F811
     with k3client.connect(srv.cfg.endpoint, name="v") as c:
         name = c.layout[0].name
         a = c.fetch(1, [3])[0]
+        view = a.array(name)
         c.begin_token()
         b = c.fetch(1, [3])[0]
-        assert a.slot == b.slot and a.array(name) is b.array(name)
+        assert a.slot == b.slot and view is b.array(name)
 
 
 def test_hit_path_daemon_keeps_the_round_trip(server, monkeypatch):  # noqa: F811

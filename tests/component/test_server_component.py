@@ -187,11 +187,11 @@ def test_predict_then_unused_counts(server):
     with k3client.connect(srv.cfg.endpoint, name="p") as c:
         assert c.predict([(2, 1), (2, 2)]) == 2
         ex = c.fetch(2, [1])
+        assert bytes(ex[0].memory()) == reference(srv, (2, 1))
         c.begin_token()
         st = c.status()["stats"]
         assert st["prefetched"] == 2 and st["prefetch_hits"] == 1 and st["prefetch_unused"] == 1
         assert st["hits"] == 1 and st["misses"] == 0
-        assert bytes(ex[0].memory()) == reference(srv, (2, 1))
 
 
 def raw_dealer(endpoint):

@@ -17,7 +17,12 @@ Model, per target layer ``m`` and expert ``e`` (the counts: ``counts.Counts``):
   context layer at distance ``d``.  The context layers' choices are combined
   naive-Bayes style (a product of odds over ``d`` of the mean over that layer's
   picks, each shrunk towards ``pop`` by ``prior`` pseudo-counts), so a layer whose
-  picks say nothing adds nothing;
+  picks say nothing adds nothing.  The product is *tempered*: the layer at
+  distance ``d`` counts with the exponent ``temper ** (d - 1)`` (``TEMPER``), as
+  neighbouring layers' picks are not independent evidence (the hidden state
+  carries over) and naive Bayes would count what they share once per layer; on
+  the Qwen3 and Mixtral traces this ranks the candidates better (bench/README.md,
+  the predictor's lab note);
 - the raw score is then *calibrated*: its bin's measured hit frequency
   (``cal_hit / cal_n``; every candidate of every proposal that was not resident
   is resolved when its layer's fetch comes) replaces it.  A confidence is thus a
@@ -73,6 +78,7 @@ from k3d.cache.resident import residency
 MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
 DEPTH = 4               # context layers, where the counts fit in COUNTS_BYTES
 COUNTS_BYTES = 16 << 20  # the counts' memory, above which the context is shallower (down to 1 layer)
+TEMPER = 0.7            # a context layer at distance d weighs TEMPER ** (d - 1) in the naive Bayes product
 
 
 def depth_for(layers: int, experts: int) -> int:
@@ -90,11 +96,14 @@ class CoPredictor:
     name = "coact"
 
     def __init__(self, layers: int = 1, experts: int = 1, depth: int | None = None, prior: float = 2.0,
-                 window: int = 4096, min_prob: float = 0.3, cal_every: int = CAL_EVERY):
+                 window: int = 4096, min_prob: float = 0.3, cal_every: int = CAL_EVERY,
+                 temper: float = TEMPER):
         self.layers, self.experts = max(1, layers), max(1, experts)
         depth = depth_for(self.layers, self.experts) if depth is None else depth
         self.depth, self.prior, self.window, self.min_prob = depth, prior, window, min_prob
         self.cal_every = max(1, cal_every)
+        self.weights = [temper ** d for d in range(depth)]   # distance d + 1's exponent (score.py)
+        self.weights_v = np.array(self.weights)
         self._deferrals = 0                     # proposals deferred (_defer), ever
         self.c = Counts(self.layers, self.experts, depth, window)
         self.learned = 0                        # fetches folded into the counts, ever

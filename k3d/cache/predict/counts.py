@@ -201,7 +201,7 @@ class Tables:
       have a confidence above the first one not resident, whatever the context
       (``best_l[m]``: the first one, resident or not);
     - ``q``: kept q rows per layer (``score.layer_q``: dense models' scoring, and any
-      model's fold); dense models: ``ct_dense`` and ``io_pow``, per layer; small models:
+      model's fold); dense models: ``ct_dense``, per layer; small models:
       ``sets`` and ``memo``, the context layers' odds factors (``score.factors``),
       ``ct`` and ``1 / io`` as lists (``ct_l``, ``inv_io_l``).
     """
@@ -223,7 +223,6 @@ class Tables:
         self.small = small
         self.q: dict[int, np.ndarray] = {}      # layer -> score.layer_q (its rows of qall)
         self.qall: np.ndarray | None = None     # (L, D * E, E): score.layer_q's buffer
-        self._io_pow: dict[tuple, np.ndarray] = {}
         self._ct_dense: dict[int, np.ndarray] = {}
         if small:                               # plain lists: cheaper than numpy calls for a few experts
             self.sets: dict[int, tuple] = {}    # picks size -> score.set_table
@@ -238,13 +237,6 @@ class Tables:
         got = self._ct_dense.get(m)
         if got is None:
             got = self._ct_dense[m] = np.concatenate((self.ct[m], np.full(len(self.ar), -1.0)))
-        return got
-
-    def io_pow(self, m: int, n: int) -> np.ndarray:
-        """``io[m] ** n`` (the prior odds counted once over n + 1 context layers), once per fold."""
-        got = self._io_pow.get((m, n))
-        if got is None:
-            got = self._io_pow[(m, n)] = self.io[m] ** n
         return got
 
     def order(self, m: int) -> list:

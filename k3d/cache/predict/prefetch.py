@@ -26,8 +26,17 @@ Guarantees:
   predictions (pinned until that client's next token, as every prediction) can
   never make a later fetch of the token find the cache full.
 - Each proposal passes the policy's ``admits`` (``Store.predict``); proposals
-  below the predictor's calibrated ``min_prob`` are never made, and the expected
-  share of predictions used stays at least ``precision`` (``_afford``).
+  below the predictor's calibrated ``min_prob`` are never made.
+- A read budget (``_afford``): the expected unused reads of the predictions started
+  (the sum of 1 - confidence: the confidences are measured frequencies) stay within
+  ``slack`` (``READ_SLACK``) times the reads demand needed (the store's misses plus
+  the predictions used); so total reads stay within about 1 + ``slack`` times
+  those of no predictions (more only by the calibration's error and by misses
+  of what a prediction evicted).  A proposal is taken only while the
+  allowance left covers ``RESERVE`` times its expected waste: where reads are
+  scarce only sure proposals go, and the budget is spent where it pays most.
+  And the expected share of predictions used stays at least ``precision``
+  (``PRECISION``): a sure one earns credit an unsure one may spend.
 - Predictions never cross a token boundary: the next token's first layer is
   proposed at ``begin_token``, never before (a proposal made earlier would be
   demoted at the token's start, before its fetch).
@@ -60,6 +69,9 @@ from __future__ import annotations
 
 from k3d.observe.stats import PredictionStats
 
+READ_SLACK = 0.2        # expected unused reads allowed per read demand needs
+PRECISION = 0.4         # the least expected share of predictions used, on average
+RESERVE = 16.0          # how many times its expected waste a take needs left in the allowance
 JUDGE_KEYS = 2048       # keys fetched in worked-on tokens between two judgements of usefulness
 GAIN_POINTS = 2         # hit-rate points (used predictions per 100 keys) below which it backs off
 MAX_SKIP = 16           # backed off the furthest: one token in this many per client
@@ -73,20 +85,24 @@ def auto_id(client: int) -> int:
 
 class AutoPrefetch:
     def __init__(self, store, predictor, budget: int = 0, read_lead: int | None = None,
-                 precision: float = 0.5, credit_cap: float = 4.0, known=None):
+                 slack: float = READ_SLACK, precision: float = PRECISION, credit_cap: float = 4.0,
+                 known=None):
         """``read_lead``: None (the daemon): a used prediction is late when its slot is
         still LOADING.  An int (replay, where reads complete at once): late when fewer
         than ``read_lead`` fetches came between the prediction and its use.
+        ``slack``: expected unused reads allowed per read demand needs (``_afford``).
         ``precision``: the share of predictions expected to be used, kept on average
-        (see ``_afford``); ``credit_cap`` bounds how much a run of sure predictions
-        may lend to later unsure ones.  ``known``: the keys that exist (a container;
+        (``_afford``); ``credit_cap`` bounds how much a run of sure predictions may
+        lend to later unsure ones.
+        ``known``: the keys that exist (a container;
         None: every key the predictor names), so nothing else is ever proposed."""
         self.store, self.predictor, self.budget, self.read_lead = store, predictor, budget, read_lead
-        self.precision, self.credit_cap = precision, credit_cap
+        self.slack, self.precision, self.credit_cap = slack, precision, credit_cap
+        self.credit = 0.0
         self.known = known
         self.holds_model = store.slots >= predictor.layers * predictor.experts
         self._all_known = None                   # (layers, experts) when every such key is known
-        self.credit = 0.0
+        self.waste = 0.0                         # expected unused reads of the predictions started
         self.fetches = 0
         self._out: dict[int, tuple] = {}         # slot -> (client, key, fetch count when predicted)
         self.used_in_time = 0
@@ -162,11 +178,12 @@ class AutoPrefetch:
 
     def _predict(self, client: int, layer: int, budget: int, now: float) -> tuple[list, list[int]]:
         store = self.store
-        # (_afford takes nothing under precision - credit: the predictor need not score
-        # then; _room, a sum over clients, only once there is something to take)
+        # (_afford takes nothing under the floor: the predictor need not score then;
+        # _room, a sum over clients, only once there is something to take)
+        allowance = self._allowance()
         props = self.predictor.propose(client, layer, budget, self._resident(),
-                                       self.precision - self.credit, self._room)
-        proposed = self._afford(props)
+                                       max(1.0 - allowance / RESERVE, self.precision - self.credit), self._room)
+        proposed = self._afford(props, allowance)
         if not proposed:
             return [], []
         started = store.predict(auto_id(client), proposed, now)
@@ -175,6 +192,7 @@ class AutoPrefetch:
         for s in started:
             key = store.slot_key[s]
             out[s] = (client, key, self.fetches)
+            self.waste += 1.0 - conf[key]
             self.credit += conf[key] - self.precision
         self.credit = min(self.credit, self.credit_cap)
         return proposed, started
@@ -201,16 +219,25 @@ class AutoPrefetch:
             self._all_known = (p.layers, p.experts) if every else None
         return resident if self._all_known else _Resident(self.store.key_slot, known)
 
-    def _afford(self, props) -> list:
-        """The proposals (best first) whose confidences keep the expected share used at
+    def _allowance(self) -> float:
+        """Expected unused reads the predictions may still spend: ``slack`` per read demand
+        needed so far (misses, and predictions used: reads a miss would have made), less
+        what the started ones are expected to waste."""
+        demand = self.store.stats.misses + self.used_in_time + self.used_late
+        return self.slack * demand - self.waste
+
+    def _afford(self, props, allowance: float) -> list:
+        """The proposals (best first) the read budget affords: each needs the allowance
+        left to cover ``RESERVE`` times its expected waste (1 - confidence), and spends
+        that waste.  When reads are plentiful anything the predictor proposes goes;
+        as the allowance runs low, only the surest.  And the expected share used stays
         ``precision`` or more, counting every prediction started so far: a sure one
-        (confidence above ``precision``) earns credit an unsure one may spend.  So the
-        expected unused share stays at most ``1 - precision`` (the confidences are
-        measured frequencies, ``CoPredictor.calibrated``)."""
-        credit, keys = self.credit, []
+        (confidence above ``precision``) earns credit an unsure one may spend."""
+        keys, credit = [], self.credit
         for key, c in props:
-            if credit + c - self.precision < 0:
+            if (1.0 - c) * RESERVE > allowance or credit + c - self.precision < 0:
                 break
+            allowance -= 1.0 - c
             credit += c - self.precision
             keys.append(key)
         return keys

@@ -50,8 +50,8 @@ _averaging: dict[tuple, np.ndarray] = {}   # context group sizes -> the matrix a
 def small(p, t: Tables, m: int, parts, res) -> tuple[list, dict]:
     """``p``'s scores of layer ``m``'s experts given the context ``parts``, in lists."""
     fs = factors(p, t, m, parts)
-    # odds = prod_d q_d / (1 - q_d) * io^(n - 1): each factor carries one io, inv_io takes one back
-    # (multiplied left to right, as prod does: the same floats)
+    # odds = prod_d (q_d / (1 - q_d) * io)^w_d / io: each factor carries its io, inv_io takes
+    # one back (multiplied left to right, as prod does: the same floats)
     if len(fs) == 4:                               # (the usual context: depth 4)
         f1, f2, f3, f4 = fs
         odds = [a * b * c * d * i for a, b, c, d, i in zip(f1, f2, f3, f4, t.inv_io_l[m])]
@@ -99,7 +99,7 @@ def factors(p, t: Tables, m: int, parts) -> list[list[float]]:
             else:
                 base = (d - 1) * p.experts
                 q = vals[m].take([base + a for a in picks], 0).sum(0) * (1.0 / len(picks))
-                f = (q / (1.0 - q) * t.io[m]).tolist()
+                f = ((q / (1.0 - q) * t.io[m]) ** p.weights[d - 1]).tolist()
             t.memo[(m, d, picks)] = f
         out.append(f)
     return out
@@ -125,6 +125,7 @@ def set_table(p, t: Tables, n: int) -> tuple:
             rows = np.subtract(1.0, q)
             np.divide(q, rows, out=rows)                                            # q / (1 - q) ...
             rows *= t.io[:, None, None, :]                                          # ... * io
+            rows **= p.weights_v[None, :, None, None]                               # ... tempered
         tab = t.sets[n] = (index, rows)
     return tab
 
@@ -189,21 +190,27 @@ def bins_of(p, items) -> np.ndarray:
             for at in range(0, len(run), step):
                 part = run[at:at + step]
                 g = qm.take(np.array([e[2] for e in part], np.int64), 0, out=scratch(p, "g", (len(part), n, E)))
-                _bins(out, part, avg @ g, t.io[m], len(sizes))
+                _bins(p, out, part, avg @ g, t.io[m], sizes)
         for at in range(0, len(rest), step):
             part = rest[at:at + step]
             M = np.array([e[1] for e in part], np.int64)
             Rr = np.array([e[2] for e in part], np.int64)                                  # (N, rows)
             g = (c.co[M[:, None], Rr] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], Rr] + p.prior)[:, :, None]
-            _bins(out, part, avg @ g, t.io[M], len(sizes))
+            _bins(p, out, part, avg @ g, t.io[M], sizes)
     return out
 
 
-def _bins(out, part, q, io, groups: int) -> None:
-    """``out``'s rows of ``part`` from its q rows averaged per context layer (N, groups, E)."""
-    odds = np.multiply.reduce(q / (1.0 - q), axis=1)
-    if groups > 1:
-        odds *= io ** (groups - 1)
+def _bins(p, out, part, q, io, sizes: tuple) -> None:
+    """``out``'s rows of ``part`` from its q rows averaged per context layer (N, groups, E):
+    odds = prod_d (q_d / (1 - q_d) * io)^w_d / io, w_d the weight of the group's distance
+    (read off its first row: ``(d - 1) * E + a``)."""
+    f = q / (1.0 - q)
+    f *= io[:, None, :] if io.ndim == 2 else io
+    starts = np.cumsum((0,) + sizes[:-1])
+    d0 = np.array([e[2] for e in part], np.int64)[:, starts] // p.experts      # (N, groups): d - 1
+    f **= p.weights_v[d0][:, :, None]
+    odds = np.multiply.reduce(f, axis=1)
+    odds /= io
     out[[e[0] for e in part]] = EDGES.searchsorted(odds, side="right")
 
 
@@ -276,9 +283,13 @@ def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray, sizes: tuple = ())
         sizes = sizes or tuple(len(ps) for _, ps in parts)
         # per context layer: mean over its picks a of (co[a, e] + prior * pm) / (seen[a] + prior)
         q = averaging(sizes) @ q_rows(p, t, m, rows)
-        odds = np.multiply.reduce(q / (1.0 - q), axis=0)   # naive Bayes: the layers' odds multiply ...
-        if len(sizes) > 1:                         # ... over the prior odds, counted once
-            odds *= t.io_pow(m, len(sizes) - 1)
+        # naive Bayes, tempered: each layer's odds ratio to the prior, to the power of its
+        # distance's weight, multiply over the prior odds (counted once)
+        f = q / (1.0 - q)
+        f *= t.io[m]
+        f **= p.weights_v[[d - 1 for d, _ in parts]][:, None]
+        odds = np.multiply.reduce(f, axis=0)
+        odds /= t.io[m]
     else:
         odds = 1.0 / t.io[m]
     pb = np.where(res, BINS, EDGES.searchsorted(odds, side="right"))
