@@ -3,16 +3,16 @@
     python bench/startup.py [--arena 2GiB] [--reps 3] [--batches 24]
 
 Why: by default ``k3d start`` collapses the arena into 2 MiB transparent huge
-pages before pre-faulting it (``--no-thp`` skips that).  The collapse costs
-start-up time; it buys faster O_DIRECT reads into the arena (a disk request
+pages (what is cheap before ready, the rest after; ``--no-thp`` skips that).
+The collapse costs start-up time or CPU after it; it buys faster O_DIRECT reads into the arena (a disk request
 carries few large memory segments instead of hundreds of 4 KiB ones).  The
 default should be the one that makes the arena ready fastest for the same
 cold-read speed; this bench measures both sides in one run.
 
 Measured, alternating the two modes rep by rep (drift hits both):
 - ready: ``k3d start`` with an arena of ``--arena`` (the daemon's defaults
-  otherwise), from the process start to its ``k3d: ready`` line; the phases
-  (collapse, pre-fault) from its log;
+  otherwise), from the process start to its ``k3d: ready`` line (the arena's
+  reservation with its cheap collapse; the rest follows after ready);
 - cold reads: a daemon of each mode serving the cold_read bench's packed file
   (gpt-oss-shaped 13.2 MB experts) with ``--read-mode direct``; ``--batches``
   fetches of 4 experts in routing order, the page cache dropped before each;
@@ -69,7 +69,7 @@ def time_to_ready(ckpt: str, arena: str, extra: list[str]) -> tuple[float, dict]
     finally:
         p.terminate()
         p.wait(60)
-    m = re.search(r"huge pages.*prepared in ([\d.]+)s", text)
+    m = re.search(r"huge pages, reserved in ([\d.]+)s", text)
     return ready, {"arena_s": float(m.group(1))} if m else {}
 
 

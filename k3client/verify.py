@@ -10,12 +10,15 @@ Raises ``Mismatch`` in one line naming the local path, the daemon's endpoint,
 model path and digest prefix, and the first layer and tensor that differ.  A
 daemon without a digest, or a local format this client cannot read, is a
 ``Mismatch`` too ("cannot verify ..."): verify never passes what it did not
-compare.  Reads at most 32 KiB per expert tensor of the local files; no state.
+compare.  A daemon still computing its digest after ready (``pending``) is asked
+again (``status``) until it has it, for up to the client's ``timeout``.  Reads
+at most 32 KiB per expert tensor of the local files; no state.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from .digest import first_difference
 from .errors import Mismatch
@@ -28,6 +31,7 @@ def verify(client, path: str) -> dict:
     served = model.get("digest")
     where = f"the k3d daemon at {client.endpoint} serves {model.get('path', '?')}"
     fix = f"start one with `k3d start --source {path}` and pass its endpoint"
+    served = _when_computed(client, served, where, path)
     if not isinstance(served, dict) or "hex" not in served:
         why = served.get("error") if isinstance(served, dict) else "it reports no content digest (an older k3d?)"
         raise Mismatch(f"cannot verify {path} against {where}: {why}")
@@ -44,3 +48,16 @@ def verify(client, path: str) -> dict:
         raise Mismatch(f"{where} (digest {served['hex'][:12]}), not {path} (digest {local['hex'][:12]}): "
                        f"{diff}; {fix}")
     return local
+
+
+def _when_computed(client, served, where: str, path: str):
+    """The daemon's digest, once it is no longer ``pending`` (k3d.sources.digest.AfterReady)."""
+    deadline = time.monotonic() + client.timeout
+    while isinstance(served, dict) and served.get("pending"):
+        if time.monotonic() > deadline:
+            raise Mismatch(f"cannot verify {path} against {where}: it is still computing its content digest "
+                           f"({served.get('done', 0)} of {served.get('total', '?')} experts after "
+                           f"{client.timeout:g}s); try again later")
+        time.sleep(0.1)
+        served = client.status()["model"].get("digest")
+    return served

@@ -91,6 +91,15 @@ def poll_for(cond: Callable[[], Any], timeout: float = 5.0, what: str | Callable
         time.sleep(interval)
 
 
+def served_digest(client, timeout: float = 60.0) -> dict:
+    """The daemon's content digest once computed (after ready it is ``pending`` a while:
+    ``k3d.sources.digest.AfterReady``)."""
+    def done():
+        d = client.status()["model"].get("digest") or {}
+        return None if d.get("pending") else d
+    return poll_for(done, timeout, "the daemon's content digest", interval=0.05)
+
+
 # -- a cache policy, through its public surface ---------------------------------------
 def lru_order(policy, slot_key) -> list[int]:
     """An LRU policy's resident slots, least recently requested first (the next victim

@@ -78,9 +78,9 @@ def _start_parser(sub):
     p.add_argument("--hugepages", action="store_const", const=True, default=None,
                    help="put the arena in hugetlb pages (reserve them first: sysctl vm.nr_hugepages)")
     p.add_argument("--no-thp", dest="thp", action="store_const", const=False, default=None,
-                   help="skip the huge-page collapse: ready sooner, but O_DIRECT and disk reads into the arena "
-                   "slower (default: collapse the arena into 2 MiB transparent huge pages at start; "
-                   "bench/startup.py measures both)")
+                   help="skip the huge-page collapse: less CPU after start, but O_DIRECT and disk reads into "
+                   "the arena slower (default: collapse the arena into 2 MiB transparent huge pages, what is cheap "
+                   "at start, the rest after ready; bench/startup.py measures both)")
     p.add_argument("--policy", help=f"eviction policy: {', '.join(sorted(POLICIES))} (default {D.policy})")
     p.add_argument("--predict", help="who reads ahead: auto (clients' predictions, then the daemon's own, learned "
                    "from the access stream), client (only clients' predictions) or off "

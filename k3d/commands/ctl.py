@@ -10,7 +10,10 @@ start; elsewhere (a pipe, a log) it prints one frame per interval, and with
 ``--json`` one JSON object per line.  Ctrl-C ends it with exit 0.
 
 A short-lived process of its own (the ``k3ctl`` console script), one thread;
-``status`` needs no hello.
+``status`` needs no hello.  Its imports are kept to the standard library, zmq,
+msgpack and ``k3client.endpoint``/``protocol`` (``k3client`` loads its client and
+numpy lazily), so that ``k3ctl status`` costs little beyond Python's own start;
+``verify`` and the daemon's ``printable`` rule are loaded where they are used.
 """
 
 from __future__ import annotations
@@ -30,8 +33,6 @@ from k3client.endpoint import (
     unreachable_dir,
 )
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
-from k3d.observe.quality import line as prediction_line
-from k3d.serve.access import printable
 from k3d.service.starting import describe
 from k3d.sizes import show_size
 
@@ -65,6 +66,14 @@ def query_status(endpoint: str, timeout: float) -> dict:
     return reply["status"]
 
 
+def prediction_line(q: dict) -> str:
+    """Prediction quality in one line (``k3d.observe.quality``'s figures)."""
+    prec = q.get("precision")
+    p = "-" if prec is None else f"{100 * prec:.1f}%"
+    return (f"precision {p} ({q['prefetch_hits']}/{q['prefetched']}), fetched keys ready {q['ready']} / "
+            f"waited {q['waited']} / missed {q['missed']}, {q['unused_bytes'] / 2**20:.1f} MiB unused")
+
+
 def _pages(a: dict) -> str:
     if a.get("page_bytes", 4096) > 4096:
         return f" in {show_size(a['page_bytes'])} pages"
@@ -73,11 +82,19 @@ def _pages(a: dict) -> str:
     return ""
 
 
+def _preparing(a: dict) -> str:
+    """While the arena's collapse and pre-fault still run after ready (``k3d.memory.prepare``)."""
+    p = a.get("prepare") or {}
+    if p.get("state") != "running" or not p.get("total"):
+        return ""
+    return f", preparing in the background ({100 * p['done'] // p['total']} % pre-faulted)"
+
+
 EXIT_OK, EXIT_DOWN, EXIT_STARTING = 0, 1, 3
 
 
 def render_starting(st: dict) -> str:
-    """``starting: pre-faulting the arena 1.2/4.0 GiB (30 %), ~8 s left``."""
+    """``starting: reserving the arena 1.2/4.0 GiB (30 %), ~8 s left``."""
     return f"starting: {describe(st)}"
 
 
@@ -108,6 +125,8 @@ def _digest(d) -> str:
     """The content digest line (``k3d.sources.digest``): prefix, rule, what it cost."""
     if not isinstance(d, dict):
         return "-"
+    if d.get("pending"):
+        return f"computing after ready: {d.get('done', 0)} of {d.get('total', '?')} experts"
     if "hex" not in d:
         return f"none: {d.get('error', '?')}"
     how = "from the state directory" if d.get("cached") else \
@@ -128,7 +147,7 @@ def render(st: dict) -> str:
         f"layers {_layers(m['layers'])}",
         f"digest  {_digest(m.get('digest'))}",
         f"arena   {show_size(a['bytes'])}: {a['slots']} slots x {show_size(a['slot_bytes'])}"
-        f"{_pages(a)}, "
+        f"{_pages(a)}{_preparing(a)}, "
         f"used {a['used']}, pinned {a['pinned']}, loading {a['loading']}",
         f"cache   hit rate {hit} ({s['hits']} hits, {s['misses']} misses, {s['waited']} waited), "
         f"{s['evictions']} evictions",
@@ -166,6 +185,8 @@ def render(st: dict) -> str:
     paced = (f" ({s['paced']} holds of clients over their CPU share, {s['paced_seconds']:.1f}s)"
              if s.get("paced") else "")
     lines.append(f"clients {len(st['clients'])}{paced}")
+    if st["clients"]:     # (the daemon's rule, loaded only where names are shown: logging, sockets)
+        from k3d.serve.access import printable
     for c in st["clients"]:
         lines.append(f"  {printable(str(c['name'])):<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  "
                      f"fetches {c['fetches']}{_cpu(c)}{_over_cap(c)}")

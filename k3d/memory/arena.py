@@ -10,9 +10,10 @@ Memory layout::
     slot s, tensor t  at  s * slot_bytes + layout[t].offset
 
 Lifetime and protection:
-- Created, reserved (``posix_fallocate``: a /dev/shm or memory shortage is a
-  clear error at start, never a SIGBUS later), pre-faulted and sealed by the
-  daemon alone.  Seals: SHRINK, GROW, FUTURE_WRITE, SEAL.  FUTURE_WRITE keeps
+- Created, reserved (``posix_fallocate`` over every page: a memory shortage
+  is a clear error at start, never a SIGBUS or an OOM kill later) and sealed by
+  the daemon alone, before ready; pre-faulted after ready (``prepare``, below).
+  Seals: SHRINK, GROW, FUTURE_WRITE, SEAL.  FUTURE_WRITE keeps
   the daemon's existing writable mapping but makes the kernel refuse every new
   writable mapping, so clients (who get the fd over a Unix socket) can only map
   it PROT_READ: a buggy client cannot corrupt what the others read.
@@ -32,15 +33,27 @@ memory cgroup and are never swapped.
 
 Transparent huge pages (the default without ``--hugepages``; ``thp = false``
 turns it off): before the memfd is reserved, its whole 2 MiB regions are
-collapsed into transparent huge pages (``k3d/memory/thp.py``), which gives the same
-physical contiguity from ordinary memory, best effort: ``thp_bytes`` is how
-much of the memfd (slack included) was collapsed at start, ``thp_why`` why not
-all ("" when all was).  The rest stays 4 KiB pages.  Mappings and seals are
+collapsed into transparent huge pages (``k3d/memory/thp.py``) from offset 0 up
+while that is cheaper than reserving them in 4 KiB pages, which gives the same
+physical contiguity from ordinary memory; the rest is reserved in 4 KiB pages
+and collapsed after ready, best effort.  ``thp_bytes`` is how much of the memfd
+(slack included) is in huge pages so far, ``thp_why`` why not all ("" when all
+was, or while the preparer may still collapse the rest).  Mappings and seals are
 unchanged.
+
+Order and invariant: ``Arena()`` returns with every page of the memfd reserved
+and sealed, the cheap huge pages collapsed, nothing pre-faulted: every byte
+reads and writes correctly from then on.  ``prepare(on_done)`` (the daemon
+calls it once ready) starts ``k3d.memory.prepare.Preparer``: the remaining
+collapse, then the pre-fault of the daemon's mapping, 64 MiB at a time from
+offset 0, while slots are filled and served; ``prepare_status()`` says how far
+it is.  Until it has passed a slot, the first write into that slot takes its
+page faults (minor faults: the pages exist).  ``close()`` stops it first.
 
 Thread-safety: ``view(slot)`` may be used by reader threads to fill a slot the
 server thread handed them; the server thread guarantees no two writers and no
-reader of a loading slot.
+reader of a loading slot.  The preparer thread never writes a byte (collapse
+copies pages in the kernel, pre-fault maps them), so it needs no slot.
 """
 
 from __future__ import annotations
@@ -50,14 +63,13 @@ import mmap
 import os
 import time
 
-import numpy as np
-
-from k3d.memory.thp import collapse, region_bytes
+from k3d.memory.prepare import Preparer
+from k3d.memory.thp import Collapser, region_bytes, reserve_seconds
 from k3d.sizes import show_size
 
 PAGE = 4096
 F_SEAL_FUTURE_WRITE = 0x0010
-MADV_POPULATE_WRITE = 23
+RESERVE_STEP = 64 * 2**20    # progress every 64 MiB: ~10 % steps from a 640 MiB arena up
 
 
 class ArenaError(Exception):
@@ -103,18 +115,54 @@ class Arena:
             self.fd = os.memfd_create("k3d-arena", flags)
         except OSError as e:
             raise ArenaError(f"cannot create the arena's memfd ({e.strerror})") from None
+        self.preparer = None
+        collapser = None
         try:
             os.ftruncate(self.fd, self.mapped)
-            self.thp_bytes, self.thp_why = 0, "off" if not thp or huge else ""
+            first, why = 0, "off" if not thp or huge else ""
             if thp and not huge:
+                collapser = Collapser(self.fd, self.mapped)
                 tick = (lambda d, t, sec: progress(d, t, sec, "collapsing")) if progress else None
                 try:
-                    self.thp_bytes, self.thp_why = collapse(self.fd, self.mapped, tick)
+                    first, why = collapser.front(self.fd, self.mapped, reserve_seconds(self.mapped), tick)
                 except OSError as e:
                     # a region's first page does not fit: the full reservation below says why
-                    self.thp_why = e.strerror
+                    first, why = 0, e.strerror
+                if not collapser.whole:
+                    collapser.close()           # nothing this kernel will collapse, now or later
+                    collapser = None
+                elif first < collapser.whole:
+                    why = ""                    # the rest: after ready
+            self._reserve(progress, huge)
+            self.mm = mmap.mmap(self.fd, self.mapped, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+            self._view = memoryview(self.mm)
+            self.preparer = Preparer(self.mm, self.mapped, collapser, first, why)
+            collapser = None                    # the preparer's now (it closes it)
+        except BaseException:
+            if collapser is not None:
+                collapser.close()
+            self.close()
+            raise
+
+    @property
+    def thp_bytes(self) -> int:
+        """Bytes of the memfd in transparent huge pages so far."""
+        return self.preparer.thp_bytes if self.preparer is not None else 0
+
+    @property
+    def thp_why(self) -> str:
+        """Why not all of it (so far: "" while the preparer may still collapse the rest)."""
+        return self.preparer.thp_why if self.preparer is not None else ""
+
+    def _reserve(self, progress, huge: bool):
+        """Allocate every page not yet allocated, in steps (progress, and a stop between them)."""
+        t0 = time.monotonic()
+        for off in range(0, self.mapped, RESERVE_STEP):
+            n = min(RESERVE_STEP, self.mapped - off)
             try:
-                os.posix_fallocate(self.fd, 0, self.mapped)
+                os.posix_fallocate(self.fd, off, n)
             except OSError as e:
                 if huge:
                     free = hugepages()[1]
@@ -125,31 +173,17 @@ class Arena:
                 raise ArenaError(
                     f"cannot reserve a {show_size(self.size)} arena in shared memory ({e.strerror}); "
                     "use a smaller --arena or free memory") from None
-            self.mm = mmap.mmap(self.fd, self.mapped, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
-                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
-            self._prefault(progress)
-            self._view = memoryview(self.mm)
-        except BaseException:
-            self.close()
-            raise
+            if progress:        # may raise (a stop during start-up): the mapping must close then
+                progress(off + n, self.mapped, time.monotonic() - t0, "reserving")
 
-    def _prefault(self, progress):
-        """Touch every page now, so that no first-touch fault (slow) lands on a read later."""
-        chunk = 64 * 2**20           # progress every 64 MiB: ~10 % steps from a 640 MiB arena up
-        t0 = time.monotonic()
-        pages = np.frombuffer(self.mm, dtype=np.uint8)
-        try:
-            for off in range(0, self.mapped, chunk):
-                n = min(chunk, self.mapped - off)
-                try:
-                    self.mm.madvise(MADV_POPULATE_WRITE, off, n)
-                except OSError:
-                    pages[off:off + n:PAGE] = 0
-                if progress:        # may raise (a stop during start-up): the mapping must close then
-                    progress(off + n, self.mapped, time.monotonic() - t0, "pre-faulting")
-        finally:
-            del pages
+    def prepare(self, on_done=None) -> None:
+        """Start the collapse of the rest and the pre-fault (``k3d.memory.prepare``); once."""
+        self.preparer.on_done = on_done
+        self.preparer.start()
+
+    def prepare_status(self) -> dict:
+        """``{"state": waiting|running|done|stopped, "done", "total", "seconds"}``."""
+        return self.preparer.status()
 
     def view(self, slot: int) -> memoryview:
         """Writable view of one slot (daemon side only)."""
@@ -157,6 +191,9 @@ class Arena:
         return self._view[base:base + self.slot_bytes]
 
     def close(self):
+        p = getattr(self, "preparer", None)
+        if p is not None:
+            p.stop()                     # before anything it uses is unmapped
         v = getattr(self, "_view", None)
         if v is not None:
             v.release()

@@ -14,33 +14,46 @@ the clients' read-only ones), reads and DMAs into the same 2 MiB runs, even
 where it maps them with 4 KiB page-table entries.  MADV_COLLAPSE ignores the
 sysfs THP policy except ``deny`` (it works with ``shmem_enabled`` at ``never``).
 Its range must be mapped at a PMD-aligned address, which Python's ``mmap``
-cannot ask for, so ``collapse`` maps the fd a second time
-through libc at an aligned address inside a PROT_NONE reservation, collapses
-PMD region by PMD region (to count what succeeded), and unmaps it again: no
-Python object ever sees that mapping.
+cannot ask for, so a ``Collapser`` maps the fd a second time through libc at an
+aligned address inside a PROT_NONE reservation, collapses PMD region by PMD
+region (to count what succeeded), and unmaps it on ``close``: no Python object
+ever sees that mapping.
 
 Memory layout: file offsets ``[k * pmd, (k + 1) * pmd)`` for whole regions
 inside ``length`` become one huge folio each where the kernel finds a free
-2 MiB block (it compacts to make one); the tail after the last whole region,
-and any region it could not collapse, stay 4 KiB pages.  Before collapsing,
-each region gets one 4 KiB page (``posix_fallocate``): a region with no page
-cannot be collapsed, and one with all 512 would be copied page by page (several
-times slower; bench/README.md, "huge pages").
+2 MiB block; the tail after the last whole region, and any region it could not
+collapse, stay 4 KiB pages.  ``Collapser.front`` (before the file is reserved)
+first gives each region it will try one 4 KiB page (``posix_fallocate``): a
+region with no page cannot be collapsed, and one with all 512 is copied page by
+page (several times slower; bench/README.md, "huge pages").  ``region`` on a
+reserved region is that copy, and safe while the region is in use: the kernel
+locks and unmaps its pages, copies them and maps the new folio in every mapping
+(a writer or reader meanwhile waits on the folio lock); pages pinned by an
+O_DIRECT read make it refuse with EAGAIN instead.
+
+When: at start only while it is cheap.  A region the kernel has a free 2 MiB
+block for costs an allocation and a zeroing (~0.1 s per GiB here, less than
+reserving it in 4 KiB pages: ~0.3 s per GiB), but once it must reclaim or
+compact for each region it costs ~2.5 s per GiB, and a 16 GiB arena spent
+10-25 s that way on a 23 GiB VM (bench/README.md, "start-up at 16 GiB").  So
+``front`` stops after the first 64 MiB step that took over ``SLOW`` x the
+time reserving 64 MiB in 4 KiB pages takes in the same run
+(``reserve_seconds``); the rest is reserved in 4 KiB pages and collapsed after
+ready by ``k3d.memory.prepare``, best effort.
 
 Best effort: on a kernel without MADV_COLLAPSE, with ``shmem_enabled=deny``,
 or short of free 2 MiB blocks, fewer regions (or none) are collapsed and the
-arena works exactly as before; after 8 regions in a row fail (memory too
-fragmented: each failure may have compacted and reclaimed in vain) the rest is
-left in 4 KiB pages rather than stretching start-up.  ``region_bytes()`` is
-0 where no collapse will be tried (no THP, ``deny``, or a PMD over 32 MiB, as
-arm64 with 64 KiB pages has: 512 MiB regions would round an arena up too far),
-so callers size the memfd with it (``k3d.memory.arena.memfd_bytes``).
+arena works exactly as before.  ``region_bytes()`` is 0 where no collapse will
+be tried (no THP, ``deny``, or a PMD over 32 MiB, as arm64 with 64 KiB pages
+has: 512 MiB regions would round an arena up too far), so callers size the
+memfd with it (``k3d.memory.arena.memfd_bytes``).
 
-The caller's obligations: call before the memfd is sealed against new
-writable mappings (the second mapping is writable), and reserve the rest of
-the file afterwards (``posix_fallocate`` over the whole length) as for any
-arena.  Thread-safety: no shared state; the second mapping lives inside an
-address range reserved for it, so no other thread's mapping is touched.
+The caller's obligations: create a ``Collapser`` before the memfd is sealed
+against new writable mappings (its mapping is writable), reserve the rest of
+the file after ``front`` (``posix_fallocate`` over the whole length) as for any
+arena, and ``close`` it after its last ``region``.  Thread-safety: one thread
+at a time per ``Collapser``; the second mapping lives inside an address range
+reserved for it, so no other thread's mapping is touched.
 """
 
 from __future__ import annotations
@@ -55,7 +68,8 @@ MADV_COLLAPSE = 25
 MAP_FIXED = 0x10
 PROT_NONE = 0
 MAX_REGION = 32 << 20     # larger PMDs (arm64 with 64 KiB pages: 512 MiB) are not tried
-GIVE_UP_AFTER = 8         # regions failing in a row: memory is too fragmented, stop trying
+STEP = 64 << 20           # progress, and the pace check, every 64 MiB
+SLOW = 2                  # a step this many times its reservation's cost: leave the rest for later
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _THP_SYSFS = "/sys/kernel/mm/transparent_hugepage"
 
@@ -97,56 +111,113 @@ def _libc():
     return libc
 
 
-def collapse(fd: int, length: int, progress=None) -> tuple[int, str]:
-    """Put the whole regions of the shmem file ``fd`` (``length`` bytes, already
-    ftruncated) in huge pages.  Returns (bytes collapsed, why not all: "" when all were).
-
-    ``progress(done, total, seconds)`` is called every 64 MiB of regions tried."""
-    pmd = region_bytes()
-    if not pmd:
-        return 0, ("this kernel has no transparent huge pages for shmem"
-                   + (" (shmem_enabled is deny)" if shmem_policy() == "deny" else ""))
-    whole = length // pmd * pmd
-    if not whole:
-        return 0, f"the arena is smaller than one {pmd >> 20} MiB region"
-    for off in range(0, whole, pmd):
-        os.posix_fallocate(fd, off, mmap.PAGESIZE)   # one page per region: see the module docstring
-    libc = _libc()
-    # reserve whole + pmd of address space so an aligned start fits, then map the file there
-    span = whole + pmd
-    reserve = libc.mmap(None, span, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    if reserve in (None, _MAP_FAILED):
-        return 0, "no address space for the collapse mapping"
-    start = -(-reserve // pmd) * pmd
-    addr = libc.mmap(start, whole, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, fd, 0)
-    if addr != start:
-        # a failed MAP_FIXED may have unmapped part of [start, start + whole) already, and
-        # another thread may have mapped something there since: release only the head and
-        # tail of the reservation (the rest leaks a PROT_NONE range, harmlessly)
-        if start > reserve:
-            libc.munmap(reserve, start - reserve)
-        libc.munmap(start + whole, reserve + span - (start + whole))
-        return 0, f"cannot map the arena for collapsing ({os.strerror(ctypes.get_errno())})"
+def reserve_seconds(most: int) -> float:
+    """What reserving ``STEP`` bytes of shmem in 4 KiB pages takes here, now, measured on a
+    scratch memfd of at most ``most`` bytes (the arena's own size: in a tight memory cgroup
+    the scratch must fit where the arena was found to fit), closed again: the floor
+    ``Collapser.front`` compares with."""
+    length = max(mmap.PAGESIZE, min(STEP, most) // mmap.PAGESIZE * mmap.PAGESIZE)
+    fd = os.memfd_create("k3d-floor", os.MFD_CLOEXEC)
     try:
-        done, failed_in_row, why, t0 = 0, 0, "", time.monotonic()
-        for off in range(0, whole, pmd):
-            if libc.madvise(start + off, pmd, MADV_COLLAPSE) == 0:
-                done += pmd
-                failed_in_row = 0
-            else:
-                err = ctypes.get_errno()
-                if err == errno.EINVAL and off == 0:
-                    return 0, "this kernel cannot collapse shmem (MADV_COLLAPSE: Linux 6.1+)"
-                why = f"{os.strerror(err)} (memory fragmented or short)"
-                failed_in_row += 1
-                if failed_in_row >= GIVE_UP_AFTER:
-                    break
-            if progress and ((off + pmd) % (64 << 20) == 0 or off + pmd == whole):
-                progress(off + pmd, whole, time.monotonic() - t0)
-        if done < whole and not why:
-            why = "some regions could not be collapsed"
-        if length > whole:
-            why = why or f"the last {length - whole} bytes are less than a region"
-        return done, why
+        os.ftruncate(fd, length)
+        t = time.monotonic()
+        os.posix_fallocate(fd, 0, length)
+        return (time.monotonic() - t) * STEP / length
     finally:
-        libc.munmap(reserve, span)   # the file mapping lies inside the reservation: both go
+        os.close(fd)
+
+
+class Collapser:
+    """A PMD-aligned writable mapping of the shmem file ``fd`` (``length`` bytes, already
+    ftruncated) for collapsing it region by region, from any one thread at a time.
+
+    Create it before the memfd is sealed against new writable mappings; it keeps its
+    mapping (inside a reservation: no Python object sees it) until ``close``.  ``whole``
+    is the bytes of whole regions (0 with ``why`` set where nothing can be tried)."""
+
+    def __init__(self, fd: int, length: int):
+        self.pmd, self.whole, self.why, self._reserve, self._start = region_bytes(), 0, "", None, 0
+        if not self.pmd:
+            self.why = ("this kernel has no transparent huge pages for shmem"
+                        + (" (shmem_enabled is deny)" if shmem_policy() == "deny" else ""))
+            return
+        whole = length // self.pmd * self.pmd
+        if not whole:
+            self.why = f"the arena is smaller than one {self.pmd >> 20} MiB region"
+            return
+        self._libc = libc = _libc()
+        # reserve whole + pmd of address space so an aligned start fits, then map the file there
+        span = whole + self.pmd
+        reserve = libc.mmap(None, span, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if reserve in (None, _MAP_FAILED):
+            self.why = "no address space for the collapse mapping"
+            return
+        start = -(-reserve // self.pmd) * self.pmd
+        addr = libc.mmap(start, whole, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, fd, 0)
+        if addr != start:
+            # a failed MAP_FIXED may have unmapped part of [start, start + whole) already, and
+            # another thread may have mapped something there since: release only the head and
+            # tail of the reservation (the rest leaks a PROT_NONE range, harmlessly)
+            if start > reserve:
+                libc.munmap(reserve, start - reserve)
+            libc.munmap(start + whole, reserve + span - (start + whole))
+            self.why = f"cannot map the arena for collapsing ({os.strerror(ctypes.get_errno())})"
+            return
+        self.whole, self._reserve, self._span, self._start = whole, reserve, span, start
+
+    def region(self, off: int) -> int:
+        """Collapse the region at file offset ``off``: 0, or the errno why not (EINVAL: this
+        kernel cannot; EAGAIN: its pages are busy, e.g. pinned by an O_DIRECT read; ENOMEM:
+        no free 2 MiB block)."""
+        if self._libc.madvise(self._start + off, self.pmd, MADV_COLLAPSE) == 0:
+            return 0
+        return ctypes.get_errno() or errno.EIO
+
+    def front(self, fd: int, length: int, floor: float | None = None, progress=None) -> tuple[int, str]:
+        """Collapse the file's regions (not yet reserved) in order from offset 0, stopping at
+        the first that fails, and, given ``floor`` (seconds to reserve a step of 64 MiB in 4 KiB
+        pages: ``reserve_seconds``), after the first step that took over ``SLOW`` x that.
+        Returns (bytes collapsed: one run from offset 0, why not all: "" when all were).
+
+        ``progress(done, total, seconds)`` is called every 64 MiB of regions tried."""
+        if not self.whole:
+            return 0, self.why
+        pmd, step = self.pmd, max(self.pmd, STEP // self.pmd * self.pmd)
+        done, t0 = 0, time.monotonic()
+        for lo in range(0, self.whole, step):
+            hi, t = min(lo + step, self.whole), time.monotonic()
+            for off in range(lo, hi, pmd):
+                os.posix_fallocate(fd, off, mmap.PAGESIZE)   # one page per region: see the module docstring
+            for off in range(lo, hi, pmd):
+                err = self.region(off)
+                if err:
+                    if err == errno.EINVAL and off == 0:
+                        self.whole = 0                  # this kernel cannot: nothing to try later
+                    return done, why_failed(err, off == 0)
+                done += pmd
+            if progress:
+                progress(hi, self.whole, time.monotonic() - t0)
+            if floor is not None and hi < self.whole and time.monotonic() - t > SLOW * floor * (hi - lo) / STEP:
+                return done, "the rest is left for later"     # the kernel now reclaims or compacts per region
+        return done, f"the last {length - done} bytes are less than a region" if length > done else ""
+
+    def close(self) -> None:
+        if self._reserve is not None:
+            self._libc.munmap(self._reserve, self._span)   # the file mapping lies inside: both go
+            self._reserve = None
+
+
+def why_failed(err: int, first: bool) -> str:
+    """A region's collapse error in words (``first``: no region of this file was collapsed yet)."""
+    if err == errno.EINVAL and first:
+        return "this kernel cannot collapse shmem (MADV_COLLAPSE: Linux 6.1+)"
+    return f"{os.strerror(err)} (memory fragmented or short)"
+
+
+def collapse(fd: int, length: int, progress=None) -> tuple[int, str]:
+    """``Collapser(fd, length).front()``, the mapping closed again: the whole file at once."""
+    c = Collapser(fd, length)
+    try:
+        return c.front(fd, length, progress=progress)
+    finally:
+        c.close()

@@ -42,10 +42,3 @@ def section(store, client_ids, auto=None) -> dict:
         out["daemon"] = auto.as_dict()
     return out
 
-
-def line(q: dict) -> str:
-    """One line for ``k3ctl status``."""
-    prec = q.get("precision")
-    p = "-" if prec is None else f"{100 * prec:.1f}%"
-    return (f"precision {p} ({q['prefetch_hits']}/{q['prefetched']}), fetched keys ready {q['ready']} / "
-            f"waited {q['waited']} / missed {q['missed']}, {q['unused_bytes'] / 2**20:.1f} MiB unused")

@@ -5,8 +5,12 @@ sections may be added, existing fields keep their meaning):
 - top: ``state`` (``serving``; the start-up responder says ``starting``), ``version``,
   ``protocol``, ``pid``, ``gen``, ``uptime_s``, ``endpoint``, ``model`` (the source's
   ``describe()``; ``model.digest`` is the content digest: ``rule``, ``hex``, ``parts``,
-  ``cached``, ``bytes_read``, ``seconds``, or ``error``: ``k3d.sources.digest``);
-- ``arena``: sizes, plus the store's gauges (``used``, ``pinned``, ``loading``, ``free``);
+  ``cached``, ``bytes_read``, ``seconds``, or ``error``, or while it is computed after
+  ready ``pending`` with ``done`` and ``total`` experts: ``k3d.sources.digest``);
+- ``arena``: sizes, ``thp_bytes`` (in transparent huge pages so far), ``prepare`` (the
+  collapse and pre-fault after ready: ``state`` ``running`` until ``done``, ``done`` and
+  ``total`` bytes pre-faulted, ``seconds``: ``k3d.memory.prepare``), plus the store's
+  gauges (``used``, ``pinned``, ``loading``, ``free``);
 - ``stats``: the monotonic counters (``stats.Counters``, and ``replies_dropped``: replies
   ZeroMQ would not take, counted by ``wire.Replies``);
 - ``fetch_seconds``: the fetch latency histogram by result (``latency.py``);
@@ -58,7 +62,8 @@ def build(srv, now: float) -> dict:
         "arena": {"bytes": srv.arena.size, "slots": srv.arena.slots,
                   "slot_bytes": srv.arena.slot_bytes, "expert_bytes": srv.source.expert_bytes,
                   "page_bytes": srv.arena.page_bytes,
-                  "thp_bytes": srv.arena.thp_bytes, **srv.store.gauges()},
+                  "thp_bytes": srv.arena.thp_bytes, "prepare": srv.arena.prepare_status(),
+                  **srv.store.gauges()},
         "stats": {**st.as_dict(), "replies_dropped": srv.replies.dropped},
         "policy": srv.cfg.policy,
         "predict": srv.cfg.predict,

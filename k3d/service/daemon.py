@@ -2,14 +2,19 @@
 
 Order: open and validate the source (so a bad checkpoint fails before any
 memory is taken), size the arena, refuse to steal the endpoint of a live
-daemon (a stale socket left by ``kill -9`` is removed), collapse the arena
-into transparent huge pages (unless ``--no-thp``/``--hugepages``), reserve and
-pre-fault it, bind, then print ``ready`` and tell systemd READY=1.
+daemon (a stale socket left by ``kill -9`` is removed), collapse what the
+kernel has free 2 MiB blocks for into transparent huge pages (unless
+``--no-thp``/``--hugepages``), reserve every page of the arena, bind, then
+print ``ready`` and tell systemd READY=1; only then does the arena's preparer
+thread collapse the rest and pre-fault it while the loop serves
+(``k3d.memory.prepare``; status ``arena.prepare`` says how far), and the
+content digest, unless cached, is computed (``k3d.sources.digest.AfterReady``;
+``model.digest`` is ``pending`` until it is done).
 
 Signal handlers only ask the loop to act (gunicorn's arbiter rule): SIGTERM/
 SIGINT to stop (the loop drains and returns, ``run`` releases the arena and
 exits 0), SIGHUP to reload the config (``reload`` re-resolves it).  The stop
-handlers are installed first of all: a stop during start-up (a long pre-fault)
+handlers are installed first of all: a stop during start-up (a long reservation)
 ends it at the next progress tick, releasing what was built, with exit 0.
 One daemon per endpoint: ``claim_endpoint`` flocks ``ARENA_SOCK.lock`` for the
 daemon's life, so a second start is refused even before the first answers.
@@ -41,7 +46,7 @@ from k3d.sizes import show_size
 
 from ..reads.plan import readers_for
 from ..sources import SourceError, open_source
-from ..sources.digest import RULE as DIGEST_RULE, for_source as digest_for, threads_for as digest_threads
+from ..sources.digest import AfterReady as DigestAfterReady, cached as cached_digest, threads_for as digest_threads
 from . import collector
 from .notify import Notifier
 from .sizing import arena_warnings
@@ -244,7 +249,7 @@ def _check_socket_dir(d: str) -> None:
 
 
 # What the arena's progress steps are called where a person reads them.
-PHASES = {"collapsing": "collapsing the arena into huge pages", "pre-faulting": "pre-faulting the arena"}
+PHASES = {"collapsing": "collapsing the arena into huge pages", "reserving": "reserving the arena"}
 
 
 class _StopDuringStartup(Exception):
@@ -252,7 +257,7 @@ class _StopDuringStartup(Exception):
 
 
 def run(cfg, env, reload=None) -> int:
-    # Stop requests are honoured from the first instruction: during a long arena pre-fault
+    # Stop requests are honoured from the first instruction: during a long arena reservation
     # a SIGTERM (systemctl stop) must end the start-up cleanly, not kill it by default.
     stop = {"requested": False, "server": None}
 
@@ -278,12 +283,12 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
     notifier = Notifier(env)
     if not cfg.source:
         raise StartupError("no checkpoint: pass --source PATH (or set source in the config file / K3D_SOURCE)")
-    if cfg.trace:                        # before anything is built: a typo must not cost a pre-fault
+    if cfg.trace:                        # before anything is built: a typo must not cost a reservation
         try:
             open(cfg.trace, "a").close()
         except OSError as e:
             raise StartupError(f"cannot open the route trace {cfg.trace}: {e.strerror}") from None
-    source = arena = server = lock = exporter = responder = None
+    source = arena = server = lock = exporter = responder = digester = None
     try:
         arena_sock = arena_socket_for(cfg.endpoint, env)
         lock = claim_endpoint(cfg.endpoint, arena_sock)
@@ -296,7 +301,7 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             raise StartupError(f"cannot bind {cfg.endpoint}: {e}") from None
         board = SnapshotBoard()
         board.publish(responder.status())
-        if cfg.metrics:                  # before the arena: a port in use must not cost a pre-fault
+        if cfg.metrics:                  # before the arena: a port in use must not cost a reservation
             try:
                 exporter = Exporter(cfg.metrics, board)
             except RuntimeError as e:
@@ -317,8 +322,10 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
                  source.path, len(source.keys), source.expert_bytes, slots, slot_bytes, cfg.readers, chosen)
         arena = build_arena(cfg, slots, slot_bytes, progress, notifier, check_stop,
                             lambda: board.publish(responder.status()))
-        # after every check a bad start fails (its one line stays the only one), before any client
-        source.digest = digest_of(source, cfg, progress, check_stop)
+        # a cached digest now (before any client); one to compute once serving (k3d.sources.digest)
+        source.digest = cached_digest(source, cfg.state_dir)
+        if source.digest is None:
+            digester = DigestAfterReady(source, cfg.state_dir, digest_threads(source, cfg.readers))
         try:
             server = Server(cfg, source, arena, arena_sock, notifier, board, sock=responder.hand_over())
         except zmq.ZMQError as e:
@@ -335,6 +342,9 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
               f"experts={len(source.keys)} pid={os.getpid()} in {progress.snapshot()['uptime_s']:.1f}s",
               file=sys.stderr, flush=True)
         notifier.ready(server.status_line())
+        if digester is not None:
+            digester.start()
+        arena.prepare(on_done=lambda p: (log.info if p.state == "done" else log.warning)("arena: %s", p.outcome()))
         collector.settle()               # start-up's objects leave the collector's scans
         server.serve_forever()
         log.info("stopped")
@@ -352,28 +362,13 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
             exporter.stop()
         if arena is not None:
             arena.close()
+        if digester is not None:
+            digester.stop()              # before the source closes: it reads the source
         if source is not None and (server is None or not server.reads.readers_alive()):
             source.close()               # (a stuck reader may still use the fds)
         notifier.close()
         if lock is not None:
             lock.release()
-
-
-def digest_of(source, cfg, progress, check_stop) -> dict:
-    """The source's content digest (``k3d.sources.digest``), on ``digest_threads`` threads.
-
-    A source that cannot be read for it (an origin down at start, EIO) does not stop
-    the start: the digest then carries ``error``, and ``Client.verify`` refuses in one
-    line naming it."""
-    def tick(done, total):
-        check_stop()
-        progress.update("digest of the expert bytes", done, total)
-
-    try:
-        return digest_for(source, cfg.state_dir, digest_threads(source, cfg.readers), tick)
-    except (SourceError, OSError) as e:
-        log.warning("cannot compute the content digest of %s: %s (clients cannot verify it)", source.path, e)
-        return {"rule": DIGEST_RULE, "error": str(e)}
 
 
 def with_readers(cfg, source):
@@ -392,7 +387,7 @@ def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop
         printer.show(p)
         publish()                        # /metrics shows the start-up too
         notifier.status(f"starting: {describe(p)}")
-        if notifier.watchdog_interval:   # a long pre-fault is not a hang
+        if notifier.watchdog_interval:   # a long reservation is not a hang
             notifier.watchdog()
     try:
         arena = Arena(slots, slot_bytes, progress=tick, huge=cfg.hugepages, thp=cfg.thp)
@@ -400,8 +395,7 @@ def build_arena(cfg, slots: int, slot_bytes: int, progress, notifier, check_stop
         raise StartupError(str(e)) from None
     check_stop()
     if cfg.thp and not cfg.hugepages:
-        log.info("arena: %d of %d MiB in transparent huge pages%s, prepared in %.1fs (huge pages cost start-up "
-                 "time and make O_DIRECT/disk reads into the arena faster; --no-thp skips them)",
-                 arena.thp_bytes >> 20, arena.mapped >> 20, f" ({arena.thp_why})" if arena.thp_why else "",
-                 time.monotonic() - t0)
+        log.info("arena: %d of %d MiB in transparent huge pages, reserved in %.1fs; the rest is collapsed and "
+                 "the arena pre-faulted after ready (huge pages make O_DIRECT/disk reads into the arena faster; "
+                 "--no-thp skips them)", arena.thp_bytes >> 20, arena.mapped >> 20, time.monotonic() - t0)
     return arena

@@ -2,12 +2,12 @@
 
 ``k3d start`` binds its ROUTER socket right after ``claim_endpoint`` and hands
 it to a ``StartupResponder`` thread while the main thread opens the source
-and collapses and pre-faults the arena (seconds to minutes for a large one).
+and collapses and reserves the arena (seconds for a large one).
 The responder answers:
 
 - ``status`` -> ``{"state": "starting", "phase", "done", "total", "eta_s",
   "pid", "version", "endpoint", "uptime_s"}`` (``k3ctl status`` prints
-  ``starting: pre-faulting 1.2/4.0 GiB (30 %), ~8 s left`` and exits 3);
+  ``starting: reserving the arena 1.2/4.0 GiB (30 %), ~8 s left`` and exits 3);
 - ``heartbeat`` -> nothing (a client of the previous daemon, retrying);
 - anything else -> the ``starting`` error with the same progress line
   (``k3client.connect(wait=SECONDS)`` retries it until ready).
@@ -43,7 +43,7 @@ def percent(done: int, total: int) -> int:
 
 
 def describe(p: dict) -> str:
-    """``pre-faulting 1.2/4.0 GiB (30 %), ~8 s left`` (the phase alone before progress is known)."""
+    """``reserving the arena 1.2/4.0 GiB (30 %), ~8 s left`` (the phase alone before progress is known)."""
     line = p["phase"]
     if p.get("total"):
         unit, scale = ("GiB", 2**30) if p["total"] >= 2**30 else ("MiB", 2**20)

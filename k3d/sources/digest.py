@@ -23,8 +23,18 @@ the cached digests of local checkpoints whose files are gone or changed, which n
 start can use again, and crashed saves' temporary files; it touches no other
 file (warm-restart state is ``k3d.cache.warm``'s, whose prune leaves these alone).
 
-Thread: ``for_source`` runs on the main thread at start-up, before the server
-exists; its pool threads only read the (read-only) source.
+When: a cached digest is read at start, before ready (``cached``); one to
+compute is computed after ready by ``AfterReady`` (a thread, its pool at nice
+10), since it reads every expert's samples (6 s for DeepSeek-V3's 14,848
+experts on the 2-core VM, before the arena is even touched).  Until it is done
+``source.digest`` is ``{"rule", "pending": True, "done", "total"}`` (experts),
+which ``hello`` and ``status`` carry as they find it; ``Client.verify`` waits
+for the digest while it is pending.
+
+Thread: ``for_source`` runs on the calling thread (``AfterReady``'s), its pool
+threads only read the (read-only) source, through descriptors of their own or
+the source's thread-safe ``fetch_into``; ``source.digest`` is replaced whole
+(one attribute store: readers see the old dict or the new one).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -174,17 +185,26 @@ def _open_local(source) -> list[int]:
     return fds
 
 
-def compute(source, threads: int, progress=None) -> tuple[dict, int]:
+def _nice():
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:
+        pass                              # not allowed here: the default priority
+
+
+def compute(source, threads: int, progress=None, nice: bool = False) -> tuple[dict, int]:
     """The digest of ``source`` (``k3client.digest.assemble``'s dict) and the bytes read.
 
-    ``progress(done, total)`` is called on the calling thread as experts finish."""
+    ``progress(done, total)`` is called on the calling thread as experts finish (it may
+    raise to stop: the experts not begun are cancelled); ``nice``: the pool runs at nice 10."""
     fds = _open_local(source) if source.fds else None       # None: a remote source, read by fetch_into
     layers = sorted({l for l, _ in source.keys})
     specs = {l: [(s.name, s.dtype, s.shape) for s in source.layout_of(l)] for l in layers}
     hashes, nread = {}, 0
     keys = sorted(source.keys)
     try:
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="k3d-digest") as pool:
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="k3d-digest",
+                                initializer=_nice if nice else None) as pool:
             futures = {pool.submit(_expert_hashes, source, k, fds): k for k in keys}
             try:
                 for n, fut in enumerate(as_completed(futures), 1):
@@ -248,19 +268,30 @@ def _same_file(path, dev, ino, size, mtime_ns) -> bool:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (dev, ino, size, mtime_ns)
 
 
-def for_source(source, state_dir: str, threads: int, progress=None) -> dict:
+def cached(source, state_dir: str) -> dict | None:
+    """The source's digest from the cache in ``state_dir`` when the files are the same, else None."""
+    t0 = time.monotonic()
+    ident = identity(source)
+    path = cache_path(state_dir, ident) if state_dir else ""
+    found = load_cached(path, ident) if path else None
+    if found is None:
+        return None
+    log.info("digest %s of %s: from %s (same files)", found["hex"][:16], source.path, path)
+    return {**found, "cached": True, "bytes_read": 0, "seconds": round(time.monotonic() - t0, 3)}
+
+
+def for_source(source, state_dir: str, threads: int, progress=None, nice: bool = False) -> dict:
     """The source's digest, from the cache in ``state_dir`` when the files are the same,
     else computed (and cached) on ``threads`` threads; logs time and bytes.  Never raises
     for a cache it cannot use or write (a log line); a source it cannot read raises
     (SourceError, OSError)."""
+    found = cached(source, state_dir)
+    if found is not None:
+        return found
     t0 = time.monotonic()
     ident = identity(source)
     path = cache_path(state_dir, ident) if state_dir else ""
-    cached = load_cached(path, ident) if path else None
-    if cached is not None:
-        log.info("digest %s of %s: from %s (same files)", cached["hex"][:16], source.path, path)
-        return {**cached, "cached": True, "bytes_read": 0, "seconds": round(time.monotonic() - t0, 3)}
-    digest, nread = compute(source, threads, progress)
+    digest, nread = compute(source, threads, progress, nice)
     secs = time.monotonic() - t0
     log.info("digest %s of %s: %d expert tensors, %d bytes read in %.2fs (%d threads)",
              digest["hex"][:16], source.path, sum(p[4] for p in digest["parts"]), nread, secs, threads)
@@ -272,3 +303,46 @@ def for_source(source, state_dir: str, threads: int, progress=None) -> dict:
         except OSError as e:
             log.warning("cannot keep the digest in %s: %s (the next start computes it again)", path, e)
     return {**digest, "cached": False, "bytes_read": nread, "seconds": round(secs, 3)}
+
+
+class _Stopped(Exception):
+    pass
+
+
+class AfterReady:
+    """The digest computed on a thread of its own once the daemon serves.
+
+    ``__init__`` sets ``source.digest`` to the pending dict; ``start`` begins;
+    ``stop`` (before the source closes) ends it at the next expert finished and joins.
+    A source it cannot read gives ``{"rule", "error"}`` (a warning in the log), as a
+    start would have: ``Client.verify`` then refuses in one line naming it."""
+
+    def __init__(self, source, state_dir: str, threads: int):
+        self.source, self.state_dir, self.threads = source, state_dir, threads
+        self._stop = threading.Event()
+        self._thread = None
+        source.digest = {"rule": RULE, "pending": True, "done": 0, "total": len(source.keys)}
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="k3d-digest-after-ready", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _tick(self, done: int, total: int) -> None:
+        if self._stop.is_set():
+            raise _Stopped()
+        self.source.digest = {"rule": RULE, "pending": True, "done": done, "total": total}
+
+    def _run(self) -> None:
+        try:
+            d = for_source(self.source, self.state_dir, self.threads, self._tick, nice=True)
+        except _Stopped:
+            return
+        except (SourceError, OSError) as e:
+            log.warning("cannot compute the content digest of %s: %s (clients cannot verify it)", self.source.path, e)
+            d = {"rule": RULE, "error": str(e)}
+        self.source.digest = d

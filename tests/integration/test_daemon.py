@@ -16,7 +16,7 @@ from helpers import k3ctl, k3d, k3d_shm, poll_for
 def test_ready_status_sigterm_leaves_nothing(checkpoint, start_daemon):
     before = k3d_shm()
     d = start_daemon(checkpoint, "--arena", "4MiB")
-    assert "pre-faulting the arena" in d.log()
+    assert "reserving the arena" in d.log()
     r = k3ctl("status", "--endpoint", d.endpoint, "--json")
     assert r.returncode == 0, r.stderr
     st = json.loads(r.stdout)
@@ -61,7 +61,7 @@ def test_second_daemon_on_same_endpoint_is_refused(checkpoint, start_daemon):
 def _first_progress(d, timeout=30):
     def started():
         assert d.proc.poll() is None, d.log()
-        return "pre-faulting the arena" in d.log() or "collapsing the arena" in d.log()
+        return "reserving the arena" in d.log() or "collapsing the arena" in d.log()
     poll_for(started, timeout, lambda: f"the arena's first progress line:\n{d.log()}")
 
 
@@ -79,7 +79,7 @@ def test_second_daemon_refused_while_the_first_is_still_starting(checkpoint, sta
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stop_during_startup_exits_0(checkpoint, start_daemon, sig):
-    """systemctl stop while the arena is still being pre-faulted: a clean exit 0, no
+    """systemctl stop while the arena is still being reserved: a clean exit 0, no
     traceback, the endpoint free for the next start."""
     before = k3d_shm()
     d = start_daemon(checkpoint, "--arena", "3GiB", wait_ready=False)

@@ -130,6 +130,7 @@ def other_user():
 AS_USER = r"""
 import json, os, socket, sys
 import numpy as np, zmq, msgpack, k3client
+from k3client import connect   # loaded before the uid drops: this Python's files may be root's alone
 from k3client.errors import K3Error
 endpoint, uid, gid, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 os.setgroups(groups); os.setgid(gid); os.setuid(uid)

@@ -1,10 +1,10 @@
 """Integration: a starting daemon is visible, and clients can wait for it.
 
 The daemon runs under ``GATED_DAEMON``: the real CLI, held at its first
-pre-fault step until the test creates a gate file, and saying in its log whom
+reservation step until the test creates a gate file, and saying in its log whom
 its start-up responder answered.  So "still starting" and "a client was
 already waiting" are states the test reaches on purpose, never races it may
-lose: nothing here depends on how fast this machine pre-faults an arena.
+lose: nothing here depends on how fast this machine reserves an arena.
 """
 
 import json
@@ -20,9 +20,9 @@ import k3client
 from helpers import poll_for, run_module
 
 LINE = re.compile(r"^starting: (opening the source|sizing the arena|collapsing the arena into huge pages|"
-                  r"pre-faulting the arena)( [\d.]+/[\d.]+ (GiB|MiB) \(\d+ %\)(, ~\d+ s left)?)?$")
+                  r"reserving the arena)( [\d.]+/[\d.]+ (GiB|MiB) \(\d+ %\)(, ~\d+ s left)?)?$")
 
-# ``k3d start`` held at its first pre-fault step (after that step's progress is published)
+# ``k3d start`` held at its first reservation step (after that step's progress is published)
 # until the file argv[1] exists; its start-up responder logs "gate: answered OP from NAME".
 GATED_DAEMON = r"""
 import os, sys, time
@@ -31,16 +31,16 @@ from k3d.memory.arena import Arena
 from k3d.service.starting import StartupResponder
 from k3client.protocol import unpack
 
-prefault = Arena._prefault
-def held_prefault(self, progress):
+reserve = Arena._reserve
+def held_reserve(self, progress, huge):
     def tick(done, total, seconds, what):
         progress(done, total, seconds, what)
         if not os.path.exists(gate):
             print("gate: holding at", what, done, "of", total, file=sys.stderr, flush=True)
             while not os.path.exists(gate):
                 time.sleep(0.01)
-    return prefault(self, tick)
-Arena._prefault = held_prefault
+    return reserve(self, tick, huge)
+Arena._reserve = held_reserve
 
 answer = StartupResponder._answer
 def logged_answer(self, routing, frames):
@@ -63,7 +63,7 @@ def k3ctl(*args):
 
 
 def start_gated(start_daemon, checkpoint, tmp_path, **kw):
-    """A gated daemon (a 1 GiB arena in plain pages: 16 pre-fault steps) and its gate file."""
+    """A gated daemon (a 1 GiB arena in plain pages: 16 reservation steps) and its gate file."""
     gate = tmp_path / "gate"
     d = start_daemon(checkpoint, "--arena", "1GiB", "--no-thp", wait_ready=False,
                      launcher=[sys.executable, "-c", GATED_DAEMON, str(gate)], **kw)
@@ -81,16 +81,16 @@ def in_log(d, text):
 
 def test_status_and_clients_while_starting(checkpoint, start_daemon, tmp_path):
     d, gate = start_gated(start_daemon, checkpoint, tmp_path)
-    poll_for(lambda: in_log(d, "gate: holding at pre-faulting"), 60, lambda: f"the gate:\n{d.log()}")
+    poll_for(lambda: in_log(d, "gate: holding at reserving"), 60, lambda: f"the gate:\n{d.log()}")
 
     r = k3ctl("--endpoint", d.endpoint)
     assert r.returncode == 3, (r.stdout, r.stderr)
-    assert LINE.match(r.stdout.strip()) and "pre-faulting the arena" in r.stdout, r.stdout
+    assert LINE.match(r.stdout.strip()) and "reserving the arena" in r.stdout, r.stdout
     j = k3ctl("--endpoint", d.endpoint, "--json")
     assert j.returncode == 3
     st = json.loads(j.stdout)
     assert st["state"] == "starting" and st["pid"] == d.pid
-    assert st["phase"] == "pre-faulting the arena" and 0 < st["done"] < st["total"]
+    assert st["phase"] == "reserving the arena" and 0 < st["done"] < st["total"]
     with pytest.raises(k3client.Starting, match="is starting .*connect\\(wait=SECONDS\\)"):
         k3client.connect(d.endpoint, name="eager")
 
@@ -144,4 +144,50 @@ def test_connect_wait_for_a_daemon_not_there_yet(checkpoint, start_daemon, tmp_p
             waiter.kill()
             waiter.wait(10)
     assert waiter.returncode == 0 and out.strip() == "2"
+    assert d.stop() == 0
+
+
+# ``k3d start`` whose content digest (computed after ready) waits for the file argv[1].
+HELD_DIGEST = r"""
+import os, sys, time
+gate = sys.argv.pop(1)
+from k3d.sources.digest import AfterReady
+run = AfterReady._run
+def held_run(self):
+    print("gate: digest holding", file=sys.stderr, flush=True)
+    while not os.path.exists(gate):
+        time.sleep(0.01)
+    run(self)
+AfterReady._run = held_run
+from k3d.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_digest_after_ready_is_pending_and_verify_waits_for_it(checkpoint, start_daemon, tmp_path):
+    """Ready does not wait for the content digest: it serves meanwhile, says the digest is
+    pending, and a verify begun then waits for it and compares."""
+    gate = tmp_path / "gate"
+    d = start_daemon(checkpoint, "--arena", "8MiB", launcher=[sys.executable, "-c", HELD_DIGEST, str(gate)])
+    poll_for(lambda: in_log(d, "gate: digest holding"), 30, d.log)
+    with k3client.connect(d.endpoint, name="early") as c:
+        assert c.model["digest"] == {"rule": "k3d-digest/1", "pending": True, "done": 0, "total": 64}
+        assert c.fetch(0, [3])[0].expert == 3
+        assert "digest  computing after ready: 0 of 64 experts" in k3ctl("--endpoint", d.endpoint).stdout
+        got = {}
+
+        def check():
+            try:
+                got["hex"] = c.verify(checkpoint)["hex"]
+            except Exception as e:   # noqa: BLE001 -- reported by the asserts below
+                got["error"] = repr(e)
+        t = threading.Thread(target=check)
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not got         # the gate is shut: it can only be waiting
+        gate.touch()
+        t.join(60)
+        served = c.status()["model"]["digest"]
+    assert got == {"hex": served["hex"]}, got
+    assert f"digest  {served['hex'][:16]}" in k3ctl("--endpoint", d.endpoint).stdout
     assert d.stop() == 0

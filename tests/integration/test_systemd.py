@@ -169,7 +169,7 @@ def test_notify_ready_status_watchdog_stopping(checkpoint, start_daemon):
         t_ready, _ = n.wait_for("READY=1")
         assert state_at_ready == {"ipc": True, "arena": True}
         status = [l for _, l in n.lines("STATUS=")]
-        assert any("starting: pre-faulting the arena" in l for l in status), status       # before READY
+        assert any("starting: reserving the arena" in l for l in status), status       # before READY
         assert any("hit rate" in l for l in status), status
         with k3client.connect(endpoint, name="n") as c:
             c.fetch(0, [1, 2])

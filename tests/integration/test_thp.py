@@ -8,13 +8,14 @@ root only (skipped otherwise)."""
 import mmap
 import os
 import struct
+import sys
 
 import numpy as np
 import pytest
 
 import k3client
 import k3d.memory.thp as thp
-from helpers import reference, verify
+from helpers import poll_for, reference, verify
 from k3d.commands.ctl import render
 from k3d.config import ConfigError, resolve
 from k3d.memory.arena import Arena, memfd_bytes
@@ -167,3 +168,69 @@ def test_arena_without_collapse_is_a_plain_arena(monkeypatch):
         assert a.thp_bytes == 0 and "deny" in a.thp_why and a.mapped == 3 * slot
     finally:
         a.close()
+
+
+# ``k3d start`` whose start collapses nothing (every region is left to the preparer) and
+# whose preparer holds before its first step until the file argv[1] exists.
+HELD_PREPARE = r"""
+import os, sys, time
+gate = sys.argv.pop(1)
+from k3d.memory import thp
+from k3d.memory.prepare import Preparer
+thp.Collapser.front = lambda self, fd, length, floor=None, progress=None: (0, "")
+run = Preparer._run
+def held_run(self):
+    print("gate: preparer holding", file=sys.stderr, flush=True)
+    while not os.path.exists(gate):
+        time.sleep(0.01)
+    run(self)
+Preparer._run = held_run
+from k3d.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serves_correct_bytes_while_the_arena_is_still_prepared(checkpoint, start_daemon, tmp_path):
+    """Ready comes before the collapse and pre-fault: status says they still run, every slot
+    filled meanwhile reads right, and stays right once the preparer has collapsed (copied)
+    and pre-faulted the regions under it."""
+    gate = tmp_path / "gate"
+    d = start_daemon(checkpoint, "--slots", 64, launcher=[sys.executable, "-c", HELD_PREPARE, str(gate)])
+    poll_for(lambda: "gate: preparer holding" in d.log(), 30, d.log)
+    ref = reference(checkpoint)
+    with k3client.connect(d.endpoint, name="early", hit_path="daemon") as c:
+        a = c.status()["arena"]
+        assert a["prepare"]["state"] == "running" and a["prepare"]["done"] == 0 and a["thp_bytes"] == 0
+        assert "preparing in the background (0 % pre-faulted)" in render(c.status())
+        keys = [(l, e) for l in range(4) for e in range(16)]          # every slot of the arena
+        for l in range(4):
+            got = c.fetch(l, list(range(16)))
+            verify(c, got, ref)
+            del got
+            c.begin_token()
+        gate.touch()
+        poll_for(lambda: c.status()["arena"]["prepare"]["state"] == "done", 60, lambda: c.status()["arena"])
+        a = c.status()["arena"]
+        assert a["prepare"]["done"] == a["prepare"]["total"] == len(c.arena)
+        for l in range(4):                     # all hits now: the bytes the preparer moved
+            got = c.fetch(l, list(range(16)))
+            verify(c, got, ref)
+            del got
+            c.begin_token()
+        st = c.status()
+        assert st["stats"]["misses"] == len(keys) and st["stats"]["hits"] == len(keys)
+        assert "preparing" not in render(st)
+    assert d.stop() == 0
+    assert "arena: pre-faulted" in d.log()
+    if not CANNOT:     # collapsed under the filled slots (a copy), unless memory was short just then
+        assert a["thp_bytes"] == a["prepare"]["total"] or "memory fragmented or short" in d.log(), d.log()
+
+
+def test_arena_closes_while_its_preparer_runs():
+    """close() stops the preparer before it unmaps: no fault, no thread left behind."""
+    a = Arena(256, 4 << 20, thp=False)      # 1 GiB of 4 KiB pages: 16 pre-fault steps
+    a.prepare()
+    a.close()
+    st = a.prepare_status()
+    assert st["state"] in ("stopped", "done") and a.preparer.join(0)      # the thread has ended
+    assert st["state"] == "done" or st["done"] < st["total"]

@@ -16,7 +16,7 @@ import pytest
 from hf_common import checkpoint, daemon_args
 
 import k3client
-from helpers import k3ctl
+from helpers import k3ctl, served_digest
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_fine_tune_is_refused_by_verify_and_load_model(pair, start_daemon, tmp_p
     served, other = pair
     d = start_daemon(served, *daemon_args("qwen3_moe"))
     with k3client.connect(d.endpoint, name="v") as c:
-        digest = c.model["digest"]
+        digest = served_digest(c)
         assert c.verify(served)["hex"] == digest["hex"]
         with pytest.raises(k3client.Mismatch) as e:
             c.verify(other)
@@ -56,6 +56,8 @@ def test_status_shows_the_digest_and_a_restart_reads_it_from_the_state_dir(pair,
     served, _ = pair
     env = dict(os.environ, K3D_STATE_DIR=str(tmp_path / "state"))
     d = start_daemon(served, *daemon_args("qwen3_moe"), env=env)
+    with k3client.connect(d.endpoint, name="wait") as c:
+        served_digest(c)                       # computed after ready
     st = json.loads(k3ctl("status", "--json", "--endpoint", d.endpoint).stdout)
     first = st["model"]["digest"]
     assert not first["cached"] and first["bytes_read"] > 0

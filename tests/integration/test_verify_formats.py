@@ -15,7 +15,7 @@ import pytest
 
 import k3client
 from faulty_http import FaultyServer
-from helpers import k3d
+from helpers import k3d, served_digest
 from k3d.demo.synthetic import write_checkpoint, write_synthetic_gguf
 
 
@@ -27,7 +27,7 @@ def test_pack_daemon_accepts_the_pack_and_its_source_refuses_other_values(tmp_pa
     assert r.returncode == 0, r.stderr
     d = start_daemon(pack, "--arena", "8MiB")
     with k3client.connect(d.endpoint, name="v") as c:
-        want = c.model["digest"]["hex"]
+        want = served_digest(c)["hex"]
         assert c.verify(pack)["hex"] == want
         assert c.verify(src)["hex"] == want
         with pytest.raises(k3client.Mismatch) as e:
@@ -68,8 +68,8 @@ def test_offline_restart_takes_the_digest_from_the_state_dir_or_says_why_not(tmp
     assert d.stop() == 0
     fresh = dict(env, K3D_STATE_DIR=str(tmp_path / "fresh"))
     d = start_daemon(srv.url + "ck/", *args, env=fresh, endpoint=d.endpoint)
-    assert "cannot compute the content digest" in d.log()
     with k3client.connect(d.endpoint, name="offline") as c:
         with pytest.raises(k3client.Mismatch, match="^cannot verify") as e:
-            c.verify(ck)
+            c.verify(ck)                         # (waits while the digest is tried after ready)
     assert "\n" not in str(e.value)
+    assert "cannot compute the content digest" in d.log()
