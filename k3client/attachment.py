@@ -100,6 +100,7 @@ class Attachment:
         self.gen = None
         self.layout = None
         self.layouts: dict[int, list[TensorSpec]] = {}   # every layer's layout when layers differ, else {}
+        self.layers: frozenset | None = None         # the layers served (hello's model), None: not known
         self.mm = None
         self.hits: LocalHits | None = None   # the shared index, while attached with the hit path
         self.views: dict = {}                # (slot, layer or -1, tensor) -> view (views.py)
@@ -108,6 +109,13 @@ class Attachment:
         self.done: dict[int, None] = {}      # released layers for the next message, without the hit path
         self.io = io                         # the request socket's lock (module docstring)
         self._ctx, self._wake = ctx, wake
+
+    def check_layer(self, layer: int, op: str) -> None:
+        """``UnknownExpert`` in one line if the daemon serves no ``layer`` (hello's model)."""
+        if self.layers is not None and layer not in self.layers:
+            raise errors.UnknownExpert(f"{op}({layer}): the daemon at {self.endpoint} serves no layer {layer} (it "
+                                       f"has layers {min(self.layers)}-{max(self.layers)}); release a layer "
+                                       "this client fetched")
 
     def layout_of(self, layer: int) -> list[TensorSpec]:
         return self.layouts.get(layer, self.layout)
@@ -245,6 +253,8 @@ class Attachment:
         self.layouts = layouts
         self._layer_specs = {l: {s.name: s for s in lay} for l, lay in layouts.items()}
         self.model = h["model"]
+        # the layers served (a release_layer of another is refused at the call)
+        self.layers = frozenset(l for l in self.model.get("layers", ()) if type(l) is int) or None
         self.slots = h["slots"]
         self.slot_bytes = h["slot_bytes"]
         self.expert_bytes = h["expert_bytes"]

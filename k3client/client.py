@@ -314,6 +314,7 @@ class Client:
         enforces: an ``Expert`` of ``layer`` fetched before this call builds no view after
         it (``Expired``, ``views.py``)."""
         layer = key_int("layer", layer)
+        self._at.check_layer(layer, "release_layer")
         self._released[layer] = self._seq    # its Experts fetched so far build no view
         if self._stream is not None and self._stream.layer == layer:
             self._stream = None
