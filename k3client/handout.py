@@ -15,7 +15,7 @@ anything is received (a trusted uid and, over ipc, the pid that answered
 ``hello``), and both fds must be sealed memfds before anything is mapped: a
 failure is ``Untrusted``.
 
-Called by ``Client`` on its own thread, at each (re-)attach.
+Called by the client's ``Attachment`` on the client's thread, at each (re-)attach.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ policy and counters hear every access, and so that the slots it read are pinned
 (or claimed) for it before the daemon may reuse them (``k3d/cache/reuse.py``).
 
 The window (the client's obligations C1-C3 there): a fetch is answered here only
-while ``open``.  ``Client`` closes it before it sends a request and opens it
-only when that request's reply has arrived; an exception on the way
+while ``open``.  The client closes it before it sends a request
+(``Attachment.post``) and opens it only when that request's reply has arrived
+(``Client._call``, ``settle``, ``stream.py``); an exception on the way
 (``Timeout``, ``KeyboardInterrupt``, an error reply, a re-attach) leaves it
 closed until a later request succeeds.  While it is closed every view the
 client holds was reported, so the daemon has pinned or claimed it; while it is

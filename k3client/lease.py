@@ -2,8 +2,8 @@
 
 Thread: runs on its own private thread with its own DEALER socket for the
 heartbeats (they must get through while the client's thread waits on a long
-fetch); the hit reports go on the client's request socket, under the client's
-``_io`` lock and only when the client's thread is not using it
+fetch); the hit reports go on the client's request socket, under its
+attachment's ``io`` lock and only when the client's thread is not using it
 (``Client._lease_sync``), so they stay in order with its requests.  It holds only
 a weak reference to the client, so a dropped client ends it.  Started and
 stopped by ``Client``.

@@ -13,7 +13,7 @@ client can tell a restarted daemon from the one it attached to)::
     {"id": int, "ok": True, "gen": int, ...result fields}
     {"id": int, "ok": False, "gen": int, "error": {"code": str, "message": str}}
 
-Ops (the ``op_*`` handler docstrings in ``k3d.serve.loop`` are the full spec):
+Ops (the ``op_*`` handler docstrings in ``k3d.serve.ops`` are the full spec):
 
 - ``hello {name, pid, hit_path}`` -> ``{client_id, layout, slots, slot_bytes, expert_bytes,
   arena_bytes, index_bytes, arena_socket, lease_s, pin_quota, model}``; must come first.  (The key

@@ -16,7 +16,7 @@ KeyboardInterrupt in the caller's loop body, the caller leaving the loop
 daemon pinned them); the rest of the stream is skipped by the next request's
 wait (another ``id``).
 
-The request socket is held (``client._io``) only while sending and while
+The request socket is held (its attachment's ``io``) only while sending and while
 waiting for one reply, never across a ``yield``: the lease thread may send its
 ``hits``/``seen`` between parts (the daemon ignores ``seen`` while the request
 is pending, and there are no reports while the window is shut).
@@ -71,30 +71,31 @@ def _steps(client, token: _Token, layer: int, experts: list[int], preds: list):
     left = dict.fromkeys(range(len(experts)))    # indices not yet yielded, in request order
     deadline = time.monotonic() + client.timeout     # for retries of SlotsBusy, as ``_call``
     pause = 0.0005
+    attached = client._at                        # one for the client's life (attachment.py)
     while left:
-        if client._chan is None:
+        if attached.chan is None:
             client._reattach("not attached")
             client._stream = token
             continue
-        hits = client._hits
+        hits = attached.hits
         at = list(left)                          # the indices this request asks for
         fields = {"keys": [[layer, experts[i]] for i in at], "as_ready": True}
         if preds:
             fields["predicted"] = preds
         final = False
         try:
-            with client._io:
-                rid = client._post(hits, "fetch", fields)
+            with attached.io:
+                rid = attached.post(hits, "fetch", fields)
             while not final:
-                with client._io:
+                with attached.io:
                     # each part within ``timeout`` of asking for it: the caller's compute
                     # between parts is not the daemon's delay
-                    reply = client._chan.wait(rid, "fetch", client.timeout)
+                    reply = attached.chan.wait(rid, "fetch", client.timeout)
                 part = reply.get("part")
                 final = part is None
                 got = list(zip(at, reply["slots"])) if final else [(at[j], s) for j, s in zip(part, reply["slots"])]
-                if client._hits is not None:     # pinned for this client's token: its quota count
-                    client._hits.held_by_daemon([s for _, s in got], layer)
+                if attached.hits is not None:     # pinned for this client's token: its quota count
+                    attached.hits.held_by_daemon([s for _, s in got], layer)
                 for i, slot in got:
                     if i in left:
                         del left[i]
@@ -124,7 +125,7 @@ def _steps(client, token: _Token, layer: int, experts: list[int], preds: list):
             if hits is not None and client._stream is token:
                 hits.failed()
             raise
-        if hits is not None and hits is client._hits and client._stream is token:
+        if hits is not None and hits is attached.hits and client._stream is token:
             hits.open = True
     if client._stream is token:
         client._stream = None

@@ -2,8 +2,8 @@
 
 Hits are answered from the arena the client maps, so whoever hands out that
 memory decides every byte the model computes with.  At each (re-)attach, before
-any view is built, ``Client`` checks (each failure is ``errors.Untrusted``, one
-line naming what failed):
+any view is built, the client's ``Attachment`` checks (each failure is
+``errors.Untrusted``, one line naming what failed):
 
 1. the ipc endpoint's directory: owned by a trusted uid (see below), not
    writable by others (sticky or not), and group-writable only when its group is

@@ -7,8 +7,10 @@ view is read-only.
 
 Views are cached per client by (slot, layer layout, tensor): a view is a window
 on the mapping, valid for whatever key the slot holds now, so a slot seen before
-costs a dict lookup, not a new mapping.  The cache goes with the mapping (a
-re-attach clears it).
+costs a dict lookup, not a new mapping.  The cache goes with the mapping: it is
+the attachment's (``attachment.py``; a re-attach clears it).  An ``Expert`` reads
+the mapping, layouts and cache from its client's attachment (``_at``) and holds
+its client too: while an ``Expert`` lives, its client does, and so does its lease.
 
 Thread: an ``Expert`` belongs to its ``Client``'s thread.  Caller's obligation: a
 view is valid until the client's next ``begin_token()`` (the daemon keeps the
@@ -42,31 +44,33 @@ _TORCH_FILTER = []
 class Expert:
     """One fetched expert: ``layer``, ``expert``, ``slot``; views into the arena."""
 
-    __slots__ = ("layer", "expert", "slot", "gen", "seq", "_client")
+    __slots__ = ("layer", "expert", "slot", "gen", "seq", "_client", "_at")
 
     def __init__(self, client, layer: int, expert: int, slot: int):
         self.layer, self.expert, self.slot, self._client = layer, expert, slot, client
-        self.gen, self.seq = client.gen, client._seq
+        self._at = at = client._at
+        self.gen, self.seq = at.gen, client._seq
 
     def _mapping(self):
         """The arena this expert's slot number refers to, or DaemonRestarted / Expired."""
-        c = self._client
-        if self.gen != c.gen or c._mm is None:
+        at = self._at
+        if self.gen != at.gen or at.mm is None:
             raise errors.DaemonRestarted(
                 f"expert (layer {self.layer}, expert {self.expert}) was fetched from a daemon that has "
                 "since restarted (or this client is closed); its slot means nothing now: fetch it again")
+        c = self._client
         if self.seq <= c._expired or self.seq <= c._released.get(self.layer, 0):
             why = "begin_token()" if self.seq <= c._expired else f"release_layer({self.layer})"
             raise errors.Expired(
                 f"expert (layer {self.layer}, expert {self.expert}) was fetched before this client's "
                 f"{why}: its pin has ended and its slot may hold another expert now; fetch it again")
-        return c._mm
+        return at.mm
 
     def __repr__(self):
         return f"Expert(layer={self.layer}, expert={self.expert}, slot={self.slot})"
 
     def _spec(self, name: str) -> TensorSpec:
-        specs = self._client._specs_of(self.layer)
+        specs = self._at.specs_of(self.layer)
         try:
             return specs[name]
         except KeyError:
@@ -75,12 +79,12 @@ class Expert:
     def memory(self) -> memoryview:
         """Read-only view of the whole expert span in its slot (its layer's layout)."""
         mm = self._mapping()
-        c = self._client
+        c = self._at
         base = self.slot * c.slot_bytes
         return memoryview(mm)[base:base + layout_bytes(c.layout_of(self.layer))]
 
     def _key(self, name: str):
-        return (self.slot, self.layer if self._client.layouts else -1, name)
+        return (self.slot, self.layer if self._at.layouts else -1, name)
 
     def array(self, name: str) -> np.ndarray:
         """Read-only numpy view of one tensor, no copy.
@@ -89,12 +93,12 @@ class Expert:
         integer of the same width (BF16 -> ``uint16``, F8_* -> ``uint8``) holding the raw
         bits; ``tensor()`` gives the real dtype, or ``arr.view(ml_dtypes.bfloat16)``."""
         mm = self._mapping()
-        views, key = self._client._views, ("np", *self._key(name))
+        views, key = self._at.views, ("np", *self._key(name))
         v = views.get(key)
         if v is None:
             spec = self._spec(name)
             dt = numpy_dtype(spec.dtype)
-            off = self.slot * self._client.slot_bytes + spec.offset
+            off = self.slot * self._at.slot_bytes + spec.offset
             v = views[key] = np.frombuffer(mm, dtype=dt, count=spec.nbytes // dt.itemsize,
                                            offset=off).reshape(spec.shape)
         return v
@@ -109,7 +113,7 @@ class Expert:
                               "Expert.array() works without it") from None
 
         mm = self._mapping()
-        views, key = self._client._views, ("torch", *self._key(name))
+        views, key = self._at.views, ("torch", *self._key(name))
         v = views.get(key)
         if v is None:
             if not _TORCH_FILTER:
@@ -117,7 +121,7 @@ class Expert:
                 _TORCH_FILTER.append(True)
             spec = self._spec(name)
             tdt = getattr(torch, DTYPES[spec.dtype][2])
-            off = self.slot * self._client.slot_bytes + spec.offset
+            off = self.slot * self._at.slot_bytes + spec.offset
             v = views[key] = torch.frombuffer(mm, dtype=tdt, count=spec.nbytes // DTYPES[spec.dtype][0],
                                               offset=off).view(spec.shape)
         return v
@@ -128,7 +132,7 @@ class Expert:
         like ``tensor``.  Do not write to it."""
         self._mapping()                            # first: a cached view may be of a later attachment's slot
         key = ("torch-stacked", *self._key("\0".join(names)))
-        views = self._client._views
+        views = self._at.views
         v = views.get(key)
         if v is False:                             # not back to back: known from this layout
             return None
@@ -143,7 +147,7 @@ class Expert:
             import torch
 
             rows = sum(s.shape[0] for s in specs)
-            off = self.slot * self._client.slot_bytes + s0.offset
+            off = self.slot * self._at.slot_bytes + s0.offset
             v = views[key] = torch.frombuffer(self._mapping(), dtype=first.dtype,
                                               count=sum(s.nbytes for s in specs) // first.element_size(),
                                               offset=off).view(rows, *s0.shape[1:])

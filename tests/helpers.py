@@ -220,3 +220,25 @@ def source_image(src, key) -> bytes:
     SafetensorsSource.read(src, src.keys[key], memoryview(buf))
     return bytes(buf)
 
+
+def held_launcher(module: str, cls: str, gate: str, what: str, prelude: str = "") -> list[str]:
+    """A ``launcher`` for ``start_daemon``: ``k3d start`` whose ``module.cls._run`` (a background
+    thread's work) first prints ``gate: <what> holding`` on stderr and waits until the file ``gate``
+    exists; ``prelude`` runs before (e.g. to patch what start-up does)."""
+    script = f"""
+import os, sys, time
+gate = sys.argv.pop(1)
+from {module} import {cls}
+{prelude}
+run = {cls}._run
+def held_run(self):
+    print("gate: {what} holding", file=sys.stderr, flush=True)
+    while not os.path.exists(gate):
+        time.sleep(0.01)
+    run(self)
+{cls}._run = held_run
+from k3d.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+    return [sys.executable, "-c", script, str(gate)]
+

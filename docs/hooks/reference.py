@@ -8,7 +8,7 @@
   ``<!-- k3d:errors -->`` (the wire error codes, from ``k3client.errors``),
   ``<!-- k3d:stats -->`` (status ``stats``, from ``k3d.observe.stats.Counters`` and the
   metrics' help), ``<!-- k3d:ops -->`` (each op's spec: the docstrings of the ``op_*``
-  handlers in ``k3d.serve.loop``), ``<!-- k3d:docstring MODULE -->`` (a module's docstring,
+  handlers in ``k3d.serve.ops``), ``<!-- k3d:docstring MODULE -->`` (a module's docstring,
   as written: the design pages' proofs live there, and the page shows the current text).
 
 mkdocs loads this file with its directory on ``sys.path``, which is how ``reference_pages``
@@ -56,12 +56,12 @@ def stats_table() -> str:
 
 
 def ops_section() -> str:
-    """Each op's spec: the docstring of its ``op_*`` handler in ``k3d.serve.loop``."""
+    """Each op's spec: the docstring of its ``op_*`` handler in ``k3d.serve.ops``."""
     _import_checkout()
-    loop = importlib.import_module("k3d.serve.loop")
+    ops = importlib.import_module("k3d.serve.ops")
     out = []
-    for _name, cls in inspect.getmembers(loop, inspect.isclass):
-        if cls.__module__ != loop.__name__:
+    for _name, cls in inspect.getmembers(ops, inspect.isclass):
+        if cls.__module__ != ops.__name__:
             continue
         for name, fn in vars(cls).items():
             if name.startswith("op_") and inspect.isfunction(fn):

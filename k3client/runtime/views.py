@@ -24,7 +24,7 @@ def views(ml, ex):
     tensor-parallel rank (``Layer.shard``) its shard of them, cached per slot like the views."""
     if ml.shard is None:
         return whole(ml, ex)
-    cache, key = ex._client._views, ("shard", *ex._key(""))
+    cache, key = ex._at.views, ("shard", *ex._key(""))
     v = cache.get(key)
     if v is None:
         v = cache[key] = ml.shard.of(whole(ml, ex))

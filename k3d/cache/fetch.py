@@ -73,7 +73,8 @@ from time import thread_time_ns
 from k3client.errors import ReadFailed
 from k3d.cache.parked import Parked, checked_slots
 from k3d.cache.sessions import Session
-from k3d.cache.store import LOADING, PRESSURE_S, Store
+from k3d.cache.slots import LOADING, PRESSURE_S
+from k3d.cache.store import Store
 from k3d.observe.latency import FetchLatency, classify
 from k3d.observe.stats import Throughput
 from k3d.reads.loads import Load, Loads

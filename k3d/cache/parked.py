@@ -39,7 +39,7 @@ import time
 
 from k3client import errors
 from k3client.errors import K3Error, NotAttached
-from k3d.cache.store import READY
+from k3d.cache.slots import READY
 
 SHUTTING_DOWN = "the daemon is shutting down"
 

@@ -1,9 +1,9 @@
 """Which keys are resident, one byte per (layer, expert): the store's key map as rows.
 
-``ResidentRows`` is part of ``Store`` (``k3d.cache.store``): the store sets a key's
-byte when it assigns the key a slot (``_assign``) and clears it when the key leaves
-(``_evict``, a failed read's ``complete``), the same three places that change
-``key_slot``.  It exists for the daemon's predictor (``CoPredictor.propose``), which
+``ResidentRows`` is part of the slot table (``SlotTable``, ``k3d.cache.slots``): the
+table sets a key's byte when it assigns the key a slot (``_assign``) and clears it
+when the key leaves (``_evict``, a failed read's ``complete``), the same three
+places that change ``key_slot``.  It exists for the daemon's predictor (``CoPredictor.propose``), which
 asks "which of layer L's experts are resident" at every fetch: ``row`` answers with
 one copy of a layer's bytes instead of a dict lookup per expert (64 of them for a
 64-expert model, the largest part of a proposal's cost before).

@@ -16,20 +16,17 @@ which costs a request several times less CPU than a poll does (bench/README.md,
 at least every ``intake.IDLE_MS``.  The arena hand-out has its own thread
 (``handout.py``), which touches nothing the loop owns.
 
-One small handler per op (``op_*``); its docstring is the spec.  ``_handle`` is
-the one place that turns exceptions into error replies; nothing a client sends
-can stop the loop.  Each handler makes one call into the fetch service
-(``cache/fetch.py``) with the client's session, looked up once per request.
-
-Hits mostly never get here: clients answer fetches of resident experts from the
-shared index (``memory/index.py``) and report them with their next message.  A
-request's reports are applied before anything of the request can fail; the reply
-to a hit-path client's latest request (``_handle``, or ``parked`` for a fetch)
-and a ``hits`` message's ``seen`` are its quiescent points for the deferred reuse
-of evicted slots (``cache/reuse.py``).
+Requests: ``_handle`` decodes one, looks its op up in ``ops`` (``ops.py``: one
+small handler per op, its docstring the spec) and is the one place that turns
+exceptions into error replies; nothing a client sends can stop the loop.  The
+client's session is looked up once per request.  For a hit-path client it tells
+``reuse`` that the request waits and then whether it was answered: that reply is
+one of the client's quiescent points for the deferred reuse of evicted slots
+(``cache/reuse.py``; ``ops.py`` names the others).
 
 Who does what (all on this thread; reader threads only fill slot memory):
 - ``wire``: the ROUTER socket, request decoding, key and report checks, replies;
+- ``ops``: the handlers, each one call into the fetch service;
 - ``intake``: requests off the socket into ``turns`` (deficit round-robin
   between clients, so a flood of big requests cannot starve small ones) and, with
   ``--max-share``, each client's CPU charged to ``pacing`` (a client far over
@@ -70,7 +67,7 @@ from k3d.cache.fetch import FetchService
 from k3d.cache.policy import make as make_policy
 from k3d.cache.predict import DEFAULT as PREDICT_DEFAULT, AutoPrefetch, make as make_predictor
 from k3d.cache.reuse import Reuse, reserve_for
-from k3d.cache.sessions import REAP_INTERVAL, Session, Sessions, identify
+from k3d.cache.sessions import REAP_INTERVAL, Session, Sessions
 from k3d.cache.store import Store
 from k3d.cache.warm import WarmState
 from k3d.config import Live
@@ -80,15 +77,13 @@ from k3d.observe.latency import FetchLatency
 from k3d.observe.metrics import SnapshotBoard
 from k3d.observe.trace import RouteTrace
 from k3d.serve import reload, wire
-from k3d.serve.access import admit, peer_cred, private_umask
+from k3d.serve.access import private_umask
 from k3d.serve.handout import ArenaHandout
 from k3d.serve.intake import IDLE_MS, Intake
+from k3d.serve.ops import ASYNC_OPS, DEFERRED, NO_REPLY, Ops
 
 log = logging.getLogger("k3d")
 
-DEFERRED = object()      # the handler replied itself, or parked the request to reply later
-NO_REPLY = object()      # heartbeat, hits: nothing to send
-ASYNC_OPS = frozenset(("heartbeat", "hits"))   # the client does not wait for these
 STATUS_INTERVAL = 5.0    # seconds between systemd STATUS= lines
 
 
@@ -118,7 +113,6 @@ class Server:
         self.sessions = Sessions()
         self._stop = self._reload = False
         self.reloader = None     # () -> Config, set by the daemon; SIGHUP calls it
-        self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
         if sock is None:
             self.ctx = zmq.Context()
             self.sock = wire.open_endpoint(self.ctx, cfg.endpoint)
@@ -146,6 +140,9 @@ class Server:
                 cfg.predict_budget, known=frozenset(source.keys))
             self.warm.adopt(self.cache.auto.predictor)
         self.cache.preload(self.warm.preload(self.store))   # behind every urgent read
+        self.ops = Ops(gen=self.gen, source=source, arena=arena, arena_socket=arena_socket, index=self.index,
+                       live=self.live, store=self.store, cache=self.cache, sessions=self.sessions,
+                       stats=self.stats, drop=self._drop, status=self.status)
 
     # -- loop -----------------------------------------------------------------
     def request_stop(self) -> None:
@@ -219,36 +216,24 @@ class Server:
         if pacing and s is not None:
             self.intake.charge_session(s, time.thread_time() - cpu)
 
-    def _refuse(self, s, routing, msg, frame, t0):
-        """Any op but ``heartbeat`` over the cap: its hit reports are applied (the client's
-        views depend on them); then a ``hits`` message is done, and anything else is
-        refused in one line.  The client's sync point (``cache/reuse.py``) stays where it
-        is: no ``waiting``, no reply that moves it, and a ``seen`` is ignored, since its
-        earlier messages still wait with reports of lookups made before that count."""
-        if s is not None and (msg.get("hits") is not None or msg.get("done") is not None):
-            self._reports(s, msg, time.monotonic())
-        if msg.get("op") == "hits":
-            return NO_REPLY
-        raise BadRequest(f"more than {wire.MAX_QUEUED} requests queued from this client; "
-                         "wait for replies before sending more")
-
     # -- dispatch: the one place that turns exceptions into error replies ---
     def _handle(self, routing: bytes, s: Session | None, frames, t0: float,
                 over_cap: bool = False) -> Session | None:
         """Handle one request from ``routing`` (session ``s``, None before hello) that
         arrived at ``t0``; returns the session it ran for.  ``over_cap``: it came with its
-        client's cap of waiting requests full (``_refuse``)."""
+        client's cap of waiting requests full (``Ops.refuse``)."""
         rid = None
         reader = None                          # a hit-path client waiting for this reply
         try:
             msg, rid = wire.decode(frames)
             wire.check_version(msg)
             op = msg.get("op")
-            handler = self._ops.get(op) if isinstance(op, str) else None
+            ops = self.ops.by_name
+            handler = ops.get(op) if isinstance(op, str) else None
             if handler is None:
-                raise BadRequest(f"unknown op {op!r}; known ops: {', '.join(sorted(self._ops))}")
+                raise BadRequest(f"unknown op {op!r}; known ops: {', '.join(sorted(ops))}")
             if over_cap and op != "heartbeat":
-                handler = self._refuse
+                handler = self.ops.refuse
             if s is not None:
                 s.last_seen = t0
                 if s.hit_path and op not in ASYNC_OPS and not over_cap:
@@ -272,155 +257,6 @@ class Server:
         if reader is not None:               # a failure keeps its window shut (k3d/cache/reuse.py, C1)
             self.store.reuse.replied(reader, rid, ok=False)
         return s if s is not None else self.sessions.get(routing)
-
-    def _keys(self, msg: dict, field: str, unique: bool) -> list[tuple[int, int]]:
-        return wire.keys(msg, field, unique, self.source)
-
-    def _hits(self, msg: dict):
-        return wire.hits(msg, self.source, self.arena.slots)
-
-    def _reports(self, s: Session, msg: dict, now: float) -> None:
-        """The message's hit reports, then its ``done`` layers (protocol 6): a report may
-        name a layer the same message releases (the client read it before it was done)."""
-        self.cache.report(s, self._hits(msg), now)
-        done, bad = wire.done(msg, self.source)
-        if done:
-            self.cache.done(s, done, now)
-        if bad:
-            raise BadRequest(bad)
-
-    @staticmethod
-    def _attached(s: Session | None) -> Session:
-        if s is None:
-            raise NotAttached("send hello first (k3client.connect does this); or the daemon dropped this client")
-        return s
-
-    # -- ops -----------------------------------------------------------------
-    def op_hello(self, s, routing, msg, frame, t0):
-        """hello {name: str, pid: int, hit_path?: bool} -> {client_id, layout, arena_socket, ...}.
-
-        First message of every client.  Identifies the process (the ipc peer pid
-        wins over the one the client claims) for liveness checks, starts epoch 0,
-        and returns the layout and where to get the arena and index fds.  A client
-        with ``hit_path`` answers hits itself from the shared index and reports them."""
-        name, pid = admit(msg, frame)
-        pid, started = identify(pid)
-        if s is not None:
-            self._drop(s, "said hello again", dead=False)
-        now = time.monotonic()
-        s = self.sessions.attach(routing, name, pid, started, now, self.live.lease_s)
-        s.pin_quota = self.live.pin_quota
-        s.hit_path = msg.get("hit_path") is True
-        if s.hit_path:
-            self.store.reuse.attach(s.client_id)
-        log.info("client %s (pid %s) attached as #%d%s", s.name, pid, s.client_id,
-                 "" if s.hit_path else ", every fetch through the daemon")
-        return {"client_id": s.client_id, "layout": [t.to_wire() for t in self.source.layout],
-                "slots": self.arena.slots, "slot_bytes": self.arena.slot_bytes,
-                "expert_bytes": self.source.expert_bytes, "arena_bytes": self.arena.size,
-                "arena_socket": self.arena_socket, "lease_s": self.live.lease_s, "index_bytes": self.index.size,
-                "pin_quota": s.pin_quota,
-                "model": self.source.describe()}
-
-    def op_fetch(self, s, routing, msg, frame, t0):
-        """fetch {keys: [[layer, expert], ...], predicted?: [[l, e], ...], hits?: [...],
-        as_ready?: bool} -> {slots: [...]}, after parts {part: [indices], slots: [...]} with ``as_ready``.
-
-        ``hits`` first: fetches the client answered itself (``[layer, [experts],
-        [slots seen]]`` each, in order), applied as hits; then ``done`` (protocol 6):
-        layers the client is done with this token, whose pins and claims go
-        (``cache/fetch.py``; also read by ``hits``, ``predict`` and ``status``).  Then the keys: hits are
-        touched and pinned under (client, epoch); keys being read are waited on
-        (hit + waited); misses take free or evicted slots and are read URGENT, split
-        into parts across readers.  Replies once every key is ready, slots in
-        request order.  ``predicted`` is handled as ``predict`` after the fetch is
-        planned (ignored with ``--predict off``); then, with ``--predict auto``, the
-        daemon's own predictions fill what is left of the fetch's prediction budget.
-        With ``as_ready``, a fetch that waits for reads first sends the keys READY now,
-        then each batch of keys as their reads finish, as parts (``part``: indices into
-        ``keys``; ``slots``: theirs), each pinned as the final reply's are; the final
-        reply is as without it (``cache/parked.py``).
-        Errors: cache full (nothing changes), slots busy (retry),
-        quota, unknown or duplicate keys, a failed read."""
-        s = self._attached(s)
-        self._reports(s, msg, time.monotonic())     # first: nothing below may lose them
-        keys = self._keys(msg, "keys", unique=True)
-        if not keys:
-            raise BadRequest("fetch of zero keys")
-        as_ready = msg.get("as_ready", False)
-        if type(as_ready) is not bool:
-            raise BadRequest(f"as_ready must be true or false, not {str(as_ready)[:40]}")
-        predicted = self._keys(msg, "predicted", unique=False) if msg.get("predicted") is not None else []
-        self.cache.parked.as_ready = as_ready
-        try:
-            self.cache.fetch(s, msg["id"], keys, predicted, [], t0)
-        finally:
-            self.cache.parked.as_ready = False
-        return DEFERRED
-
-    def op_hits(self, s, routing, msg, frame, t0):
-        """hits {hits: [...], seen?: int, done?: [layer, ...]} -> no reply.
-
-        A client that answered many fetches itself reports them (as ``fetch``'s
-        ``hits``) without waiting for its next request.  ``seen``: the index's
-        retirement count the client read after taking these reports (its lease
-        thread sends one while it computes): slots retired up to it may be reused
-        unless these reports pinned or claimed them (``k3d/cache/reuse.py``)."""
-        s = self._attached(s)
-        self._reports(s, msg, time.monotonic())
-        if "seen" in msg and s.hit_path and not self.store.reuse.seen(s.client_id, msg["seen"]):
-            self.stats.bad_reports += 1
-            raise BadRequest(f"hits: seen {str(msg['seen'])[:40]} is not a retirement count of this index")
-        return NO_REPLY
-
-    def op_predict(self, s, routing, msg, frame, t0):
-        """predict {keys: [[layer, expert], ...], hits?: [...]} -> {queued: int}, at once.
-
-        Keys not resident get slots while one is free or evictable (stopping at
-        the first that is not) and are read BACKGROUND, behind every urgent
-        read.  Unfetched by the predictor's next begin_token, they count
-        prefetch_unused and are demoted.  With a pin quota, the prediction
-        throttle of ``cache/fetch.py`` applies."""
-        s = self._attached(s)
-        now = time.monotonic()
-        self._reports(s, msg, now)
-        return {"queued": self.cache.predict(s, self._keys(msg, "keys", unique=False), now)}
-
-    def op_begin_token(self, s, routing, msg, frame, t0):
-        """begin_token {hits?: [...]} -> {epoch, released}: next epoch; the previous epoch's pins go
-        (a ``done`` here is ignored: every pin of the epoch goes)."""
-        s = self._attached(s)
-        released = self.cache.begin_token(s, self._hits(msg))
-        return {"epoch": s.epoch, "released": released}
-
-    def op_heartbeat(self, s, routing, msg, frame, t0):
-        """heartbeat {client_id, gen?} -> no reply; renews the lease of a client the sender owns.
-
-        One sent from another process than the client's (ipc peer credentials)
-        renews nothing and counts as a bad request.  A heartbeat for another
-        generation (queued while this daemon was restarting) is ignored: its
-        client_id names someone else here."""
-        if msg.get("gen", self.gen) == self.gen:
-            client_id = msg.get("client_id")
-            if not self.sessions.heartbeat(client_id, peer_cred(frame)[2], time.monotonic()) \
-                    and type(client_id) is int and client_id in self.sessions.by_id:
-                self.stats.bad_requests += 1
-        return NO_REPLY
-
-    def op_status(self, s, routing, msg, frame, t0):
-        """status {hits?} -> {status: {...}}; needs no hello (k3ctl uses it).  An attached
-        client's reports are applied first, so its status counts its own hits."""
-        if s is not None:
-            self._reports(s, msg, time.monotonic())
-        return {"status": self.status()}
-
-    def op_bye(self, s, routing, msg, frame, t0):
-        """bye {hits?: [...]} -> {}: the client leaves (after its last reports); its pins and
-        predictions are released."""
-        if s is not None:
-            self.cache.report(s, self._hits(msg), time.monotonic())
-            self._drop(s, "said bye", dead=False)
-        return {}
 
     # -- clients ----------------------------------------------------------------
     def _drop(self, s: Session, reason: str, dead: bool) -> None:

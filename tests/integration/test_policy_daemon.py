@@ -66,6 +66,37 @@ def test_replay_reproduces_the_daemons_counters(start_daemon, ckpt, policy):
     assert {k: got[k] for k in want} == want
 
 
+def test_two_clients_through_the_daemon_replay_exactly(start_daemon, ckpt):
+    """Two clients whose fetches all reach the daemon (``hit_path="daemon"``), interleaved layer
+    by layer, evicting each other's experts: the trace replays to the daemon's counters.  (Where
+    several clients answer hits themselves the daemon also evicts ahead of misses to keep a
+    reserve, at times that depend on when each client has seen an eviction: a run with
+    ``evicted_ahead > 0`` does not replay exactly, docs/guides/sizing.md.)"""
+    trace = tempfile.mktemp(prefix="route-", suffix=".trace", dir=SCRATCH)
+    d = start_daemon(ckpt, "--slots", "64", "--trace", trace, "--state-dir", "none", "--predict", "client")
+    routers = [SyntheticRouter(LAYERS, EXPERTS, TOPK, seed=s) for s in (6, 7)]
+    with k3client.connect(d.endpoint, name="a", hit_path="daemon") as a, \
+            k3client.connect(d.endpoint, name="b", hit_path="daemon") as b:
+        for _ in range(40):
+            quiet(a)
+            tokens = [r.token() for r in routers]
+            for c in (a, b):
+                c.begin_token()
+            for layer in range(LAYERS):
+                for c, (route, ahead) in zip((a, b), tokens):
+                    pred = [(layer + 1, e) for e in ahead[layer]] if ahead[layer] else None
+                    c.fetch(layer, route[layer], predicted=pred)
+                    quiet(c)
+    st = query_status(d.endpoint, 5.0)["stats"]
+    assert d.stop() == 0
+    assert st["loading_skips"] == 0 and st["evicted_ahead"] == 0 and st["evictions"] > 100
+    out = subprocess.run([sys.executable, "-m", "k3d", "replay", trace, "--slots", "64", "--policy", "cycle",
+                          "--predictor", "none", "--json"], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout)["results"]["cycle"]["64"]
+    want = {k: st[k] for k in ("hits", "misses", "evictions", "prefetched", "prefetch_hits", "prefetch_unused")}
+    assert {k: got[k] for k in want} == want
+
+
 def test_status_reports_prediction_quality_per_client(start_daemon, ckpt):
     d = start_daemon(ckpt, "--slots", "40", "--state-dir", "none")
     with k3client.connect(d.endpoint, name="a") as a, k3client.connect(d.endpoint, name="b") as b:

@@ -18,7 +18,7 @@ import threading
 import pytest
 
 import k3client
-from helpers import poll_for, run_module
+from helpers import held_launcher, poll_for, run_module
 
 LINE = re.compile(r"^starting: (opening the source|sizing the arena|collapsing the arena into huge pages|"
                   r"reserving the arena)( [\d.]+/[\d.]+ (GiB|MiB) \(\d+ %\)(, ~\d+ s left)?)?$")
@@ -148,28 +148,13 @@ def test_connect_wait_for_a_daemon_not_there_yet(checkpoint, start_daemon, tmp_p
     assert d.stop() == 0
 
 
-# ``k3d start`` whose content digest (computed after ready) waits for the file argv[1].
-HELD_DIGEST = r"""
-import os, sys, time
-gate = sys.argv.pop(1)
-from k3d.sources.digest import AfterReady
-run = AfterReady._run
-def held_run(self):
-    print("gate: digest holding", file=sys.stderr, flush=True)
-    while not os.path.exists(gate):
-        time.sleep(0.01)
-    run(self)
-AfterReady._run = held_run
-from k3d.commands.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_digest_after_ready_is_pending_and_verify_waits_for_it(checkpoint, start_daemon, tmp_path):
     """Ready does not wait for the content digest: it serves meanwhile, says the digest is
     pending, and a verify begun then waits for it and compares."""
     gate = tmp_path / "gate"
-    d = start_daemon(checkpoint, "--arena", "8MiB", launcher=[sys.executable, "-c", HELD_DIGEST, str(gate)])
+    # its content digest (computed after ready) holds until the file ``gate`` exists
+    d = start_daemon(checkpoint, "--arena", "8MiB",
+                     launcher=held_launcher("k3d.sources.digest", "AfterReady", gate, "digest"))
     poll_for(lambda: in_log(d, "gate: digest holding"), 30, d.log)
     with k3client.connect(d.endpoint, name="early") as c:
         assert c.model["digest"] == {"rule": "k3d-digest/1", "pending": True, "done": 0, "total": 64}
@@ -208,7 +193,8 @@ def test_a_file_written_in_place_before_the_digest_is_never_verified(checkpoint,
     served = shutil.copytree(checkpoint, str(tmp_path / "served"))
     tuned = write_checkpoint(str(tmp_path / "tuned"), layers=4, experts=16, shards=2, seed=8)
     gate = tmp_path / "gate"
-    d = start_daemon(served, "--arena", "8MiB", launcher=[sys.executable, "-c", HELD_DIGEST, str(gate)])
+    d = start_daemon(served, "--arena", "8MiB",
+                     launcher=held_launcher("k3d.sources.digest", "AfterReady", gate, "digest"))
     poll_for(lambda: in_log(d, "gate: digest holding"), 30, d.log)
     with k3client.connect(d.endpoint, name="early") as c:
         name = c.layout[0].name

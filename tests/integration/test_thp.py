@@ -8,14 +8,13 @@ root only (skipped otherwise)."""
 import mmap
 import os
 import struct
-import sys
 
 import numpy as np
 import pytest
 
 import k3client
 import k3d.memory.thp as thp
-from helpers import poll_for, reference, verify
+from helpers import held_launcher, poll_for, reference, verify
 from k3d.commands.ctl import render
 from k3d.config import ConfigError, resolve
 from k3d.memory.arena import Arena, memfd_bytes
@@ -170,32 +169,17 @@ def test_arena_without_collapse_is_a_plain_arena(monkeypatch):
         a.close()
 
 
-# ``k3d start`` whose start collapses nothing (every region is left to the preparer) and
-# whose preparer holds before its first step until the file argv[1] exists.
-HELD_PREPARE = r"""
-import os, sys, time
-gate = sys.argv.pop(1)
-from k3d.memory import thp
-from k3d.memory.prepare import Preparer
-thp.Collapser.front = lambda self, fd, length, floor=None, progress=None: (0, "")
-run = Preparer._run
-def held_run(self):
-    print("gate: preparer holding", file=sys.stderr, flush=True)
-    while not os.path.exists(gate):
-        time.sleep(0.01)
-    run(self)
-Preparer._run = held_run
-from k3d.commands.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_serves_correct_bytes_while_the_arena_is_still_prepared(checkpoint, start_daemon, tmp_path):
     """Ready comes before the collapse and pre-fault: status says they still run, every slot
     filled meanwhile reads right, and stays right once the preparer has collapsed (copied)
     and pre-faulted the regions under it."""
     gate = tmp_path / "gate"
-    d = start_daemon(checkpoint, "--slots", 64, launcher=[sys.executable, "-c", HELD_PREPARE, str(gate)])
+    # its start collapses nothing (every region is left to the preparer), which holds before
+    # its first step until the file ``gate`` exists
+    no_front = ("from k3d.memory import thp\n"
+                "thp.Collapser.front = lambda self, fd, length, floor=None, progress=None: (0, '')")
+    d = start_daemon(checkpoint, "--slots", 64,
+                     launcher=held_launcher("k3d.memory.prepare", "Preparer", gate, "preparer", prelude=no_front))
     poll_for(lambda: "gate: preparer holding" in d.log(), 30, d.log)
     ref = reference(checkpoint)
     with k3client.connect(d.endpoint, name="early", hit_path="daemon") as c:

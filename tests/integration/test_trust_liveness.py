@@ -17,7 +17,7 @@ import pytest
 from test_trust_views import origin  # noqa: F401 -- the fixture: a checkpoint behind a faulty HTTP origin
 
 import k3client
-import k3client.client as client_mod
+import k3client.attachment as client_mod
 from faulty_http import Fault
 
 

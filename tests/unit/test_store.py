@@ -4,7 +4,8 @@ import pytest
 
 from helpers import lru_order
 from k3client.errors import CacheFull, QuotaExceeded
-from k3d.cache.store import LOADING, READY, Store
+from k3d.cache.slots import LOADING, READY
+from k3d.cache.store import Store
 from k3d.config import Live
 
 

@@ -29,7 +29,8 @@ from helpers import policy_state
 from k3client.errors import CacheFull, QuotaExceeded
 from k3d.cache.policy import make
 from k3d.cache.predictions import PREDICT
-from k3d.cache.store import FREE, LOADING, READY, Store
+from k3d.cache.slots import FREE, LOADING, READY
+from k3d.cache.store import Store
 from k3d.config import Live
 
 SLOTS, LAYERS, EXPERTS, CLIENTS = 6, 4, 6, 3
