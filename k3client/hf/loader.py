@@ -83,7 +83,6 @@ class _Plan:
         self.expert_params: set[str] = set()
         self.layers: dict[int, Layer] = {}
         self.verified = False         # Client.verify passed (a local path: before anything is built)
-        self.digest = None            # (hex, daemon generation) it passed with: the runtime keeps to it
 
 
 def _split_state_dict(model, checkpoint_files, load_config, plan: _Plan, files: Files):
@@ -128,7 +127,7 @@ def _make_loader_class(cls, plan: _Plan):
                 f"model type {model_type!r} ({type(model).__name__}) has no experts module that dispatches "
                 f"through transformers' ExpertsInterface; k3client.hf computes: {families.supported()}")
         if not plan.verified:
-            plan.digest = (plan.client.verify(os.path.dirname(checkpoint_files[0]))["hex"], plan.client.gen)
+            plan.client.verify(os.path.dirname(checkpoint_files[0]))
         files = Files()
         try:
             kept, expert_keys = _split_state_dict(model, checkpoint_files, load_config, plan, files)
@@ -190,22 +189,19 @@ def load_model(path: str, endpoint: str | None = None, name: str | None = None, 
         raise ValueError("load_model uses experts_implementation='k3d'; use from_pretrained for others")
     client = connect(endpoint, name=name or f"hf-{os.getpid()}")
     try:
-        verified = None
         if os.path.exists(path):          # a hub id is verified once its files are local (_load_pretrained_model)
-            verified = (client.verify(path)["hex"], client.gen)
+            client.verify(path)
         config = from_pretrained_kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
         base = from_pretrained_kwargs.pop("model_class", None) or AutoModelForCausalLM._model_mapping[type(config)]
         _dequantized_by_default(config, from_pretrained_kwargs)
         plan = _Plan(client, os.path.abspath(path))
-        plan.verified, plan.digest = os.path.exists(path), verified
+        plan.verified = os.path.exists(path)
         cls = _make_loader_class(base, plan)
         model = cls.from_pretrained(path, config=config, experts_implementation=IMPLEMENTATION,
                                     **from_pretrained_kwargs)
         model.__class__ = base
         _strip_expert_params(model, plan)
         rt = adapter.runtime(client, plan.layers, predict=predict)
-        if plan.digest is not None:
-            rt.expect_digest(*plan.digest)              # a restarted daemon must serve it (runtime.epochs)
         rt.gpu.use(client, gpu.cuda_devices(model))     # a model loaded onto CUDA: registered now
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.disable_compile = True   # k3client/gpu/guards.py

@@ -40,15 +40,6 @@ until its next ``begin_token``, or until it releases that layer):
   same, then halves the group, then waits for others' epochs to end.  So any arena
   works, down to one slot; none raises ``CacheFull`` to the caller.
 
-The checkpoint across restarts: the loader verified the daemon's content digest at
-load (``Client.verify``) and hands it over (``expect_digest``).  The client re-attaches
-to a restarted daemon by itself, comparing only the layout, so before any view of a
-new daemon is made (``_check_restart``, and ``_fetch`` when a re-attach happened
-during the fetch) its digest must be the verified one, waited for while it is
-pending, else ``Mismatch`` in one line: a fine-tune of the same shapes is never
-computed with.  A fetch that re-attached is fetched again after the check (its
-stream may have ended while the digest was polled).
-
 The cost: a mid-forward epoch is one more round trip (plus a stream sync on a GPU),
 the earlier layers' experts become evictable within the forward, and the
 predictions sent before it are judged (unused ones demoted) at that epoch's end.
@@ -68,7 +59,6 @@ from .gpu import GpuSide
 from .views import views
 
 WAIT_STEP_S = 0.002
-DIGEST_POLL_S = 0.05            # a restarted daemon's pending digest is asked for again this often
 
 
 class StaleSlots(Exception):
@@ -127,37 +117,6 @@ class Epochs:
         self._restarts = client.restarts
         self._gen = None
         self._early = False                    # the next forward's epoch was begun by the last MoE layer
-        self.digest = None                     # the content digest the loader verified (expect_digest)
-        self._digest_gen = None                # ... and the daemon generation known to serve it
-
-    def expect_digest(self, hex_: str, gen) -> None:
-        """The loader verified that the daemon of generation ``gen`` serves content digest
-        ``hex_``: every daemon this runtime reads from after a restart must serve it too."""
-        self.digest, self._digest_gen = hex_, gen
-
-    def _same_checkpoint(self) -> None:
-        """``Mismatch`` unless the daemon attached now serves the verified digest (module docstring)."""
-        c = self.client
-        if self.digest is None or c.gen == self._digest_gen:
-            return
-        served = (c.model or {}).get("digest")
-        deadline = time.monotonic() + c.timeout
-        while isinstance(served, dict) and served.get("pending") and time.monotonic() < deadline:
-            time.sleep(DIGEST_POLL_S)
-            served = c.status()["model"].get("digest")
-        got = served.get("hex") if isinstance(served, dict) else None
-        if got != self.digest:
-            if got:
-                why = f"serves content digest {got[:12]}"
-            elif isinstance(served, dict) and served.get("pending"):
-                why = f"was still computing its content digest after {c.timeout:g}s"
-            else:
-                why = f"reports no content digest ({(served or {}).get('error', 'none')})"
-            raise errors.Mismatch(
-                f"the k3d daemon at {c.endpoint} restarted on {(c.model or {}).get('path', '?')} and {why}, "
-                f"not the checkpoint this model verified at load (digest {self.digest[:12]}): load the model "
-                "again against the daemon that serves it")
-        self._digest_gen = c.gen
 
     # -- epochs ----------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -211,7 +170,6 @@ class Epochs:
             self._restarts = self.client.restarts
             self.held = 0
             self._layer_held.clear()
-        self._same_checkpoint()                      # before any view of a restarted daemon
         if self._gen != self.client.gen:
             self.gpu.follow(self.client)             # a new arena: registered where the model is on CUDA
             self._gen = self.client.gen
@@ -260,15 +218,11 @@ class Epochs:
         as ``CacheFull`` comes with the first reply, so it is raised here, retried by
         ``_groups``).  ``stats.fetch_seconds`` counts the time spent waiting for them."""
         t0 = time.perf_counter()
-        gen = self.client.gen
         if as_ready:
             stream = self.client.fetch_iter(ml.layer, group, predicted=predicted)
             first = next(stream)[1]
         else:
             fetched = self.client.fetch(ml.layer, group, predicted=predicted)
-        if self.client.gen != gen and self.digest is not None:
-            self._same_checkpoint()           # re-attached during the fetch: no view before the check,
-            raise StaleSlots()                # and fetched again (the stream may have ended meanwhile)
         # views now: a restart after this leaves them on the old mapping, still correct
         try:
             got = [(first.expert, self._views(ml, first))] if as_ready else \

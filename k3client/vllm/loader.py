@@ -106,10 +106,9 @@ class K3dLoader(DefaultModelLoader):
             expert_keys = self._plan(files, model_config)
             num_experts = _num_experts(model_config.hf_config)
             fingerprint.check(client, path, fingerprint.local_layers(expert_keys), num_experts)
-            verified = client.verify(path if os.path.isdir(path) else self._k3d_dir)["hex"], client.gen
+            client.verify(path if os.path.isdir(path) else self._k3d_dir)
             model = super().load_model(vllm_config, model_config, prefix)
             rt = _bind(model, client, st, sorted(expert_keys), path, tp_rank)
-            rt.expect_digest(*verified)             # a restarted daemon must serve it (runtime.epochs)
             model.k3d = rt
             model.register_forward_pre_hook(lambda mod, args: rt.begin_forward())
             return model
