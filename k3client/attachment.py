@@ -25,7 +25,13 @@ one (``gen`` keeps the old generation while a re-attach is under way, and is Non
 once it failed: every old ``Expert`` refuses).  Views made before the restart keep
 the old mapping (the kernel keeps that memfd alive while it is mapped), so their
 bytes stay correct.  A restarted daemon that serves another layout is not
-re-attached to (``_LayoutChanged``): the caller must connect again.
+re-attached to (``_LayoutChanged``): the caller must connect again.  Nor is one
+that serves another checkpoint of the same layout (a fine-tune), wherever the
+content digest of the daemon before is known (``hello``'s, or the one
+``Client.verify`` waited for: ``model["digest"]``): the new daemon's must be the
+same, waited for within ``reconnect_timeout`` while it is pending
+(``_same_checkpoint``).  A client that never knew it (attached while it was
+pending, never verified) re-attaches by the layout alone.
 
 Trust: each (re-)attach verifies what answers before any view is built (peer
 uid, socket directories, memfd seals: ``trust.py``), else ``Untrusted``.
@@ -63,6 +69,8 @@ from .channel import Channel
 from .endpoint import ipc_path, no_access_message, unreachable_dir
 from .hits import LocalHits
 from .layout import TensorSpec, layouts_from_wire
+
+DIGEST_POLL_S = 0.05      # a restarted daemon's pending digest is asked for again this often
 
 
 class _LayoutChanged(errors.DaemonRestarted):
@@ -245,6 +253,8 @@ class Attachment:
             raise _LayoutChanged(
                 f"the daemon at {self.endpoint} came back serving a different expert layout "
                 f"({h['model'].get('path')}); connect again")
+        if self.layout is not None:
+            self._same_checkpoint(h["model"], connect_timeout)
         self.gen = h["gen"]
         self.client_id = h["client_id"]
         self.lease = (self.client_id, self.gen)     # one tuple, assigned at once (module docstring)
@@ -268,6 +278,25 @@ class Attachment:
             h = self.chan.request("hello", connect_timeout, name=self.name, pid=os.getpid(), hit_path=False)
             self.client_id = h["client_id"]
             self.lease = (self.client_id, self.gen)
+
+    def _same_checkpoint(self, model: dict, timeout: float) -> None:
+        """On a re-attach: ``_LayoutChanged`` unless the daemon serves the content digest known of
+        the one before (module docstring); its digest asked for again while it is pending."""
+        was = (self.model or {}).get("digest") or {}
+        if not was.get("hex"):
+            return
+        now = model.get("digest") or {}
+        deadline = time.monotonic() + max(self.reconnect_timeout, timeout)
+        while now.get("pending") and time.monotonic() < deadline:
+            time.sleep(DIGEST_POLL_S)
+            now = self.chan.request("status", timeout)["status"]["model"].get("digest") or {}
+        if now.get("hex") != was["hex"]:
+            what = (f"content digest {now['hex'][:12]}" if now.get("hex") else
+                    "its content digest still pending" if now.get("pending") else
+                    f"no content digest ({now.get('error', 'none')})")
+            raise _LayoutChanged(
+                f"the daemon at {self.endpoint} came back serving another checkpoint ({model.get('path')}: "
+                f"{what}, not {was['hex'][:12]}); connect again")
 
     def detach(self) -> None:
         """Close the channel, the index and the mapping (views alive keep the old mapping)."""

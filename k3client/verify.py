@@ -32,6 +32,8 @@ def verify(client, path: str) -> dict:
     where = f"the k3d daemon at {client.endpoint} serves {model.get('path', '?')}"
     fix = f"start one with `k3d start --source {path}` and pass its endpoint"
     served = _when_computed(client, served, where, path)
+    if isinstance(served, dict) and "hex" in served and client.model is not None:
+        client.model["digest"] = served      # known now: a re-attach must find it again (attachment.py)
     if not isinstance(served, dict) or "hex" not in served:
         why = served.get("error") if isinstance(served, dict) else "it reports no content digest (an older k3d?)"
         raise Mismatch(f"cannot verify {path} against {where}: {why}")
