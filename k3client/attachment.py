@@ -25,13 +25,13 @@ one (``gen`` keeps the old generation while a re-attach is under way, and is Non
 once it failed: every old ``Expert`` refuses).  Views made before the restart keep
 the old mapping (the kernel keeps that memfd alive while it is mapped), so their
 bytes stay correct.  A restarted daemon that serves another layout is not
-re-attached to (``_LayoutChanged``): the caller must connect again.  Nor is one
-that serves another checkpoint of the same layout (a fine-tune), wherever the
-content digest of the daemon before is known (``hello``'s, or the one
-``Client.verify`` waited for: ``model["digest"]``): the new daemon's must be the
-same, waited for within ``reconnect_timeout`` while it is pending
-(``_same_checkpoint``).  A client that never knew it (attached while it was
-pending, never verified) re-attaches by the layout alone.
+re-attached to (``_LayoutChanged``): the caller must connect again.  Nor, once
+``Client.verify`` has passed (``verified``: the content digest it compared; the
+hf and vLLM loaders verify), is one that serves another checkpoint of the same
+layout (a fine-tune): the new daemon's digest must be the verified one, waited
+for within ``reconnect_timeout`` while it is pending (``_same_checkpoint``).  A
+client that never verified follows the daemon to whatever it serves now, by the
+layout alone, as it always did.
 
 Trust: each (re-)attach verifies what answers before any view is built (peer
 uid, socket directories, memfd seals: ``trust.py``), else ``Untrusted``.
@@ -104,6 +104,7 @@ class Attachment:
         self.endpoint, self.name, self.trust = endpoint, name, trust
         self.hit_path, self.hit_path_why = hit_path
         self.reconnect_timeout = reconnect_timeout   # 0: raise DaemonRestarted at once
+        self.verified = None                         # the digest Client.verify passed with (verify.py)
         self.restarts = 0                            # re-attachments so far
         self.gen = None
         self.layout = None
@@ -280,23 +281,22 @@ class Attachment:
             self.lease = (self.client_id, self.gen)
 
     def _same_checkpoint(self, model: dict, timeout: float) -> None:
-        """On a re-attach: ``_LayoutChanged`` unless the daemon serves the content digest known of
-        the one before (module docstring); its digest asked for again while it is pending."""
-        was = (self.model or {}).get("digest") or {}
-        if not was.get("hex"):
+        """On a re-attach: ``_LayoutChanged`` unless the daemon serves the digest this client
+        verified (module docstring); its digest asked for again while it is pending."""
+        if self.verified is None:
             return
         now = model.get("digest") or {}
         deadline = time.monotonic() + max(self.reconnect_timeout, timeout)
         while now.get("pending") and time.monotonic() < deadline:
             time.sleep(DIGEST_POLL_S)
             now = self.chan.request("status", timeout)["status"]["model"].get("digest") or {}
-        if now.get("hex") != was["hex"]:
+        if now.get("hex") != self.verified:
             what = (f"content digest {now['hex'][:12]}" if now.get("hex") else
                     "its content digest still pending" if now.get("pending") else
                     f"no content digest ({now.get('error', 'none')})")
             raise _LayoutChanged(
                 f"the daemon at {self.endpoint} came back serving another checkpoint ({model.get('path')}: "
-                f"{what}, not {was['hex'][:12]}); connect again")
+                f"{what}, not the verified {self.verified[:12]}); connect again")
 
     def detach(self) -> None:
         """Close the channel, the index and the mapping (views alive keep the old mapping)."""

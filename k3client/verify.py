@@ -11,7 +11,9 @@ model path and digest prefix, and the first layer and tensor that differ.  A
 daemon without a digest, or a local format this client cannot read, is a
 ``Mismatch`` too ("cannot verify ..."): verify never passes what it did not
 compare.  A daemon still computing its digest after ready (``pending``) is asked
-again (``status``) until it has it, for up to the client's ``timeout``.  Reads
+again (``status``) until it has it, for up to the client's ``timeout``.  A
+verify that passed binds the client to that digest: it re-attaches only to a
+restarted daemon that serves it (``k3client/attachment.py``).  Reads
 at most 32 KiB per expert tensor of the local files; no state.
 """
 
@@ -32,8 +34,6 @@ def verify(client, path: str) -> dict:
     where = f"the k3d daemon at {client.endpoint} serves {model.get('path', '?')}"
     fix = f"start one with `k3d start --source {path}` and pass its endpoint"
     served = _when_computed(client, served, where, path)
-    if isinstance(served, dict) and "hex" in served and client.model is not None:
-        client.model["digest"] = served      # known now: a re-attach must find it again (attachment.py)
     if not isinstance(served, dict) or "hex" not in served:
         why = served.get("error") if isinstance(served, dict) else "it reports no content digest (an older k3d?)"
         raise Mismatch(f"cannot verify {path} against {where}: {why}")
@@ -49,6 +49,7 @@ def verify(client, path: str) -> dict:
     if diff is not None:
         raise Mismatch(f"{where} (digest {served['hex'][:12]}), not {path} (digest {local['hex'][:12]}): "
                        f"{diff}; {fix}")
+    client._at.verified = local["hex"]       # a restarted daemon must serve it too (attachment.py)
     return local
 
 
