@@ -54,7 +54,7 @@ from k3client.digest import RULE, assemble, sample_ranges, tensor_hash
 from k3d import statefile
 
 from .base import PAGE, SourceError, read_fully
-from .identity import Identity, difference, message
+from .identity import Identity, difference
 
 log = logging.getLogger("k3d")
 
@@ -179,7 +179,9 @@ def unchanged(source) -> None:
     for path, fd, was in zip(source.files, source.fds, getattr(source, "identities", None) or []):
         what = difference(was, Identity.of(os.fstat(fd)))
         if what is not None:
-            raise SourceError(message(path, what))
+            # not identity.message's words: the file watch logs those once, and only once
+            raise SourceError(f"{path}: written since k3d opened it ({what}), so no digest of the bytes "
+                              "it serves; restart k3d to serve and verify the new checkpoint")
 
 
 def _open_local(source) -> list[int]:
