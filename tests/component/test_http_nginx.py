@@ -19,7 +19,7 @@ import pytest
 
 import k3client
 from faulty_http import Nginx, nginx_binary
-from helpers import Reference, k3ctl
+from helpers import Reference, k3ctl, served_digest
 from k3d.config import DEFAULT_PATTERN
 from k3d.demo.synthetic import write_checkpoint, write_synthetic_gguf
 from k3d.reads.plan import split_extents
@@ -70,6 +70,7 @@ def test_daemon_serves_safetensors_from_nginx(site, start_daemon):
     ref = Reference(root / "ck").tensors
     d = start_daemon(n.url + "ck/", "--arena", "8MiB", "--readers", "4", "--http-conns", "4")
     with k3client.connect(d.endpoint, name="w") as c:
+        served_digest(c)                         # its samples of the origin come after ready
         header_requests = c.status()["model"]["tiers"]["origin"]["requests"]
         for layer in range(3):
             c.begin_token()
