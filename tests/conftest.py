@@ -74,8 +74,8 @@ def spawn_daemon(source, *args, endpoint=None, env=None, wait_ready=True, timeou
     if source is not None:
         cmd += ["--source", str(source)]
     cmd += [str(a) for a in args]
-    logf = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+    with open(log_path, "w") as logf:        # the daemon writes its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
     d = Daemon(proc, endpoint, log_path)
     if wait_ready:
         try:
