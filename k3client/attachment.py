@@ -285,11 +285,11 @@ class Attachment:
         verified (module docstring); its digest asked for again while it is pending."""
         if self.verified is None:
             return
-        now = model.get("digest") or {}
-        deadline = time.monotonic() + max(self.reconnect_timeout, timeout)
-        while now.get("pending") and time.monotonic() < deadline:
-            time.sleep(DIGEST_POLL_S)
-            now = self.chan.request("status", timeout)["status"]["model"].get("digest") or {}
+        # (imported here, as Client.verify imports verify: loaded once a client verifies)
+        from .verify import computed
+        now = computed(model.get("digest") or {},
+                       lambda: self.chan.request("status", timeout)["status"]["model"].get("digest") or {},
+                       time.monotonic() + max(self.reconnect_timeout, timeout), DIGEST_POLL_S)
         if now.get("hex") != self.verified:
             what = (f"content digest {now['hex'][:12]}" if now.get("hex") else
                     "its content digest still pending" if now.get("pending") else

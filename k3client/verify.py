@@ -53,14 +53,23 @@ def verify(client, path: str) -> dict:
     return local
 
 
+def computed(digest, ask, deadline: float, step: float):
+    """``digest`` (a daemon's ``model.digest``) once it is no longer ``pending``
+    (k3d.sources.digest.AfterReady), asking ``ask()`` for it again every ``step`` seconds
+    until ``deadline`` (``time.monotonic``); at the deadline, the last answer, pending or not.
+    ``verify`` and a verified client's re-attach (``attachment.py``) both wait this way."""
+    while isinstance(digest, dict) and digest.get("pending") and time.monotonic() < deadline:
+        time.sleep(step)
+        digest = ask()
+    return digest
+
+
 def _when_computed(client, served, where: str, path: str):
-    """The daemon's digest, once it is no longer ``pending`` (k3d.sources.digest.AfterReady)."""
-    deadline = time.monotonic() + client.timeout
-    while isinstance(served, dict) and served.get("pending"):
-        if time.monotonic() > deadline:
-            raise Mismatch(f"cannot verify {path} against {where}: it is still computing its content digest "
-                           f"({served.get('done', 0)} of {served.get('total', '?')} experts after "
-                           f"{client.timeout:g}s); try again later")
-        time.sleep(0.1)
-        served = client.status()["model"].get("digest")
+    """The daemon's digest once computed, within the client's ``timeout``; else ``Mismatch``."""
+    served = computed(served, lambda: client.status()["model"].get("digest"),
+                      time.monotonic() + client.timeout, 0.1)
+    if isinstance(served, dict) and served.get("pending"):
+        raise Mismatch(f"cannot verify {path} against {where}: it is still computing its content digest "
+                       f"({served.get('done', 0)} of {served.get('total', '?')} experts after "
+                       f"{client.timeout:g}s); try again later")
     return served
