@@ -20,6 +20,8 @@ Threads: the main thread calls ``progress`` (a dict swapped under a lock);
 the responder thread alone uses the socket until ``hand_over``, which stops
 it, joins it (a full memory barrier: ZeroMQ sockets may move between
 threads that way) and returns the socket to the caller, the server loop.
+
+``StartupError`` is every refusal of the start-up (``claim``, ``daemon``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from k3client.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, pack, unpack
 from k3d import __version__
 
 POLL_MS = 50
+
+
+class StartupError(Exception):
+    """A start that cannot go on: ``k3d start`` prints the message in one line and exits 1."""
 
 
 def percent(done: int, total: int) -> int:
