@@ -33,7 +33,8 @@ from ..config import Config
 from .base import Extent, Source, SourceError
 from .gguf import MAGIC as GGUF_MAGIC, GGUFSource
 from .identity import record
-from .packed import MAGIC as PACK_MAGIC, PARTIAL, PackedSource
+from .packed import PackedSource
+from .packformat import MAGIC as PACK_MAGIC, PARTIAL
 from .remote.http import HttpSource
 from .remote.s3 import S3Source
 from .safetensors import SafetensorsSource

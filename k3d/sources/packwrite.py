@@ -1,4 +1,4 @@
-"""Writing packed files (``.k3pack``, format in packed.py): ``write_pack(src, out)``.
+"""Writing packed files (``.k3pack``, format in packformat.py): ``write_pack(src, out)``.
 
 Every expert of ``src`` is read (``src.read``, any Source) into one zeroed,
 page-aligned buffer of ``stride`` bytes and written at ``data_offset + i *
@@ -39,7 +39,7 @@ from k3client.layout import align
 
 from .base import PAGE, Source, SourceError
 from .checksum import crc32
-from .packed import FORMAT, MAGIC, PARTIAL, VERSION
+from .packformat import FORMAT, MAGIC, PARTIAL, VERSION
 
 
 class _Progress:

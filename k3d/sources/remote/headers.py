@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 
 from ..base import Extent, SourceError
 from ..gguf import GGUFSource, parse_gguf
-from ..packed import MAX_HEADER as PACK_MAX_HEADER, PackedSource
+from ..packed import PackedSource
+from ..packformat import MAX_HEADER as PACK_MAX_HEADER
 from ..safetensors import CONFIG_NAME, MAX_HEADER as ST_MAX_HEADER, SafetensorsSource
 
 INDEX_NAME = "model.safetensors.index.json"
