@@ -12,17 +12,21 @@ start; elsewhere (a pipe, a log) it prints one frame per interval, and with
 A short-lived process of its own (the ``k3ctl`` console script), one thread;
 ``status`` needs no hello.  Its imports are kept to the standard library, zmq,
 msgpack and ``k3client.endpoint``/``protocol`` (``k3client`` loads its client and
-numpy lazily), so that ``k3ctl status`` costs little beyond Python's own start;
-``verify`` and the daemon's ``printable`` rule are loaded where they are used.
+numpy lazily), so that ``k3ctl status`` costs little beyond Python's own start (zmq
+is most of what it adds).  What only some runs need is loaded where it is used:
+the start-up's progress line (``k3d.service.starting``) and ``verify``.  Client
+names are escaped by ``k3d.serve.names``, the daemon's rule without its access
+checks (logging, sockets).  tests/unit/test_ctl_imports.py keeps that so.
 """
 
 from __future__ import annotations
 
-import argparse
+import gc
 import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import zmq
 
@@ -33,7 +37,7 @@ from k3client.endpoint import (
     unreachable_dir,
 )
 from k3client.protocol import PROTOCOL_VERSION, pack, unpack
-from k3d.service.starting import describe
+from k3d.serve.names import printable
 from k3d.sizes import show_size
 
 
@@ -95,6 +99,7 @@ EXIT_OK, EXIT_DOWN, EXIT_STARTING = 0, 1, 3
 
 def render_starting(st: dict) -> str:
     """``starting: reserving the arena 1.2/4.0 GiB (30 %), ~8 s left``."""
+    from k3d.service.starting import describe  # the daemon's start-up: only while it is starting
     return f"starting: {describe(st)}"
 
 
@@ -185,8 +190,6 @@ def render(st: dict) -> str:
     paced = (f" ({s['paced']} holds of clients over their CPU share, {s['paced_seconds']:.1f}s)"
              if s.get("paced") else "")
     lines.append(f"clients {len(st['clients'])}{paced}")
-    if st["clients"]:     # (the daemon's rule, loaded only where names are shown: logging, sockets)
-        from k3d.serve.access import printable
     for c in st["clients"]:
         lines.append(f"  {printable(str(c['name'])):<20} pid {c['pid']}  epoch {c['epoch']}  pins {c['pins']}  "
                      f"fetches {c['fetches']}{_cpu(c)}{_over_cap(c)}")
@@ -258,7 +261,46 @@ def _watch(args, endpoint: str) -> int:
         return EXIT_OK
 
 
+STATUS_TIMEOUT = 2.0        # seconds ``status`` waits for an answer unless --timeout says
+
+
+def plain_status(argv: list[str]) -> SimpleNamespace | None:
+    """The arguments of ``status [--json] [--endpoint ENDPOINT]`` (each option at most once,
+    in any order), as argparse would give them; None for anything else, which argparse
+    parses (every other option and form, help, usage and errors).  The common command
+    so skips argparse and the gettext and locale it loads, ~3 ms of a ~45 ms process."""
+    if argv[:1] != ["status"]:
+        return None
+    args = SimpleNamespace(cmd="status", endpoint=None, json=False, watch=None, timeout=STATUS_TIMEOUT)
+    rest = argv[1:]
+    while rest:
+        arg, rest = rest[0], rest[1:]
+        if arg == "--json" and not args.json:
+            args.json = True
+        elif arg.startswith("--endpoint=") and args.endpoint is None and len(arg) > len("--endpoint="):
+            args.endpoint = arg[len("--endpoint="):]
+        elif arg == "--endpoint" and args.endpoint is None and rest and rest[0] and rest[0][0] != "-":
+            args.endpoint, rest = rest[0], rest[1:]
+        else:
+            return None
+    return args
+
+
 def main(argv=None) -> int:
+    args = plain_status(sys.argv[1:] if argv is None else list(argv))
+    code = _main(argv) if args is None else _once(args, resolve_endpoint(args.endpoint, os.environ))
+    if argv is None:
+        # The process ends now (the console script): its objects need no final garbage
+        # collections, which cost ~4 ms here (zmq's objects, most of them).  Sockets and
+        # context are already closed, and stdout is still flushed at exit.
+        gc.freeze()
+    return code
+
+
+def parser():
+    """k3ctl's argparse parsers: (the top level, its subcommands, ``status``, ``verify``)."""
+    import argparse  # (lazily: see plain_status)
+
     ap = argparse.ArgumentParser(prog="k3ctl", description="control and inspect the k3d daemon")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("status", help="show the daemon's state",
@@ -267,7 +309,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="machine-readable status (a failure is JSON too)")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) with rates over the last interval")
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for an answer (default 2)")
+    p.add_argument("--timeout", type=float, default=STATUS_TIMEOUT,
+                   help=f"seconds to wait for an answer (default {STATUS_TIMEOUT:g})")
     v = sub.add_parser("verify", help="check that the daemon serves exactly MODEL_DIR (bytes, then logits)",
                        description="exit 0: verified; 1: a mismatch (the first layer and expert that "
                        "differ are named); 2: cannot verify (no daemon, an unreadable MODEL_DIR)")
@@ -277,6 +320,12 @@ def main(argv=None) -> int:
     v.add_argument("--tolerance", type=float, default=0.0,
                    help="largest logit difference accepted (default 0: bit-equal)")
     v.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon (default 30)")
+    return ap, sub, p, v
+
+
+def _main(argv) -> int:
+    """Every command line that ``plain_status`` leaves, through argparse."""
+    ap, sub, p, v = parser()
     args = parse_args(ap, sub, argv)
     if args.cmd == "verify":
         if not 1 <= args.tokens <= 4096:

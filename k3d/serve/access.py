@@ -7,7 +7,7 @@ socket whose mode was loosened by mistake still refuses strangers: ZeroMQ's
 SO_PEERCRED on the arena socket.  Pure functions, safe from any thread, except
 ``private_umask`` (the process umask: the server thread, before serving).
 
-A client's name is admitted escaped (``printable``): every log line, status and
+A client's name is admitted escaped (``printable``, ``k3d.serve.names``): every log line, status and
 ``k3ctl status`` shows it so, and a newline or terminal escape in it can neither
 forge a log line nor redraw a terminal.
 """
@@ -23,6 +23,8 @@ from contextlib import contextmanager
 import zmq
 
 from k3client.errors import BadRequest, PermissionDenied
+
+from .names import printable
 
 log = logging.getLogger("k3d")
 
@@ -45,16 +47,6 @@ def peer_cred(frame) -> tuple[int | None, int | None, int | None]:
         return int(parts[1]), int(parts[2]), int(parts[3])
     except (zmq.ZMQError, AttributeError, IndexError, ValueError):
         return None, None, None
-
-
-def printable(name: str) -> str:
-    """``name`` with every character that is not printable (newlines, carriage returns,
-    ESC and the other controls, Unicode line separators) written as its Python escape
-    (``\\n``, ``\\x1b``, ``\\u2028``): one line, nothing a terminal acts on.  Idempotent, so
-    ``k3ctl`` applies it again to what any daemon sends."""
-    if name.isprintable():
-        return name
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
 
 
 def admit(hello: dict, frame) -> tuple[str, int | None]:
