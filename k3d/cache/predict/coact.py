@@ -75,6 +75,8 @@ from k3d.cache.predict.counts import BINS, HIT, Counts, Tables, nbytes
 from k3d.cache.predict.score import SMALL, bins_of, dense, resolve, small
 from k3d.cache.resident import residency
 
+from .passes import Passes
+
 MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
 DEPTH = 4               # context layers, where the counts fit in COUNTS_BYTES
 COUNTS_BYTES = 16 << 20  # the counts' memory, above which the context is shallower (down to 1 layer)
@@ -92,7 +94,7 @@ def depth_for(layers: int, experts: int) -> int:
 CAL_EVERY = 2           # a deferred proposal's candidates feed the calibration one in this many, weighted so
 
 
-class CoPredictor:
+class CoPredictor(Passes):     # (Passes: where each client's pass stands, passes.py)
     name = "coact"
 
     def __init__(self, layers: int = 1, experts: int = 1, depth: int | None = None, prior: float = 2.0,
@@ -224,24 +226,6 @@ class CoPredictor:
             self._recent[client] = []
             self._ctx.pop(client, None)
 
-    def _context(self, client: int, m: int) -> tuple:
-        """The client's context for layer ``m``: (((distance, picks), ...), the rows of
-        ``seen``/``co`` they name, the picks' sizes).  Cached until the client's next fetch."""
-        got = self._ctx.get(client)
-        if got is not None and got[0] == m:
-            return got[1]
-        D, E = self.depth, self.experts
-        hist = self._recent.get(client)
-        if hist:
-            parts = tuple([(d, picks) for layer, picks in hist if 1 <= (d := m - layer) <= D])
-        else:                                      # the pass's first layer: the previous pass's end
-            top = m + self.layers
-            parts = tuple([(d, picks) for layer, picks in self._prev.get(client, ()) if 1 <= (d := top - layer) <= D])
-        rows = [(d - 1) * E + a for d, picks in parts for a in picks]
-        ctx = (parts, rows, tuple(len(picks) for _, picks in parts))
-        self._ctx[client] = (m, ctx)
-        return ctx
-
     def forget(self, client: int) -> None:
         """``client`` left: its context goes (what it taught stays)."""
         for d in (self._recent, self._prev, self._pending, self._k, self._ctx, self._starts):
@@ -342,54 +326,6 @@ class CoPredictor:
             res = residency(resident, layer, self._layer_keys(layer))
         _, rows, sizes = self._context(client, layer)
         self._pending[client] = (layer, None, t, rows, sizes, res)
-
-    def next_layer(self, client: int) -> int | None:
-        """The first layer after ``client``'s last fetch in this pass that has been
-        fetched before (a model may have dense layers between its MoE layers); None:
-        none yet, the last fetch was the last such layer (the next one is in the
-        next token: ``first_layer``), or passes (every client's) more often ended at
-        the last fetch's layer than went on past it: its next fetch is likely a new
-        token's, and a prediction is released unused at the token's end."""
-        hist = self._recent.get(client)
-        if not hist:
-            return None
-        last = hist[-1][0]
-        if self._ends[last] > self._goes[last]:
-            return None
-        f = self._fetched
-        for m in range(last + 1, self.layers):
-            if f[m]:
-                return m
-        return None
-
-    def first_layer(self, client: int) -> int | None:
-        """The layer ``client``'s next pass begins with (the one its last pass began
-        with), when its current pass is over (``end_pass``) and it has one before whose
-        first layer was that of the pass before it (or it has had one pass only); else
-        None: passes that begin at changing layers (a client fetching one layer per
-        token) say nothing of where the next begins."""
-        if self._recent.get(client) or not self._prev.get(client):
-            return None
-        st = self._starts.get(client)
-        if st is None or (st[1] is not None and st[0] != st[1]):
-            return None
-        return st[0]
-
-    def remaining(self, client: int) -> int:
-        """Keys ``client``'s current pass still needs (layers after its last, times its
-        last fetch's size; every layer at a pass's start): what a prediction must
-        leave room for."""
-        hist = self._recent.get(client)
-        if not hist:
-            return self.layers * self._k.get(client, 0) if self._prev.get(client) else 0
-        return (self.layers - 1 - hist[-1][0]) * self._k.get(client, 0)
-
-    def fetch_size(self, client: int) -> int:
-        """Keys in ``client``'s last fetch (0: none yet)."""
-        return self._k.get(client, 0)
-
-    def clients(self):
-        return self._recent.keys() | self._prev.keys()
 
     # -- shape and warm restart ------------------------------------------------------
     def _grow(self, layers: int, experts: int) -> None:
