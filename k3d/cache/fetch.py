@@ -296,8 +296,40 @@ class FetchService:
                     kept.append(slot)
             slots = kept
         self.reads.start([(slot, key_of[slot]) for slot in slots], urgent, owner)
-        if self.reads.has_inline():       # read on this thread: READY before the caller goes on
-            self._apply(self.reads.inline_reported())
+        done = self.reads.take_inline()
+        if done is not None:              # read on this thread: READY before the caller goes on
+            self._finish_inline(done)
+
+    def _finish_inline(self, done) -> None:
+        """Complete a batch of inline reads (``InlineDone``) in one pass: one sum into the
+        counters, one check of their files, one pass making them READY.  As for a
+        reader's loads (``_apply``), every byte was read before the files are checked and
+        before any slot is READY; a file changed under a read fails that slot (stale,
+        counted, logged once by the watch).  No fetch can wait on these slots: each was
+        assigned by the request that started it, and parks only after this returns."""
+        stats = self.stats
+        stats.bytes_read += done.nbytes
+        stats.read_seconds += done.seconds
+        self.recent.add(time.monotonic(), done.nbytes)
+        slots = done.slots
+        if self.watch is not None:
+            self.watch.check(self._files_of(done.keys), paths=False)
+            if self.watch.changed:
+                ok = []
+                for slot, key in zip(slots, done.keys):
+                    msg = self._changed(key)
+                    if msg:
+                        self.store.complete(slot, msg)
+                    else:
+                        ok.append(slot)
+                slots = ok
+        self.store.complete_all(slots)
+
+    def _files_of(self, keys) -> list[int]:
+        """The files ``keys`` are read from, each once, in order."""
+        if len(self.source.files) == 1:
+            return [0]
+        return sorted({f for key in keys for f in self._files(key)})
 
     def _files(self, key) -> tuple[int, ...]:
         files = self._key_files.get(key)
@@ -334,7 +366,7 @@ class FetchService:
         if self.watch is not None and finished:
             # every load's reads have returned: a write that reached any of their bytes
             # has moved its file's identity by now (k3d.sources.identity)
-            self.watch.check(sorted({f for load in finished for f in self._files(load.key)}), paths=False)
+            self.watch.check(self._files_of([load.key for load in finished]), paths=False)
             if self.watch.changed:
                 for load in finished:
                     msg = self._changed(load.key)

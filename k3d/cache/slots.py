@@ -210,6 +210,14 @@ class SlotTable:
             self.book.drop(s)              # a failed prediction is not an unused one
         return load
 
+    def complete_all(self, slots: list[int]) -> None:
+        """The reads of LOADING ``slots`` all finished without error (a batch read inline):
+        each READY, as ``complete(s, None)`` makes it."""
+        loads, state, ready = self.loads, self.state, self.index.ready
+        for s in slots:
+            ready(loads.pop(s).key, s)
+            state[s] = READY
+
     def check(self) -> None:
         """Assert the invariants listed above."""
         self.policy.check()
