@@ -179,6 +179,10 @@ class Loads:
             del self._by_slot[load.slot]
             yield d, load
 
+    def inline_pending(self) -> list[int]:
+        """The slots read inline and not taken yet (LOADING in the store until taken)."""
+        return self._inline.slots
+
     def take_inline(self) -> InlineDone | None:
         """The slots ``start`` read itself since the last call (None: none)."""
         if not self._inline.slots:
