@@ -27,7 +27,9 @@ all before the slot is READY, so nothing of it is ever seen.
 
 Per key the cost is a dict look-up of its runs (``runs_of``, made once per key)
 and one ``preadv`` per run into a slice of the slot; a short count (a page not
-cached part-way) finishes through ``base.read_fully``, the one pread loop.
+cached part-way) finishes through ``base.read_fully``, the one pread loop.  While
+``base.read_fully`` is not the stock one (a test's fault injection replaced it),
+every run goes through it, looked up at each call, as the pool's reads do.
 
 Thread: the server thread only (``Loads`` calls it); no state but counters and
 the runs cache.
@@ -54,6 +56,13 @@ def can_inline(source) -> bool:
     return (bool(NOWAIT) and bool(getattr(source, "fds", None))
             and (getattr(read, "__module__", None), getattr(read, "__qualname__", None))
             == (Source.__module__, "Source.read"))
+
+
+def stock(read_fully) -> bool:
+    """Whether ``read_fully`` is ``k3d.sources.base``'s own (named, not compared by identity:
+    one replaced before this module was imported is still told apart)."""
+    return (getattr(read_fully, "__module__", None), getattr(read_fully, "__qualname__", None)) \
+        == (base.__name__, "read_fully")
 
 
 class InlineDone:
@@ -88,7 +97,8 @@ class InlineReads:
             return slots_keys
         rest = []
         left, cap, runs_by_key, keys_of = self.budget, self.max_bytes, self._runs, self.source.keys
-        fds, preadv = self.source.fds, os.preadv
+        fds, preadv, read_fully = self.source.fds, os.preadv, base.read_fully
+        direct = stock(read_fully)
         slots, keys, nbytes, declined = out.slots, out.keys, 0, 0
         t0 = time.perf_counter()
         for slot, key in slots_keys:
@@ -103,9 +113,9 @@ class InlineReads:
             try:
                 for f, off, at, size in runs[1]:
                     buf = dest[at:at + size]
-                    got = preadv(fds[f], [buf], off, NOWAIT)
+                    got = preadv(fds[f], [buf], off, NOWAIT) if direct else 0
                     if got != size:       # a short count: the one pread loop finishes or fails it
-                        base.read_fully(fds[f], [buf[got:]], off + got, f"file #{f}", NOWAIT)
+                        read_fully(fds[f], [buf[got:]], off + got, f"file #{f}", NOWAIT)
             except Exception:     # EAGAIN: not cached; anything else: the pool reads it and reports
                 declined += 1
                 rest.append((slot, key))

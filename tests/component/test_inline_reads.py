@@ -13,8 +13,9 @@ from helpers import finished_loads, source_image
 from k3d.config import DEFAULT_PATTERN
 from k3d.demo.synthetic import write_checkpoint
 from k3d.memory.arena import Arena
-from k3d.reads.inline import can_inline, runs_of
+from k3d.reads.inline import NOWAIT, can_inline, runs_of
 from k3d.reads.loads import Loads
+from k3d.sources import base
 from k3d.sources.safetensors import SafetensorsSource
 
 
@@ -111,9 +112,11 @@ def test_an_expert_in_several_runs_is_read_whole(tmp_path):
         _close(src, arena, loads)
 
 
-def test_an_expert_cached_in_part_goes_to_the_pool(tmp_path):
-    """A page not cached part-way through an expert ends the attempt (a short count,
-    then EAGAIN): the pool reads the whole expert, whatever the attempt left in the slot."""
+def test_an_expert_cached_in_part_is_read_whole_either_way(tmp_path):
+    """A page not cached part-way through an expert gives a short count; the attempt
+    then finishes through the pread loop (the kernel may have read the page meanwhile:
+    read-ahead started by the first attempt) or goes to the pool, which reads the
+    whole expert.  Either way the slot ends with the expert's bytes, finished once."""
     src, arena, loads = _setup(tmp_path)
     try:
         _cache(src, cached=False)
@@ -125,10 +128,43 @@ def test_an_expert_cached_in_part_goes_to_the_pool(tmp_path):
             os.pread(fd, 4096, first // 4096 * 4096)
         finally:
             os.close(fd)
-        ld = loads.start([(3, key)], urgent=True, owner=2)[0]
-        assert loads.take_inline() is None and loads.inline.declined == 1 and loads.inline.done == 0
-        assert finished_loads(loads, 1) == [ld] and ld.fail is None
+        arena.view(3)[:] = b"\xff" * arena.slot_bytes
+        pooled = loads.start([(3, key)], urgent=True, owner=2)
+        inline = loads.take_inline()
+        assert loads.inline.done + loads.inline.declined == 1
+        if pooled:
+            assert inline is None and loads.inline.declined == 1
+            assert finished_loads(loads, 1) == pooled and pooled[0].fail is None
+        else:
+            assert inline.slots == [3] and loads.in_flight() == 0
         assert bytes(arena.view(3)[:src.expert_bytes]) == source_image(src, key)
+    finally:
+        _close(src, arena, loads)
+
+
+def test_a_replaced_read_fully_sees_every_inline_read(tmp_path, monkeypatch):
+    """Fault injection that replaces ``base.read_fully`` reaches inline reads too: every
+    run goes through it (here it fails the first key once, which the pool then reads)."""
+    src, arena, loads = _setup(tmp_path)
+    calls = []
+    real = base.read_fully
+
+    def injected(fd, buffers, offset, what, flags=0):
+        calls.append(flags)
+        if len(calls) == 1:
+            raise OSError(5, f"{what}: Input/output error")
+        return real(fd, buffers, offset, what, flags)
+
+    monkeypatch.setattr(base, "read_fully", injected)
+    try:
+        _cache(src, cached=True)
+        keys = sorted(src.keys)[:2]
+        pooled = loads.start([(0, keys[0]), (1, keys[1])], urgent=True, owner=1)
+        assert [ld.key for ld in pooled] == [keys[0]] and loads.take_inline().slots == [1]
+        assert calls[:2] == [NOWAIT, NOWAIT] and loads.inline.declined == 1
+        assert finished_loads(loads, 1)[0].fail is None and len(calls) >= 3    # the pool's read: through it too
+        for slot, key in enumerate(keys):
+            assert bytes(arena.view(slot)[:src.expert_bytes]) == source_image(src, key)
     finally:
         _close(src, arena, loads)
 
