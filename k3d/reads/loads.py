@@ -20,14 +20,15 @@ What the server asks (its whole vocabulary):
 - ``reported()``: each pool part report since the last call, with the ``Load``
   once its last part reported (then it has left the books);
 - ``take_inline()``: the slots ``start`` read itself since the last call
-  (``InlineDone``), all finished without error;
+  (``InlineDone``), all finished without error; ``inline_pending()`` names them
+  without taking them (the caller must take them before it answers anything);
 - ``cancel_all()``: shutdown: held-back parts join the pool, which cancels
   queued ones and joins its threads.
 
 Inline reads (``inline.py``): ``start`` first copies each small expert whose
 bytes are all in the page cache on the calling (server) thread; such a read is
 finished when ``start`` returns, gets no ``Load``, token or report, and is never
-in the books or the pool: its slot waits in ``inline`` for ``take_inline()``
+in the books or the pool: its slot waits in ``_inline`` for ``take_inline()``
 (the server completes the batch in one pass).  The rest are cut
 into parts for the readers as before, with one hand-over (one ``submit``, one
 notify) for the whole call.
