@@ -16,8 +16,8 @@ it (``_handle`` on the msgpack frames, then ``settle`` and ``apply_done``), for
 ``clients`` sessions each making ``scale.py``'s requests: per token one
 ``begin_token``, per layer one ``fetch`` of its top-k with the gate-ahead
 guess for the next layer as ``predicted``.  Replies go to DEALER sockets
-connected under the sessions' routing ids (drained between tokens, off the
-clock).  Not here: hits answered in the clients (every fetch reaches the
+connected under the sessions' routing ids (read after each layer's fetches,
+off the clock).  Not here: hits answered in the clients (every fetch reaches the
 handler, so there are no reports and no eviction ahead for index readers)
 and the socket wait itself: what ``scale.py`` adds to these figures.
 
@@ -108,9 +108,7 @@ class Driver:
             t = time.thread_time()
             self.srv.cache.apply_done()
             self.cpu += time.thread_time() - t
-        for d in self.dealers:
-            while d.poll(0):
-                d.recv()
+        self.take_replies()
 
     def tokens(self, drawn, layers: int) -> int:
         """Every client decodes its ``drawn`` tokens, requests interleaved; returns fetches."""
@@ -126,8 +124,14 @@ class Driver:
                         fields["predicted"] = [[layer + 1, e] for e in pred[layer]]
                     self.request(s.routing, s, "fetch", **fields)
                     n += 1
+                self.take_replies()       # as the clients read each reply (the loop's SNDHWM is 64)
             self.drain()
         return n
+
+    def take_replies(self) -> None:
+        for d in self.dealers:
+            while d.poll(0):
+                d.recv()
 
     def close(self) -> None:
         for d in self.dealers:
