@@ -11,8 +11,9 @@ Slot states and transitions (the server thread is the only caller)::
         └────────────────────────────────────────────────────────┘
 
 ``SlotTable`` holds the table and makes every transition (``_assign``,
-``_evict``, ``complete``; ``complete_all`` for a batch read without error), telling the policy, the shared index, ``reuse`` and
-the ``PredictionBook`` as it goes.  ``Store`` (``k3d.cache.store``) is built on
+``_evict``, ``complete``; ``complete_all`` for a batch read without error),
+telling the policy, the shared index, ``reuse`` and the ``PredictionBook`` as it
+goes.  ``Store`` (``k3d.cache.store``) is built on
 it: what requests do (fetch plans, predictions, pins and their end, hit
 reports, a warm restart's preload) decides when a transition happens.
 
