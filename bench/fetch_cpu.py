@@ -169,7 +169,7 @@ def main() -> int:
 
     ckpt = harness.checkpoint(layers=a.layers, experts=a.experts, hidden=a.hidden, inter=a.inter, seed=5)
     work = tempfile.mkdtemp(prefix="k3d-fetch-cpu-", dir="/tmp")
-    srv = driver = scratch = None
+    src = arena = scratch = srv = driver = None
     try:
         src = SafetensorsSource(ckpt, DEFAULT_PATTERN)
         for path in src.files:                      # every byte in the page cache
@@ -222,11 +222,9 @@ def main() -> int:
         if srv is not None:
             srv.request_stop()
             srv._shutdown()
-        for ar in (scratch, locals().get("arena")):
-            if ar is not None:
-                ar.close()
-        if "src" in locals():
-            src.close()
+        for closing in (scratch, arena, src):
+            if closing is not None:
+                closing.close()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
 
