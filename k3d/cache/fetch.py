@@ -7,10 +7,13 @@ The loop validates a request and makes one call here, with the client's session:
   trace gets the line, the client's predictions follow (``predict``), and the
   fetch is answered: at once (every slot READY, checked) or parked until its reads
   finish.  A small miss already in the page cache is read on this thread as its
-  read starts (``k3d.reads.inline``) and finishes there (``_start`` applies it
-  like a reader's report), so a fetch of such misses is answered at once, with
-  no hand-over, wake-up or second pass of the loop.  Latency is recorded where
-  the reply is sent, for both.
+  read starts (``k3d.reads.inline``), so a fetch of such misses is answered at
+  once, with no hand-over, wake-up or second pass of the loop.  The inline reads
+  a fetch starts (its misses, the client's predictions, the daemon's) are
+  finished in one pass before it is answered (``_finish_inline``: one sum into
+  the counters, one check of their files, one pass making them READY); other
+  callers of ``_start`` finish theirs at once.  Latency is recorded where the
+  reply is sent, for both.
 - ``report``: fetches the client answered itself from the shared index (each a
   layer, its experts and the slots it saw), applied as hits in order
   (``Store.report``), each traced as a fetch line;
@@ -118,22 +121,30 @@ class FetchService:
                         raise ReadFailed(f"expert (layer {key[0]}, expert {key[1]}): {msg}")
         plan = store.fetch(s.holder, keys, now)
         self._note_pins(s)
-        if plan.new_loads:
-            self._start(plan.new_loads, urgent=True, owner=s.client_id)
-        for slot in plan.promote:     # its predicted reads not started yet: urgent, in its fair share
-            self.reads.promote(slot, s.client_id)
-        waiting = plan.waiting
-        if plan.new_loads:
-            # misses read inline are READY already (or failed: a file changed under them)
-            state = store.state
-            waiting = {slot for slot in waiting if state[slot] == LOADING}
-        for slot in waiting:          # someone else's held-back read: this client waits too
-            self.reads.waited_on(slot, s.client_id)
-        s.fetches += 1
-        self._trace_fetch(s, keys, now, plan.misses, plan.evictions, plan.waited, plan.prefetched_hits)
-        started = self.predict(s, predicted, now) if predicted else 0
-        if self.auto is not None:             # the daemon's own, after the client's
-            self._auto(s, keys, plan, started, now)
+        try:
+            # Inline reads of the misses, predictions and the daemon's own are finished
+            # together below (one pass for the whole request); until then their slots
+            # are LOADING and pinned, so nothing here evicts or waits on them.
+            if plan.new_loads:
+                self._start(plan.new_loads, urgent=True, owner=s.client_id, finish=False)
+            for slot in plan.promote:     # its predicted reads not started yet: urgent, in its fair share
+                self.reads.promote(slot, s.client_id)
+            waiting = plan.waiting
+            if plan.new_loads:
+                # misses read inline are READY below (or failed: a file changed under them)
+                state, inline = store.state, self.reads.inline_pending()
+                waiting = {slot for slot in waiting if state[slot] == LOADING and slot not in inline}
+            for slot in waiting:          # someone else's held-back read: this client waits too
+                self.reads.waited_on(slot, s.client_id)
+            s.fetches += 1
+            self._trace_fetch(s, keys, now, plan.misses, plan.evictions, plan.waited, plan.prefetched_hits)
+            started = self.predict(s, predicted, now, finish=False) if predicted else 0
+            if self.auto is not None:             # the daemon's own, after the client's
+                self._auto(s, keys, plan, started, now)
+        finally:
+            done = self.reads.take_inline()
+            if done is not None:
+                self._finish_inline(done)
         result = classify(plan.misses, plan.waited)
         if plan.new_loads and self.watch is not None and self.watch.changed:
             for key in keys:              # an inline read that a file change reached: as a reader's
@@ -172,8 +183,9 @@ class FetchService:
             self.live.trace.done(now, s.client_id, s.epoch, layers)
         return self.store.release_layers(s.holder, layers)
 
-    def predict(self, s: Session, keys, now: float) -> int:
+    def predict(self, s: Session, keys, now: float, finish: bool = True) -> int:
         """Start background reads of ``keys`` not resident; returns how many started.
+        ``finish=False``: the caller finishes the inline reads (``fetch``).
         The route trace gets the keys as the store gets them (``k3d replay``
         reproduces the prefetch counters from them)."""
         if not self.client_predictions:
@@ -189,7 +201,7 @@ class FetchService:
         s.pf_started += len(started)
         if started:
             self._note_pins(s)
-        self._start(started, urgent=False, owner=s.client_id)
+        self._start(started, urgent=False, owner=s.client_id, finish=finish)
         return len(started)
 
     def begin_token(self, s: Session, hits) -> int:
@@ -254,8 +266,8 @@ class FetchService:
         the predictor ran, so ``k3d replay`` runs it at the same point."""
         t = thread_time_ns()
         proposed, started = self.auto.after_fetch(s.client_id, keys, plan.slots, client_started, now)
-        if started:
-            self._start(started, urgent=False, owner=s.client_id)
+        if started:               # (inline reads: finished by ``fetch``, the one caller)
+            self._start(started, urgent=False, owner=s.client_id, finish=False)
         self.auto.cpu_ns += thread_time_ns() - t
         if self.live.trace is not None:
             self.live.trace.auto(now, s.client_id, s.epoch, proposed)
@@ -282,7 +294,10 @@ class FetchService:
         """Warm restart: read ``slots`` (``Store.preload``) BACKGROUND, behind every urgent read."""
         self._start(slots, urgent=False)
 
-    def _start(self, slots: list[int], urgent: bool, owner: int | None = None) -> None:
+    def _start(self, slots: list[int], urgent: bool, owner: int | None = None, finish: bool = True) -> None:
+        """Start the reads of LOADING ``slots``.  Those read inline are finished here
+        (READY before the caller goes on), or with ``finish=False`` by the caller, which
+        takes them (``reads.take_inline``) before it answers anything."""
         key_of = self.store.slot_key
         if self.watch is not None and self.watch.changed:
             # a predicted or warm-restart read of a changed file: never started (no
@@ -296,8 +311,41 @@ class FetchService:
                     kept.append(slot)
             slots = kept
         self.reads.start([(slot, key_of[slot]) for slot in slots], urgent, owner)
-        if self.reads.has_inline():       # read on this thread: READY before the caller goes on
-            self._apply(self.reads.inline_reported())
+        if finish:
+            done = self.reads.take_inline()
+            if done is not None:
+                self._finish_inline(done)
+
+    def _finish_inline(self, done) -> None:
+        """Complete a batch of inline reads (``InlineDone``) in one pass: one sum into the
+        counters, one check of their files, one pass making them READY.  As for a
+        reader's loads (``_apply``), every byte was read before the files are checked and
+        before any slot is READY; a file changed under a read fails that slot (stale,
+        counted, logged once by the watch).  No fetch can wait on these slots: each was
+        assigned by the request that finishes it, which parks only after this returns."""
+        stats = self.stats
+        stats.bytes_read += done.nbytes
+        stats.read_seconds += done.seconds
+        self.recent.add(time.monotonic(), done.nbytes)
+        slots = done.slots
+        if self.watch is not None:
+            self.watch.check(self._files_of(done.keys), paths=False)
+            if self.watch.changed:
+                ok = []
+                for slot, key in zip(slots, done.keys):
+                    msg = self._changed(key)
+                    if msg:
+                        self.store.complete(slot, msg)
+                    else:
+                        ok.append(slot)
+                slots = ok
+        self.store.complete_all(slots)
+
+    def _files_of(self, keys) -> list[int]:
+        """The files ``keys`` are read from, each once, in order."""
+        if len(self.source.files) == 1:
+            return [0]
+        return sorted({f for key in keys for f in self._files(key)})
 
     def _files(self, key) -> tuple[int, ...]:
         files = self._key_files.get(key)
@@ -334,7 +382,7 @@ class FetchService:
         if self.watch is not None and finished:
             # every load's reads have returned: a write that reached any of their bytes
             # has moved its file's identity by now (k3d.sources.identity)
-            self.watch.check(sorted({f for load in finished for f in self._files(load.key)}), paths=False)
+            self.watch.check(self._files_of([load.key for load in finished]), paths=False)
             if self.watch.changed:
                 for load in finished:
                     msg = self._changed(load.key)

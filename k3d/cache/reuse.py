@@ -208,9 +208,14 @@ class Reuse:
     def retire(self, slot: int, now: float = 0.0) -> bool:
         """``slot``'s key left the index.  True: reuse it now; False: it waits (``reclaim``)."""
         self.retired += 1
-        if not self.viewers or self._free_now([(slot, self.retired)]):     # (none: replay, one client)
+        count = self.retired
+        # the rule for one slot, without _free_now's floor and union of claims (every eviction)
+        for r in self.viewers.values():         # (none: replay, one client)
+            if r.synced < count or slot in r.claims:
+                break
+        else:
             return True
-        self.limbo[slot] = self.retired
+        self.limbo[slot] = count
         self.since[slot] = now
         self.peak = max(self.peak, len(self.limbo))
         return False

@@ -11,8 +11,9 @@ Slot states and transitions (the server thread is the only caller)::
         └────────────────────────────────────────────────────────┘
 
 ``SlotTable`` holds the table and makes every transition (``_assign``,
-``_evict``, ``complete``), telling the policy, the shared index, ``reuse`` and
-the ``PredictionBook`` as it goes.  ``Store`` (``k3d.cache.store``) is built on
+``_evict``, ``complete``; ``complete_all`` for a batch read without error),
+telling the policy, the shared index, ``reuse`` and the ``PredictionBook`` as it
+goes.  ``Store`` (``k3d.cache.store``) is built on
 it: what requests do (fetch plans, predictions, pins and their end, hit
 reports, a warm restart's preload) decides when a transition happens.
 
@@ -209,6 +210,14 @@ class SlotTable:
             self.free.append(s)
             self.book.drop(s)              # a failed prediction is not an unused one
         return load
+
+    def complete_all(self, slots: list[int]) -> None:
+        """The reads of LOADING ``slots`` all finished without error (a batch read inline):
+        each READY, as ``complete(s, None)`` makes it."""
+        loads, state, ready = self.loads, self.state, self.index.ready
+        for s in slots:
+            ready(loads.pop(s).key, s)
+            state[s] = READY
 
     def check(self) -> None:
         """Assert the invariants listed above."""

@@ -4,8 +4,11 @@ Handing a read to a reader thread costs more than the read when the expert is
 small and cached: a condition-variable wake-up per job, the reader taking the
 GIL from the server thread, its report, an eventfd wake-up and a second loop
 pass that parks and then answers the fetch.  For a 14 KB expert the copy itself
-is a few microseconds.  So ``Loads.start`` offers each key here first; what is
-read here reports like a reader's part (``Loads.reported``), on the same pass.
+is a few microseconds.  So ``Loads.start`` offers its keys here first
+(``read_all``: one call per start, not one per key); what is read here is
+finished when it returns, never a ``Load`` nor a report: the slots go to
+``Loads.inline`` (``InlineDone``), which the caller takes and completes in one
+pass (``FetchService._finish_inline``).
 
 What may be read inline (everything else goes to the pool, unchanged):
 - a local source whose ``read`` is ``Source.read`` as ``k3d.sources.base``
@@ -22,7 +25,14 @@ What may be read inline (everything else goes to the pool, unchanged):
 A partial attempt leaves bytes in the slot; the pool's read overwrites them
 all before the slot is READY, so nothing of it is ever seen.
 
-Thread: the server thread only (``Loads`` calls it); no state but counters.
+Per key the cost is a dict look-up of its runs (``runs_of``, made once per key)
+and one ``preadv`` per run into a slice of the slot; a short count (a page not
+cached part-way) finishes through ``base.read_fully``, the one pread loop.  While
+``base.read_fully`` is not the stock one (a test's fault injection replaced it),
+every run goes through it, looked up at each call, as the pool's reads do.
+
+Thread: the server thread only (``Loads`` calls it); no state but counters and
+the runs cache.
 """
 
 from __future__ import annotations
@@ -48,6 +58,26 @@ def can_inline(source) -> bool:
             == (Source.__module__, "Source.read"))
 
 
+def stock(read_fully) -> bool:
+    """Whether ``read_fully`` is ``k3d.sources.base``'s own (named, not compared by identity:
+    one replaced before this module was imported is still told apart)."""
+    return (getattr(read_fully, "__module__", None), getattr(read_fully, "__qualname__", None)) \
+        == (base.__name__, "read_fully")
+
+
+class InlineDone:
+    """What inline reads finished since the caller last took them: ``slots`` and their
+    ``keys`` (same order), the bytes and the seconds the copies took."""
+
+    __slots__ = ("keys", "nbytes", "seconds", "slots")
+
+    def __init__(self):
+        self.slots: list[int] = []
+        self.keys: list[tuple[int, int]] = []
+        self.nbytes = 0
+        self.seconds = 0.0
+
+
 class InlineReads:
     def __init__(self, source, max_bytes: int = MAX_BYTES, budget: int = BUDGET):
         self.source = source
@@ -59,26 +89,47 @@ class InlineReads:
         # per expert of the model (~100 bytes each: 6 MB at 60,000 keys)
         self._runs: dict[tuple[int, int], tuple] = {}
 
-    def read(self, key, extents, dest: memoryview, left: int) -> tuple[int, float] | None:
-        """Read ``key`` (its ``extents``) into ``dest`` now if allowed (``left``: the call's
-        budget left); ``(nbytes, seconds)`` or None (the pool reads it).  No CPU figure:
-        the loop charges the request's CPU, this read's included, to its client."""
-        runs = self._runs.get(key)
-        if runs is None:
-            runs = self._runs[key] = runs_of(extents)
-        nbytes = runs[0]
-        if nbytes > self.max_bytes or nbytes > left:
-            return None
+    def read_all(self, slots_keys, view, out: InlineDone) -> list[tuple[int, tuple[int, int]]]:
+        """Read each ``(slot, key)`` whose expert may be read here into ``view(slot)``,
+        within one call's budget; the slots read join ``out``.  Returns the pairs left
+        for the pool, in order."""
+        if not self.max_bytes:
+            return slots_keys
+        rest = []
+        left, cap, runs_by_key, keys_of = self.budget, self.max_bytes, self._runs, self.source.keys
+        fds, preadv, read_fully = self.source.fds, os.preadv, base.read_fully
+        direct = stock(read_fully)
+        slots, keys, nbytes, declined = out.slots, out.keys, 0, 0
         t0 = time.perf_counter()
-        fds = self.source.fds
-        try:
-            for f, off, at, n in runs[1]:       # base.read_fully: the one pread loop, looked up now
-                base.read_fully(fds[f], [dest[at:at + n]], off, f"file #{f}", NOWAIT)
-        except Exception:           # EAGAIN: not cached; anything else: the pool reads it and reports
-            self.declined += 1
-            return None
-        self.done += 1
-        return nbytes, time.perf_counter() - t0
+        for slot, key in slots_keys:
+            runs = runs_by_key.get(key)
+            if runs is None:
+                runs = runs_by_key[key] = runs_of(keys_of[key])
+            n = runs[0]
+            if n > cap or n > left:
+                rest.append((slot, key))
+                continue
+            dest = view(slot)
+            try:
+                for f, off, at, size in runs[1]:
+                    buf = dest[at:at + size]
+                    got = preadv(fds[f], [buf], off, NOWAIT) if direct else 0
+                    if got != size:       # a short count: the one pread loop finishes or fails it
+                        read_fully(fds[f], [buf[got:]], off + got, f"file #{f}", NOWAIT)
+            except Exception:     # EAGAIN: not cached; anything else: the pool reads it and reports
+                declined += 1
+                rest.append((slot, key))
+                continue
+            left -= n
+            nbytes += n
+            slots.append(slot)
+            keys.append(key)
+        if nbytes:
+            out.nbytes += nbytes
+            out.seconds += time.perf_counter() - t0
+        self.done += len(slots_keys) - len(rest)
+        self.declined += declined
+        return rest
 
 
 def runs_of(extents) -> tuple[int, list[tuple[int, int, int, int]]]:

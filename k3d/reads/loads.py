@@ -17,16 +17,19 @@ What the server asks (its whole vocabulary):
 - ``waited_on(slot, client)``: another client's held-back parts of it go now;
 - ``to_background(client)``: the client is gone; its held-back reads go on as
   background reads (returns their slots);
-- ``reported()``: each part report since the last call, with the ``Load``
-  once its last part reported (then it has left the books); ``inline_reported()``
-  only the loads ``start`` finished itself;
+- ``reported()``: each pool part report since the last call, with the ``Load``
+  once its last part reported (then it has left the books);
+- ``take_inline()``: the slots ``start`` read itself since the last call
+  (``InlineDone``), all finished without error; ``inline_pending()`` names them
+  without taking them (the caller must take them before it answers anything);
 - ``cancel_all()``: shutdown: held-back parts join the pool, which cancels
   queued ones and joins its threads.
 
 Inline reads (``inline.py``): ``start`` first copies each small expert whose
-bytes are all in the page cache on the calling (server) thread; such a load is
-finished when ``start`` returns: one report, never in the books or the pool,
-taken by the next ``reported()`` or ``inline_reported()``.  The rest are cut
+bytes are all in the page cache on the calling (server) thread; such a read is
+finished when ``start`` returns, gets no ``Load``, token or report, and is never
+in the books or the pool: its slot waits in ``_inline`` for ``take_inline()``
+(the server completes the batch in one pass).  The rest are cut
 into parts for the readers as before, with one hand-over (one ``submit``, one
 notify) for the whole call.
 
@@ -45,7 +48,7 @@ import queue
 from collections.abc import Iterator
 
 from .fair import FairReads
-from .inline import MAX_BYTES, InlineReads
+from .inline import MAX_BYTES, InlineDone, InlineReads
 from .plan import parts_per_key, split_extents
 from .pool import Done, Job, ReaderPool
 
@@ -75,7 +78,7 @@ class Loads:
         self._by_id: dict[int, Load] = {}
         self._by_slot: dict[int, Load] = {}
         self.inline = InlineReads(source, max_bytes=MAX_BYTES if inline else 0)
-        self._inline: list[tuple[Done, Load]] = []     # finished by start(), not yet reported
+        self._inline = InlineDone()      # read by start(), not yet taken
 
     # -- what status shows ---------------------------------------------------
     @property
@@ -99,26 +102,21 @@ class Loads:
     def start(self, slots_keys: list[tuple[int, tuple[int, int]]], urgent: bool,
               owner: int | None = None) -> list[Load]:
         """Start reading each key into its slot (all LOADING in the store).  Keys
-        started together share the readers: each is cut into that many parts."""
+        started together share the readers: each is cut into that many parts.
+        Returns the loads handed to the pool; the keys read inline are not among
+        them (``take_inline``)."""
         if not slots_keys:
             return []
-        loads, todo = [], []
-        inline, left = self.inline, self.inline.budget
+        if self.inline.max_bytes:
+            slots_keys = self.inline.read_all(slots_keys, self.arena.view, self._inline)
+            if not slots_keys:
+                return []
+        todo = []
+        view = self.arena.view
         for slot, key in slots_keys:
             assert slot not in self._by_slot, f"slot {slot} already has a load in flight"
-            load = Load(next(self._ids), slot, key, self.arena.view(slot))
-            loads.append(load)
-            extents = self.source.keys[key]
-            if inline.max_bytes:
-                got = inline.read(key, extents, load.dest, left)
-                if got is not None:
-                    left -= got[0]
-                    # cpu 0: the loop charges its own CPU for the request to the client already
-                    self._inline.append((Done(load.id, 0, got[0], got[1], None, owner, 0.0), load))
-                    continue
-            todo.append((load, extents))
-        if not todo:
-            return loads
+            todo.append((Load(next(self._ids), slot, key, view(slot)), self.source.keys[key]))
+        loads = [load for load, _ in todo]
         parts = parts_per_key(self.pool.threads, len(todo), self.source.max_parts)
         jobs = []
         for load, extents in todo:
@@ -162,9 +160,8 @@ class Loads:
 
     # -- finish ---------------------------------------------------------------
     def reported(self) -> Iterator[tuple[Done, Load | None]]:
-        """Every part report queued so far: (report, the load if it is now finished).
+        """Every pool part report queued so far: (report, the load if it is now finished).
         A finished load has left the books; ``load.fail`` says how it ended."""
-        yield from self.inline_reported()
         done = self.pool.done
         while True:
             try:
@@ -183,19 +180,21 @@ class Loads:
             del self._by_slot[load.slot]
             yield d, load
 
-    def inline_reported(self) -> Iterator[tuple[Done, Load]]:
-        """The loads ``start`` read itself since the last call, each finished (no error)."""
-        while self._inline:
-            done, self._inline = self._inline, []
-            yield from done
+    def inline_pending(self) -> list[int]:
+        """The slots read inline and not taken yet (LOADING in the store until taken)."""
+        return self._inline.slots
 
-    def has_inline(self) -> bool:
-        return bool(self._inline)
+    def take_inline(self) -> InlineDone | None:
+        """The slots ``start`` read itself since the last call (None: none)."""
+        if not self._inline.slots:
+            return None
+        done, self._inline = self._inline, InlineDone()
+        return done
 
     def has_reports(self) -> bool:
-        """Whether a part report waits (a hint: one queued after this is seen next pass,
-        since its reader writes the eventfd after queueing it)."""
-        return bool(self._inline) or not self.pool.done.empty()
+        """Whether a pool part report waits (a hint: one queued after this is seen next
+        pass, since its reader writes the eventfd after queueing it)."""
+        return not self.pool.done.empty()
 
     def drain_wake(self) -> None:
         self.pool.drain_wake()

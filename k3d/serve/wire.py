@@ -196,15 +196,16 @@ def keys(msg: dict, field: str, unique: bool, source) -> list[tuple[int, int]]:
         raise BadRequest(f"{field} must be a list of [layer, expert] pairs")
     if len(raw) > MAX_KEYS:
         raise BadRequest(f"{field} has {len(raw)} keys; at most {MAX_KEYS} per request")
-    # Fast path for well-formed requests (the hit path); the loop below
-    # re-checks key by key only to name the first bad one.
+    # Fast path for well-formed requests (every fetch and prediction: one pass, one
+    # set); the loop below re-checks key by key only to name the first bad one.
     try:
-        out = [(l, e) for l, e in raw]
+        out = [(l, e) for l, e in raw if type(l) is int is type(e)]
     except (TypeError, ValueError):
         out = None
-    if (out is not None and all(type(l) is int and type(e) is int for l, e in out)
-            and source.keys.keys() >= set(out) and (not unique or len(set(out)) == len(out))):
-        return out
+    if out is not None and len(out) == len(raw):
+        known = set(out)
+        if source.keys.keys() >= known and (not unique or len(known) == len(out)):
+            return out
     out = []
     for item in raw:
         if not (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)):
