@@ -117,7 +117,6 @@ class FetchService:
                     if msg:
                         raise ReadFailed(f"expert (layer {key[0]}, expert {key[1]}): {msg}")
         plan = store.fetch(s.holder, keys, now)
-        self._note_pins(s)
         if plan.new_loads:
             self._start(plan.new_loads, urgent=True, owner=s.client_id)
         for slot in plan.promote:     # its predicted reads not started yet: urgent, in its fair share
@@ -131,7 +130,8 @@ class FetchService:
             self.reads.waited_on(slot, s.client_id)
         s.fetches += 1
         self._trace_fetch(s, keys, now, plan.misses, plan.evictions, plan.waited, plan.prefetched_hits)
-        started = self.predict(s, predicted, now) if predicted else 0
+        started = self.predict(s, predicted, now, note=False) if predicted else 0
+        self._note_pins(s)        # once: its predictions only add pins (nothing raises before)
         if self.auto is not None:             # the daemon's own, after the client's
             self._auto(s, keys, plan, started, now)
         result = classify(plan.misses, plan.waited)
@@ -172,10 +172,11 @@ class FetchService:
             self.live.trace.done(now, s.client_id, s.epoch, layers)
         return self.store.release_layers(s.holder, layers)
 
-    def predict(self, s: Session, keys, now: float) -> int:
+    def predict(self, s: Session, keys, now: float, note: bool = True) -> int:
         """Start background reads of ``keys`` not resident; returns how many started.
         The route trace gets the keys as the store gets them (``k3d replay``
-        reproduces the prefetch counters from them)."""
+        reproduces the prefetch counters from them).  ``note``: update ``s``'s pin
+        peak (``fetch`` does it once after its own pins and these)."""
         if not self.client_predictions:
             return 0
         store = self.store
@@ -187,7 +188,7 @@ class FetchService:
             self.live.trace.predict(now, s.client_id, s.epoch, keys)
         started = store.predict(s.client_id, keys, now)
         s.pf_started += len(started)
-        if started:
+        if started and note:
             self._note_pins(s)
         self._start(started, urgent=False, owner=s.client_id)
         return len(started)

@@ -72,7 +72,8 @@ class Store(SlotTable):
     def step_pins(self, client: int, holder) -> int:
         """How many slots ``holder`` (client, epoch) and ``client``'s predictions pin now."""
         held, predicted = self.policy.held(holder), self.policy.held((PREDICT, client))
-        return len(held | predicted) if predicted else len(held)
+        # (the intersection, not the union: no new set of every pin at each fetch)
+        return len(held) + len(predicted) - len(held & predicted) if predicted else len(held)
 
     # -- fetch --------------------------------------------------------------
     def fetch(self, holder, keys: list[tuple[int, int]], now: float = 0.0) -> FetchPlan:

@@ -36,9 +36,15 @@ Each layer keeps its unpinned residents with that value (``_free``) and their le
 only if the new value is below it, so the layer's least is found again only when
 it is itself pinned, evicted or used, from a heap of the layer's filed values
 (``_heaps``; entries that no longer match ``_free`` are dropped as they surface):
-O(log n) in its layer, not a scan of its residents.  A slot inserted waits in ``_fresh`` until
-the next victim (a fetch's miss, pinned right away, is never filed); an unpinned
-resident used waits in ``_moves`` (a use only raises its order, so a batch of them
+O(log n) in its layer, not a scan of its residents.  A slot that may become a victim
+(its last pin gone, or inserted unpinned and still so at the next victim: ``_fresh``;
+nearly every inserted slot is pinned at once) waits unfiled in its layer's ``_pending`` until
+that layer's candidate is next asked for (``_candidate``): a fetch's miss, pinned right
+away, is never filed, and neither is a slot a token's end unpins and the next token
+pins again before its layer is scored (most of them: a token's end releases every
+pin its client held, and ~80 % of them are the next token's hits).  Filing later
+gives the same ``_free``: a key's order changes only when it is used, and filing
+reads it then.  An unpinned resident used waits in ``_moves`` (a use only raises its order, so a batch of them
 has one outcome in any order).  The candidate's rate changes with every visit and
 use of its layer, so it is cached apart (``_cand``), until then; ``victim`` keeps
 each layer's score while the cycle's position stays (``_stamp``), rescoring the
@@ -78,7 +84,8 @@ class CyclePolicy(PinTable):
         self._ahead = False
         self._dirty: set[int] = set()                 # layers whose _cand went since ``victim`` scored them
         self._stamp = None                            # (current, first, layers) the scores are for
-        self._fresh: set[int] = set()                 # unpinned residents inserted, not yet in _free
+        self._pending: dict[int, set[int]] = {}       # layer -> unpinned residents not yet in _free
+        self._fresh: set[int] = set()                 # inserted unpinned, not yet pending (most get pinned)
         self._moves: set[int] = set()                 # unpinned residents used, not yet refiled
         self._current = -1                            # the layer being served (last visited)
         self._first = -1                              # the first layer of the current pass
@@ -140,7 +147,7 @@ class CyclePolicy(PinTable):
         self._by_layer.setdefault(layer, set()).add(slot)
         if layer >= self.layers:
             self.layers = layer + 1
-        if slot not in self._holders:    # filed at the next victim, unless pinned first (a fetch's miss is)
+        if slot not in self._holders:    # pending at the next victim, unless pinned first (a miss is)
             self._fresh.add(slot)
         if not predicted:                             # a guess is not a use
             self._used_all((key,), (slot,))
@@ -197,7 +204,7 @@ class CyclePolicy(PinTable):
     def _pinned_all(self, slots) -> None:
         """``slots`` may not be victims any more (pinned, or gone: ``remove``).  Inline:
         a fetch pins every key it names and a token's end releases them all."""
-        key_of, frees, bests, fresh = self._key, self._free, self._best, self._fresh
+        key_of, frees, bests, pending, fresh = self._key, self._free, self._best, self._pending, self._fresh
         for s in slots:
             key = key_of.get(s)
             if key is None:
@@ -206,6 +213,10 @@ class CyclePolicy(PinTable):
                 fresh.discard(s)
                 continue
             layer = key[0]
+            waiting = pending.get(layer)
+            if waiting and s in waiting:
+                waiting.discard(s)                    # (never filed: nothing else to undo)
+                continue
             free = frees.get(layer)
             if free is not None and free.pop(s, None) is not None:
                 b = bests.get(layer)
@@ -214,32 +225,49 @@ class CyclePolicy(PinTable):
                     self._cand.pop(layer, None)
                     self._dirty.add(layer)
 
-    def _file_fresh(self) -> None:
-        """File the slots inserted since the last victim that nothing pinned."""
-        fresh, self._fresh = self._fresh, set()
-        self._unpinned_all(fresh)
-
     def _unpinned_all(self, slots) -> None:
-        """``slots`` may be victims now (their last pin went, or ``_file_fresh``)."""
-        key_of, order, frees, bests, heaps = self._key, self.usage.order, self._free, self._best, self._heaps
+        """``slots`` may be victims now (their last pin went, or inserted unpinned): each
+        waits in its layer's ``_pending``, whose candidate is stale from now on."""
+        key_of, pending, cand, dirty = self._key, self._pending, self._cand, self._dirty
         for s in slots:
             key = key_of.get(s)
             if key is None:
                 continue
             layer = key[0]
-            f = order(key)                            # (used while pinned: computed now)
-            free = frees.get(layer)
-            if free is None:
-                free = frees[layer] = {}
+            waiting = pending.get(layer)
+            if waiting is None:
+                pending[layer] = {s}
+                cand.pop(layer, None)
+                dirty.add(layer)
+            elif not waiting:
+                waiting.add(s)
+                cand.pop(layer, None)
+                dirty.add(layer)
+            else:
+                waiting.add(s)
+
+    def _file_pending(self) -> None:
+        """File every layer's pending slots (restore and audit want ``_free`` whole)."""
+        pending, self._pending = self._pending, {}
+        for layer, slots in pending.items():
+            if slots:
+                self._file(layer, slots)
+
+    def _file(self, layer: int, slots) -> None:
+        """File ``slots`` (unpinned residents of ``layer``) in ``_free`` by their order now."""
+        key_of, order, bests, heaps = self._key, self.usage.order, self._best, self._heaps
+        free = self._free.get(layer)
+        if free is None:
+            free = self._free[layer] = {}
+        h = heaps.get(layer)
+        for s in slots:
+            f = order(key_of[s])                      # (used while pinned: computed now)
             free[s] = f
-            h = heaps.get(layer)
             if h is not None:
                 heappush(h, (f, s))
             b = bests.get(layer, _STALE)
             if b is None or (b is not _STALE and (f, s) < b):
                 bests[layer] = (f, s)
-                self._cand.pop(layer, None)
-                self._dirty.add(layer)
 
     # -- scoring --------------------------------------------------------------
     def distance(self, layer: int) -> int:
@@ -259,7 +287,12 @@ class CyclePolicy(PinTable):
     def _candidate(self, layer: int):
         """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
         if self._fresh:
-            self._file_fresh()
+            self._unpinned_all(self._fresh)
+            self._fresh = set()
+        waiting = self._pending.get(layer)
+        if waiting:
+            self._pending[layer] = set()
+            self._file(layer, waiting)
         if self._moves:
             self._flush_moves()
         cand = self._cand.get(layer, _STALE)      # (victim asks only when it is not cached:
@@ -300,7 +333,8 @@ class CyclePolicy(PinTable):
         if exclude:
             return self._victim_scan(exclude)
         if self._fresh:
-            self._file_fresh()
+            self._unpinned_all(self._fresh)
+            self._fresh = set()
         if self._moves:
             self._flush_moves()
         c, f, L = self._current, self._first, max(self.layers, 1)
@@ -372,6 +406,7 @@ class CyclePolicy(PinTable):
         """Take saved statistics (ValueError, nothing changed, if malformed) and file the
         residents afresh by them: every cached order, least and score may have moved."""
         self.layers = max(self.layers, self.usage.restore(state))
+        self._pending.clear()
         self._fresh.clear()
         self._moves.clear()
         self._free = self._refiled()
@@ -392,8 +427,13 @@ class CyclePolicy(PinTable):
     def check(self) -> None:
         """Audit: the pins, ``usage``, and this index against one built from scratch."""
         self.check_pins()
-        assert not self._fresh & set(self._holders), "a pinned slot waits to be filed"
-        self._file_fresh()
+        assert not set().union(self._fresh, *self._pending.values()) & set(self._holders), \
+            "a pinned slot waits to be filed"
+        self._unpinned_all(self._fresh)
+        self._fresh = set()
+        for layer, slots in self._pending.items():
+            assert all(self._key[s][0] == layer for s in slots), f"a slot pending under layer {layer} is not of it"
+        self._file_pending()
         self._flush_moves()
         assert set(self._holders) <= set(self._key), "a pin on a slot the policy does not hold"
         for layer, slots in self._by_layer.items():
