@@ -208,8 +208,11 @@ class Reuse:
     def retire(self, slot: int, now: float = 0.0) -> bool:
         """``slot``'s key left the index.  True: reuse it now; False: it waits (``reclaim``)."""
         self.retired += 1
-        if not self.viewers or self._free_now([(slot, self.retired)]):     # (none: replay, one client)
-            return True
+        count, viewers = self.retired, self.viewers
+        # ``_free_now`` of one slot, without the union of every client's claims that it
+        # builds for a batch (an eviction ahead runs this for each slot it frees)
+        if all(r.synced >= count and slot not in r.claims for r in viewers.values()):
+            return True                                  # (no viewers: replay, one client)
         self.limbo[slot] = self.retired
         self.since[slot] = now
         self.peak = max(self.peak, len(self.limbo))
