@@ -2,6 +2,7 @@
 
     python bench/scale.py [--layers 58] [--experts 256] [--topk 8] [--share 0.3]
                           [--clients 2] [--tokens 40] [--warm 10] [--reps 3] [--predict auto|client|off]
+                          [--policy cycle|lru]
                           [--hidden 128] [--inter 64] [--profile FILE]
 
 The issue-34 probe.  Checkpoint: ``layers`` x ``experts`` synthetic MXFP4 experts
@@ -186,6 +187,7 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=10, help="tokens per client before the clock (first rep: 3x)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--predict", default=None, help="the daemon's --predict (default: its own default)")
+    ap.add_argument("--policy", default=None, help="the daemon's --policy (default: its own default)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--inter", type=int, default=64)
     ap.add_argument("--profile", default=None, help="py-spy the daemon over rep 1 into this file (collapsed stacks)")
@@ -202,7 +204,7 @@ def main() -> int:
                    f"{size / n_keys / 1e3:.1f} KB an expert, {size / 1e6:.0f} MB) written in "
                    f"{time.perf_counter() - t0:.1f}s; {slots} slots ({slots / n_keys:.0%}), {a.clients} clients, "
                    f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    extra = ["--predict", a.predict] if a.predict else []
+    extra = (["--predict", a.predict] if a.predict else []) + (["--policy", a.policy] if a.policy else [])
     tok, flo, ratios, cpu_per, main_per, sys_per, hit, ccpu, ecpu = [], [], [], [], [], [], [], [], []
     try:
         with harness.EchoServer(32) as echo, \
@@ -238,7 +240,8 @@ def main() -> int:
         shutil.rmtree(ckpt, ignore_errors=True)
     ratio = harness.median(ratios)
     print(f"scale: {a.layers} x {a.experts} top-{a.topk}, {slots / n_keys:.0%} resident, {a.clients} clients, "
-          f"predict {a.predict or 'default'}, {a.reps} reps x {a.tokens} tokens; medians")
+          f"predict {a.predict or 'default'}, policy {a.policy or 'default'}, "
+          f"{a.reps} reps x {a.tokens} tokens; medians")
     print(f"scale: token {harness.median(tok) * 1e3:.2f} ms floor {harness.median(flo) * 1e3:.2f} ms "
           f"ratio {ratio:.2f} (target <= {TARGET}) {harness.verdict(ratio <= TARGET)}; daemon "
           f"{harness.median(cpu_per) * 1e6:.0f} us CPU/fetch ({harness.median(main_per) * 1e6:.0f} in its loop "
