@@ -162,12 +162,15 @@ class Store(SlotTable):
         ``(PREDICT, client)`` until the client's next ``end_epoch``."""
         started = []
         q = self.book.client_quality(client)
+        reuse_now = None                        # (asked once: nothing here changes it)
         for key in keys:
             if key in self.key_slot:
                 continue
             victim = None
             if not self.free:
-                if not self.reuse.could_reuse_now():
+                if reuse_now is None:
+                    reuse_now = self.reuse.could_reuse_now()
+                if not reuse_now:
                     break                       # make_room frees slots ahead for the next ones
                 victim = self._victim()
                 if victim is None:

@@ -117,7 +117,10 @@ class CyclePolicy(LayerFiling):
         if slot not in self._holders:    # pending at the next victim, unless pinned first (a miss is)
             self._fresh.add(slot)
         if not predicted:                             # a guess is not a use
-            self._used_all((key,), (slot,))
+            # ``_used_all`` of one key, whose slot was just inserted (so not filed: no move)
+            self._cand.pop(layer, None)
+            self._dirty.add(layer)
+            self.usage.used(layer, (key,))
 
     def touch(self, slot: int, key=None) -> None:
         self._used_all((self._key[slot] if key is None else key,), (slot,))
@@ -216,11 +219,22 @@ class CyclePolicy(LayerFiling):
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         victim = self._key[slot]
-        cand = self._cand.get(victim[0])
+        vl, kl = victim[0], key[0]
+        # ``score(victim) > score(key, confidence)`` with ``passed`` and ``distance`` inline
+        # (every prediction that needs a victim asks)
+        c, f = self._current, self._first
+        if f <= c:
+            vp, kp = f <= vl <= c, f <= kl <= c
+        else:
+            vp, kp = vl >= f or vl <= c, kl >= f or kl <= c
+        if vp != kp:
+            return vp
+        cand = self._cand.get(vl)
         # ``slot`` is usually the victim just chosen: its layer's candidate, whose rate
         # ``victim`` has cached as ``score`` computes it (nothing changed since)
-        p = cand[1] if cand is not None and cand[0] == slot else None
-        return self.score(victim, p) > self.score(key, p=confidence)
+        p = cand[1] if cand is not None and cand[0] == slot else self.usage.rate(victim)
+        L = max(self.layers, 1)
+        return ((vl - c - 1) % L + 1) / max(p, 1e-9) > ((kl - c - 1) % L + 1) / max(confidence, 1e-9)
 
     # -- warm restart and audit -------------------------------------------------
     def ranking(self, slot_key=None) -> list[tuple]:

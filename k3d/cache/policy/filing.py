@@ -98,7 +98,11 @@ class LayerFiling(PinTable):
                 self._best[layer] = (f, slot)
 
     def _pinned(self, slot: int) -> None:
-        self._pinned_all((slot,))
+        fresh = self._fresh
+        if slot in fresh:                  # (a miss or a prediction, pinned as it is inserted)
+            fresh.discard(slot)
+        else:
+            self._pinned_all((slot,))
 
     def _pinned_all(self, slots) -> None:
         """``slots`` may not be victims any more (pinned, or gone: ``remove``).  Inline:
