@@ -2,6 +2,7 @@
 
     python bench/scale.py [--layers 58] [--experts 256] [--topk 8] [--share 0.3]
                           [--clients 2] [--tokens 40] [--warm 10] [--reps 3] [--predict auto|client|off]
+                          [--policy cycle|lru]
                           [--hidden 128] [--inter 64] [--profile FILE]
 
 The issue-34 probe.  Checkpoint: ``layers`` x ``experts`` synthetic MXFP4 experts
@@ -20,7 +21,8 @@ process.  Reps alternate daemon and floor.  Reported: the median per-token time
 over every client and token, its ratio to the floor's (median of the per-rep
 ratios), the daemon's CPU per fetch over the measured tokens (``/proc`` per
 thread: all threads, so the reads themselves are in it, and its loop thread
-apart, with its kernel share), the demand hit rate and ``SlotsBusy`` retries per
+apart, with its kernel share), a client's own CPU per fetch (and per echo round
+trip: what the floor leaves the daemon), the demand hit rate and ``SlotsBusy`` retries per
 fetch (status counters; the bench's status client goes through the daemon, as
 an idle hit-path client would hold slot reuse back).  ``--profile FILE`` samples
 the daemon with py-spy (``--gil``, if installed) over rep 1's measured tokens and
@@ -78,10 +80,12 @@ else:
 for i, (route, pred) in enumerate(drawn):
     if i == warm:
         print("ready", flush=True); sys.stdin.readline()
+        cpu0 = time.thread_time()
     t0 = pc(); token(route, pred); dt = pc() - t0
     if i >= warm:
         per_token.append(dt)
-print(json.dumps(per_token), flush=True)
+cpu = (time.thread_time() - cpu0) / (tokens * layers)
+print(json.dumps({"t": per_token, "cpu": cpu}), flush=True)
 sys.stdin.readline()
 if mode != "echo":
     c.close()
@@ -135,8 +139,10 @@ class Measure:
             self.spy.wait(60)
 
 
-def run_clients(mode: str, endpoint: str, a, warm: int, before=None, after=None, rep: int = 0) -> list[float]:
-    """Per-token seconds of every client's measured tokens.  ``before``/``after`` run
+def run_clients(mode: str, endpoint: str, a, warm: int, before=None, after=None,
+                rep: int = 0) -> tuple[list[float], float]:
+    """Per-token seconds of every client's measured tokens, and the clients' mean CPU
+    seconds per fetch (or round trip).  ``before``/``after`` run
     just before the clients start and after the last one reports (still connected).
     Each rep's clients read new text (streams ``rep * clients + i``): a rep that
     replayed the last one's tokens would be served by what the cache learned of them."""
@@ -167,7 +173,7 @@ def run_clients(mode: str, endpoint: str, a, warm: int, before=None, after=None,
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return [t for o in out for t in o]
+    return [t for o in out for t in o["t"]], sum(o["cpu"] for o in out) / len(out)
 
 
 def main() -> int:
@@ -181,6 +187,7 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=10, help="tokens per client before the clock (first rep: 3x)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--predict", default=None, help="the daemon's --predict (default: its own default)")
+    ap.add_argument("--policy", default=None, help="the daemon's --policy (default: its own default)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--inter", type=int, default=64)
     ap.add_argument("--profile", default=None, help="py-spy the daemon over rep 1 into this file (collapsed stacks)")
@@ -197,8 +204,8 @@ def main() -> int:
                    f"{size / n_keys / 1e3:.1f} KB an expert, {size / 1e6:.0f} MB) written in "
                    f"{time.perf_counter() - t0:.1f}s; {slots} slots ({slots / n_keys:.0%}), {a.clients} clients, "
                    f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    extra = ["--predict", a.predict] if a.predict else []
-    tok, flo, ratios, cpu_per, main_per, sys_per, hit = [], [], [], [], [], [], []
+    extra = (["--predict", a.predict] if a.predict else []) + (["--policy", a.policy] if a.policy else [])
+    tok, flo, ratios, cpu_per, main_per, sys_per, hit, ccpu, ecpu = [], [], [], [], [], [], [], [], []
     try:
         with harness.EchoServer(32) as echo, \
                 harness.Daemon(ckpt, "--slots", slots, "--log-level", "warning", *extra, timeout=120) as d:
@@ -208,8 +215,10 @@ def main() -> int:
             with k3client.connect(d.endpoint, name="scale-status", hit_path="daemon") as st:
                 for r in range(a.reps):
                     m = Measure(d.pid, st, a.profile if r == 0 else None)
-                    f = run_clients("k3d", d.endpoint, a, a.warm * (3 if r == 0 else 1), m.before, m.after, r)
-                    e = run_clients("echo", echo.endpoint, a, 2)
+                    f, fc = run_clients("k3d", d.endpoint, a, a.warm * (3 if r == 0 else 1), m.before, m.after, r)
+                    e, ec = run_clients("echo", echo.endpoint, a, 2)
+                    ccpu.append(fc)
+                    ecpu.append(ec)
                     fetches = a.clients * a.tokens * a.layers
                     tok.append(harness.median(f))
                     flo.append(harness.median(e))
@@ -223,17 +232,21 @@ def main() -> int:
                                    f"{cpu_per[-1] * 1e6:.0f} us CPU/fetch ({main_per[-1] * 1e6:.0f} in its loop "
                                    f"thread, {sys_per[-1] * 1e6:.0f} of it in the kernel) | hit rate {hit[-1]:.1%} "
                                    f"(misses/fetch {m.misses / fetches:.2f}, "
-                                   f"SlotsBusy/fetch {m.busy / fetches:.2f}) | load {os.getloadavg()[0]:.1f}")
+                                   f"SlotsBusy/fetch {m.busy / fetches:.2f}) | a client's CPU per fetch "
+                                   f"{fc * 1e6:.0f} us (per echo round trip {ec * 1e6:.0f}) | "
+                                   f"load {os.getloadavg()[0]:.1f}")
             rss = proc.memory_info().rss
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
     ratio = harness.median(ratios)
     print(f"scale: {a.layers} x {a.experts} top-{a.topk}, {slots / n_keys:.0%} resident, {a.clients} clients, "
-          f"predict {a.predict or 'default'}, {a.reps} reps x {a.tokens} tokens; medians")
+          f"predict {a.predict or 'default'}, policy {a.policy or 'default'}, "
+          f"{a.reps} reps x {a.tokens} tokens; medians")
     print(f"scale: token {harness.median(tok) * 1e3:.2f} ms floor {harness.median(flo) * 1e3:.2f} ms "
           f"ratio {ratio:.2f} (target <= {TARGET}) {harness.verdict(ratio <= TARGET)}; daemon "
           f"{harness.median(cpu_per) * 1e6:.0f} us CPU/fetch ({harness.median(main_per) * 1e6:.0f} in its loop "
-          f"thread); hit rate {harness.median(hit):.1%}; "
+          f"thread); a client's CPU per fetch {harness.median(ccpu) * 1e6:.0f} us (echo "
+          f"{harness.median(ecpu) * 1e6:.0f}); hit rate {harness.median(hit):.1%}; "
           f"daemon RSS {rss / 2**20:.0f} MiB")
     return 0
 

@@ -120,7 +120,6 @@ class FetchService:
                     if msg:
                         raise ReadFailed(f"expert (layer {key[0]}, expert {key[1]}): {msg}")
         plan = store.fetch(s.holder, keys, now)
-        self._note_pins(s)
         try:
             # Inline reads of the misses, predictions and the daemon's own are finished
             # together below (one pass for the whole request); until then their slots
@@ -138,7 +137,8 @@ class FetchService:
                 self.reads.waited_on(slot, s.client_id)
             s.fetches += 1
             self._trace_fetch(s, keys, now, plan.misses, plan.evictions, plan.waited, plan.prefetched_hits)
-            started = self.predict(s, predicted, now, finish=False) if predicted else 0
+            started = self.predict(s, predicted, now, finish=False, note=False) if predicted else 0
+            self._note_pins(s)    # once: its predictions only add pins
             if self.auto is not None:             # the daemon's own, after the client's
                 self._auto(s, keys, plan, started, now)
         finally:
@@ -183,11 +183,12 @@ class FetchService:
             self.live.trace.done(now, s.client_id, s.epoch, layers)
         return self.store.release_layers(s.holder, layers)
 
-    def predict(self, s: Session, keys, now: float, finish: bool = True) -> int:
+    def predict(self, s: Session, keys, now: float, finish: bool = True, note: bool = True) -> int:
         """Start background reads of ``keys`` not resident; returns how many started.
         ``finish=False``: the caller finishes the inline reads (``fetch``).
         The route trace gets the keys as the store gets them (``k3d replay``
-        reproduces the prefetch counters from them)."""
+        reproduces the prefetch counters from them).  ``note``: update ``s``'s pin
+        peak (``fetch`` does it once after its own pins and these)."""
         if not self.client_predictions:
             return 0
         store = self.store
@@ -199,7 +200,7 @@ class FetchService:
             self.live.trace.predict(now, s.client_id, s.epoch, keys)
         started = store.predict(s.client_id, keys, now)
         s.pf_started += len(started)
-        if started:
+        if started and note:
             self._note_pins(s)
         self._start(started, urgent=False, owner=s.client_id, finish=finish)
         return len(started)

@@ -72,7 +72,8 @@ class Store(SlotTable):
     def step_pins(self, client: int, holder) -> int:
         """How many slots ``holder`` (client, epoch) and ``client``'s predictions pin now."""
         held, predicted = self.policy.held(holder), self.policy.held((PREDICT, client))
-        return len(held | predicted) if predicted else len(held)
+        # (the intersection, not the union: no new set of every pin at each fetch)
+        return len(held) + len(predicted) - len(held & predicted) if predicted else len(held)
 
     # -- fetch --------------------------------------------------------------
     def fetch(self, holder, keys: list[tuple[int, int]], now: float = 0.0) -> FetchPlan:
@@ -161,12 +162,15 @@ class Store(SlotTable):
         ``(PREDICT, client)`` until the client's next ``end_epoch``."""
         started = []
         q = self.book.client_quality(client)
+        reuse_now = None                        # (asked once: nothing here changes it)
         for key in keys:
             if key in self.key_slot:
                 continue
             victim = None
             if not self.free:
-                if not self.reuse.could_reuse_now():
+                if reuse_now is None:
+                    reuse_now = self.reuse.could_reuse_now()
+                if not reuse_now:
                     break                       # make_room frees slots ahead for the next ones
                 victim = self._victim()
                 if victim is None:

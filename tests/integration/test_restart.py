@@ -97,7 +97,9 @@ def test_kill9_restart_cycles_client_survives(checkpoint, start_daemon):
         d.proc.wait(10)
         d = start_daemon(checkpoint, "--slots", "24", endpoint=endpoint)
         t_ready = time.monotonic()
-        poll_for(functools.partial(w.served_since, t_ready), 5, "the client to be served within 5 s of the restart")
+        # a bound that catches a client that never resumes, not a speed target (a loaded
+        # machine once took over 5 s here)
+        poll_for(functools.partial(w.served_since, t_ready), 20, "the client to be served within 20 s of the restart")
         resume.append(w.ok_times[-1] - t_ready)
     w.stop.set()
     w.join(30)
@@ -106,7 +108,7 @@ def test_kill9_restart_cycles_client_survives(checkpoint, start_daemon):
           f"{w.keys} keys verified")
     assert w.wrong == 0
     assert w.restarts == cycles
-    assert max(resume) < 5
+    assert max(resume) < 20
     assert k3d_shm() == shm_before
     assert arena_mappings() == 0          # the client closed: no old arena stays mapped
     assert d.stop() == 0

@@ -166,3 +166,48 @@ def test_admission_of_the_victim_just_chosen_is_the_full_scores_comparison():
         p.pin(v, "h")
     assert seen == {True, False}                    # both answers were exercised
     p.check()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_victim_equals_a_full_scan_through_pins_releases_and_evictions(seed):
+    """Slots unpinned wait unfiled until their layer is scored (``_pending``): whatever
+    the interleaving of visits, uses, pins, layer releases, token ends and evictions,
+    ``victim`` names the slot a full scan of every resident does."""
+    import random
+
+    rng = random.Random(seed)
+    layers, experts, slots = 6, 12, 30
+    p = CyclePolicy(layers=layers)
+    key_of, free, token = {}, list(range(slots)), 0
+    for step in range(1500):
+        layer = step % layers
+        if layer == 0:
+            p.release(("c", token))                   # a token's end: every pin goes
+            token += 1
+        p.visit(layer)
+        want = [(layer, e) for e in rng.sample(range(experts), 3)]
+        resident = {k: s for s, k in key_of.items()}
+        for key in want:
+            s = resident.get(key)
+            if s is None:
+                if not free:
+                    v = p.victim()
+                    assert v == p._victim_scan(frozenset({-1})), f"step {step}"
+                    if v is None:
+                        continue
+                    p.remove(v)
+                    del key_of[v]
+                    free.append(v)
+                s = free.pop()
+                key_of[s] = key
+                p.insert(s, key, predicted=rng.random() < 0.3)
+            else:
+                p.touch(s, key)
+            if rng.random() < 0.8:
+                p.pin(s, ("c", token))
+        if rng.random() < 0.2:                        # a layer released early
+            mine = [s for s in p.held(("c", token)) if key_of[s][0] == layer]
+            p.release_some(("c", token), mine)
+        if step % 97 == 0:
+            p.check()
+    p.check()

@@ -28,22 +28,10 @@ index below, and asks ``usage`` for rates and orders.  Visits are counted per la
 visited (``_current``; ``_first`` starts the pass), so several clients count as
 chances for a key and share one notion of "now".
 
-Index (so a victim costs O(L), not O(slots)): within a layer ``d`` is shared, so the
-layer's candidate is its unpinned resident with the least ``usage.order`` (its
-decayed count, comparable within a layer and changing only when the key is used).
-Each layer keeps its unpinned residents with that value (``_free``) and their least
-(``_best``), updated as they change: a change to any other slot moves the least
-only if the new value is below it, so the layer's least is found again only when
-it is itself pinned, evicted or used, from a heap of the layer's filed values
-(``_heaps``; entries that no longer match ``_free`` are dropped as they surface):
-O(log n) in its layer, not a scan of its residents.  A slot inserted waits in ``_fresh`` until
-the next victim (a fetch's miss, pinned right away, is never filed); an unpinned
-resident used waits in ``_moves`` (a use only raises its order, so a batch of them
-has one outcome in any order).  The candidate's rate changes with every visit and
-use of its layer, so it is cached apart (``_cand``), until then; ``victim`` keeps
-each layer's score while the cycle's position stays (``_stamp``), rescoring the
-layers in ``_dirty``.  ``check`` recomputes all of it from scratch and compares:
-it yields the victims of a full scan.
+Index (so a victim costs O(L), not O(slots)): each layer's candidate is its unpinned
+resident with the least ``usage.order``, kept by ``LayerFiling`` (``filing``, which
+states its layout and invariants); ``victim`` keeps each layer's score while the
+cycle's position stays (``_stamp``), rescoring the layers in ``_dirty``.
 
 Background reads (``admits``): a prediction may evict a slot only if the slot's
 score is larger than the prediction's own (its layer's distance, the predicting
@@ -52,34 +40,20 @@ client's measured precision as ``p``).
 
 from __future__ import annotations
 
-from heapq import heapify, heappop, heappush
-
-from k3d.cache.policy.base import PinTable
+from k3d.cache.policy.filing import LayerFiling
 from k3d.cache.policy.usage import UsageStats
 
-_STALE = object()                                 # a cache entry to compute again
 
-
-class CyclePolicy(PinTable):
+class CyclePolicy(LayerFiling):
     name = "cycle"
 
     def __init__(self, layers: int = 0, half_life: float = 8.0, prior_weight: float = 1.0):
-        super().__init__()
+        super().__init__(UsageStats(half_life, prior_weight))
         self.layers = layers                          # L; grows with the keys seen
-        self.usage = UsageStats(half_life, prior_weight)
-        self._key: dict[int, tuple] = {}              # resident slot -> key
-        self._by_layer: dict[int, set[int]] = {}      # layer -> resident slots
-        self._free: dict[int, dict[int, float]] = {}  # layer -> {unpinned resident slot: its usage.order}
-        self._best: dict[int, tuple | None] = {}      # layer -> least (order, slot) of _free (absent: stale)
-        self._heaps: dict[int, list] = {}             # layer -> heap of (order, slot) filed in _free (lazy)
-        self._cand: dict[int, tuple | None] = {}      # layer -> (slot, rate) of _best's slot (absent: stale)
         self._pscores: dict[int, tuple] = {}          # passed layer -> its candidate's victim order
         self._nscores: dict[int, tuple] = {}          # the same for layers ahead, when _ahead
         self._ahead = False
-        self._dirty: set[int] = set()                 # layers whose _cand went since ``victim`` scored them
         self._stamp = None                            # (current, first, layers) the scores are for
-        self._fresh: set[int] = set()                 # unpinned residents inserted, not yet in _free
-        self._moves: set[int] = set()                 # unpinned residents used, not yet refiled
         self._current = -1                            # the layer being served (last visited)
         self._first = -1                              # the first layer of the current pass
 
@@ -140,41 +114,16 @@ class CyclePolicy(PinTable):
         self._by_layer.setdefault(layer, set()).add(slot)
         if layer >= self.layers:
             self.layers = layer + 1
-        if slot not in self._holders:    # filed at the next victim, unless pinned first (a fetch's miss is)
+        if slot not in self._holders:    # pending at the next victim, unless pinned first (a miss is)
             self._fresh.add(slot)
         if not predicted:                             # a guess is not a use
-            self._used_all((key,), (slot,))
+            # ``_used_all`` of one key, whose slot was just inserted (so not filed: no move)
+            self._cand.pop(layer, None)
+            self._dirty.add(layer)
+            self.usage.used(layer, (key,))
 
     def touch(self, slot: int, key=None) -> None:
         self._used_all((self._key[slot] if key is None else key,), (slot,))
-
-    def _flush_moves(self) -> None:
-        """File the new order of the unpinned residents used since the last victim.
-        Deferred because a use only raises a key's order, so a batch of them has one
-        outcome in any order: each slot's last value, and the layer's least kept unless
-        the least itself was used (then scanned again); a hit then costs no log."""
-        moves, self._moves = self._moves, set()
-        key_of, order, frees = self._key, self.usage.order, self._free
-        for s in moves:
-            key = key_of.get(s)
-            if key is None or s not in frees.get(key[0], ()):
-                continue                              # evicted or pinned since
-            self._moved(key[0], s, order(key))
-
-    def _moved(self, layer: int, slot: int, f: float) -> None:
-        """Unpinned resident ``slot``'s order is ``f`` now (a use while unpinned)."""
-        self._free[layer][slot] = f
-        h = self._heaps.get(layer)
-        if h is not None:
-            heappush(h, (f, slot))
-        b = self._best.get(layer, _STALE)
-        if b is not _STALE and b is not None:
-            if b[1] == slot:
-                del self._best[layer]                 # the least itself moved: scan again
-                self._cand.pop(layer, None)
-                self._dirty.add(layer)
-            elif (f, slot) < b:
-                self._best[layer] = (f, slot)
 
     def demote(self, slot: int) -> None:
         """An unused prediction: nothing to undo (a guess never counted as a use)."""
@@ -191,56 +140,6 @@ class CyclePolicy(PinTable):
     def has(self, slot: int) -> bool:
         return slot in self._key
 
-    def _pinned(self, slot: int) -> None:
-        self._pinned_all((slot,))
-
-    def _pinned_all(self, slots) -> None:
-        """``slots`` may not be victims any more (pinned, or gone: ``remove``).  Inline:
-        a fetch pins every key it names and a token's end releases them all."""
-        key_of, frees, bests, fresh = self._key, self._free, self._best, self._fresh
-        for s in slots:
-            key = key_of.get(s)
-            if key is None:
-                continue
-            if s in fresh:
-                fresh.discard(s)
-                continue
-            layer = key[0]
-            free = frees.get(layer)
-            if free is not None and free.pop(s, None) is not None:
-                b = bests.get(layer)
-                if b is not None and b[1] == s:       # the least went: scan again
-                    del bests[layer]
-                    self._cand.pop(layer, None)
-                    self._dirty.add(layer)
-
-    def _file_fresh(self) -> None:
-        """File the slots inserted since the last victim that nothing pinned."""
-        fresh, self._fresh = self._fresh, set()
-        self._unpinned_all(fresh)
-
-    def _unpinned_all(self, slots) -> None:
-        """``slots`` may be victims now (their last pin went, or ``_file_fresh``)."""
-        key_of, order, frees, bests, heaps = self._key, self.usage.order, self._free, self._best, self._heaps
-        for s in slots:
-            key = key_of.get(s)
-            if key is None:
-                continue
-            layer = key[0]
-            f = order(key)                            # (used while pinned: computed now)
-            free = frees.get(layer)
-            if free is None:
-                free = frees[layer] = {}
-            free[s] = f
-            h = heaps.get(layer)
-            if h is not None:
-                heappush(h, (f, s))
-            b = bests.get(layer, _STALE)
-            if b is None or (b is not _STALE and (f, s) < b):
-                bests[layer] = (f, s)
-                self._cand.pop(layer, None)
-                self._dirty.add(layer)
-
     # -- scoring --------------------------------------------------------------
     def distance(self, layer: int) -> int:
         """Layer steps until ``layer`` is served again (1 = next, L = the current one)."""
@@ -256,41 +155,6 @@ class CyclePolicy(PinTable):
         p = self.usage.rate(key) if p is None else p
         return self.passed(key[0]), self.distance(key[0]) / max(p, 1e-9)
 
-    def _candidate(self, layer: int):
-        """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
-        if self._fresh:
-            self._file_fresh()
-        if self._moves:
-            self._flush_moves()
-        cand = self._cand.get(layer, _STALE)      # (victim asks only when it is not cached:
-        if cand is not _STALE:                    # no KeyError raised and caught each time)
-            return cand
-        b = self._best.get(layer, _STALE)
-        if b is _STALE:                  # least (order, slot): ties go to the lower slot
-            b = self._best[layer] = self._least(layer)
-        cand = None if b is None else (b[1], max(self.usage.rate(self._key[b[1]]), 1e-9))
-        self._cand[layer] = cand
-        return cand
-
-    def _least(self, layer: int):
-        """The least (order, slot) of the layer's ``_free``, or None: the top of its heap
-        once entries that no longer match ``_free`` are dropped (each entry is dropped
-        once, so a layer whose least keeps going costs O(log n) per change, not a scan of
-        its residents).  The heap is rebuilt when stale entries outnumber live ones."""
-        free = self._free.get(layer)
-        if not free:
-            return None
-        h = self._heaps.get(layer)
-        if h is None or len(h) > 8 * len(free) + 64:    # pins and unpins leave stale entries
-            h = self._heaps[layer] = [(f, s) for s, f in free.items()]
-            heapify(h)
-        while h:
-            f, s = h[0]
-            if free.get(s, _STALE) == f:
-                return h[0]
-            heappop(h)
-        return None
-
     def victim(self, exclude=()) -> int | None:
         """The largest score's slot: each layer's candidate scored as (steps per expected
         hit, -slot), passed layers apart (any of them goes first).  The scores are kept
@@ -300,7 +164,8 @@ class CyclePolicy(PinTable):
         if exclude:
             return self._victim_scan(exclude)
         if self._fresh:
-            self._file_fresh()
+            self._unpinned_all(self._fresh)
+            self._fresh = set()
         if self._moves:
             self._flush_moves()
         c, f, L = self._current, self._first, max(self.layers, 1)
@@ -354,11 +219,22 @@ class CyclePolicy(PinTable):
 
     def admits(self, key, slot: int, confidence: float) -> bool:
         victim = self._key[slot]
-        cand = self._cand.get(victim[0])
+        vl, kl = victim[0], key[0]
+        # ``score(victim) > score(key, confidence)`` with ``passed`` and ``distance`` inline
+        # (every prediction that needs a victim asks)
+        c, f = self._current, self._first
+        if f <= c:
+            vp, kp = f <= vl <= c, f <= kl <= c
+        else:
+            vp, kp = vl >= f or vl <= c, kl >= f or kl <= c
+        if vp != kp:
+            return vp
+        cand = self._cand.get(vl)
         # ``slot`` is usually the victim just chosen: its layer's candidate, whose rate
         # ``victim`` has cached as ``score`` computes it (nothing changed since)
-        p = cand[1] if cand is not None and cand[0] == slot else None
-        return self.score(victim, p) > self.score(key, p=confidence)
+        p = cand[1] if cand is not None and cand[0] == slot else self.usage.rate(victim)
+        L = max(self.layers, 1)
+        return ((vl - c - 1) % L + 1) / max(p, 1e-9) > ((kl - c - 1) % L + 1) / max(confidence, 1e-9)
 
     # -- warm restart and audit -------------------------------------------------
     def ranking(self, slot_key=None) -> list[tuple]:
@@ -372,6 +248,7 @@ class CyclePolicy(PinTable):
         """Take saved statistics (ValueError, nothing changed, if malformed) and file the
         residents afresh by them: every cached order, least and score may have moved."""
         self.layers = max(self.layers, self.usage.restore(state))
+        self._pending.clear()
         self._fresh.clear()
         self._moves.clear()
         self._free = self._refiled()
@@ -380,32 +257,10 @@ class CyclePolicy(PinTable):
         self._cand.clear()
         self._stamp = None
 
-    def _refiled(self) -> dict:
-        """``_free`` computed afresh from the residents, pins and ``usage``."""
-        free: dict[int, dict[int, float]] = {}
-        order = self.usage.order
-        for s, key in self._key.items():
-            if s not in self._holders:
-                free.setdefault(key[0], {})[s] = order(key)
-        return free
-
     def check(self) -> None:
-        """Audit: the pins, ``usage``, and this index against one built from scratch."""
+        """Audit: the pins, ``usage``, and the filing against one built from scratch."""
         self.check_pins()
-        assert not self._fresh & set(self._holders), "a pinned slot waits to be filed"
-        self._file_fresh()
-        self._flush_moves()
+        self.check_filing()
+        self._stamp = None                            # (the audit recomputed candidates: score afresh)
         assert set(self._holders) <= set(self._key), "a pin on a slot the policy does not hold"
-        for layer, slots in self._by_layer.items():
-            assert all(self._key[s][0] == layer for s in slots)
-        assert sum(len(v) for v in self._by_layer.values()) == len(self._key)
         self.usage.check()
-        assert {l: f for l, f in self._free.items() if f} == self._refiled(), "unpinned residents misfiled"
-        for layer, b in self._best.items():
-            free = self._free.get(layer)
-            assert b == (min(zip(free.values(), free)) if free else None), f"stale least kept for layer {layer}"
-        for layer, s in list(self._cand.items()):
-            del self._cand[layer]
-            self._best.pop(layer, None)
-            self._stamp = None
-            assert self._candidate(layer) == s, f"stale candidate cached for layer {layer}"

@@ -1,0 +1,136 @@
+"""Store path: the daemon's plan of a fetch at real key counts, in-process, vs a plain LRU dict.
+
+    python bench/store_path.py [--layers 58] [--experts 256] [--topk 8] [--share 0.3]
+                               [--clients 2] [--tokens 60] [--warm 10] [--reps 5] [--policy cycle]
+
+What ``bench/scale.py`` cannot separate from sockets, reads and wake-ups: the Python
+cost of the store and its policy per fetch (``k3d.cache.store.Store``: a fetch's plan,
+its evictions, the policy's victims, pins, predictions, the end of each token's pins),
+with no I/O.  Requests are ``scale.py``'s: ``clients`` streams of ``SyntheticRouter``
+text (58 x 256 top-8 by default), per token one ``end_epoch`` per client and per
+layer one ``fetch`` of the top-k and one ``predict`` of the gate-ahead guess for the
+next layer, every read completed at once.
+
+Floor, same run, same requests: a plain LRU cache in an ``OrderedDict`` of the same
+number of slots (a hit moves to the end, a miss or a prediction not resident evicts the
+first): the least a cache of these keys must do per fetch in Python.  Reps alternate
+store and floor; reported: the store's and the floor's time per fetch (the token's
+``end_epoch`` included), the median of the per-rep ratios, and both hit rates.
+
+Deterministic requests, one process, no sockets: the figure moves little with load
+(quote the median of the ratios and the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import OrderedDict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+from k3d.cache import policy as policies  # noqa: E402
+from k3d.cache.store import Store  # noqa: E402
+from k3d.demo.routing import SyntheticRouter  # noqa: E402
+
+
+def requests(a, rep: int):
+    """Per token, per client: the top-k of each layer and the gate-ahead guess made with it."""
+    routers = [SyntheticRouter(a.layers, a.experts, a.topk, seed=0, stream=rep * a.clients + c)
+               for c in range(a.clients)]
+    return [[r.token() for r in routers] for _ in range(a.warm + a.tokens)]
+
+
+def run_store(a, slots: int, drawn) -> tuple[float, float]:
+    """Seconds per fetch over the measured tokens, and the hit rate."""
+    store = Store(slots, policy=policies.make(a.policy, layers=a.layers))
+    pc = time.perf_counter
+    t0, h0, m0 = 0.0, 0, 0
+    for t, clients in enumerate(drawn):
+        if t == a.warm:
+            t0, h0, m0 = pc(), store.stats.hits, store.stats.misses
+        for c in range(a.clients):
+            store.end_epoch(c, (c, t - 1))
+        for layer in range(a.layers):
+            for c, (route, pred) in enumerate(clients):
+                plan = store.fetch((c, t), [(layer, e) for e in route[layer]])
+                for s in plan.new_loads:
+                    store.complete(s, None)
+                if pred[layer]:
+                    for s in store.predict(c, [(layer + 1, e) for e in pred[layer]]):
+                        store.complete(s, None)
+    dt = pc() - t0
+    hits, misses = store.stats.hits - h0, store.stats.misses - m0
+    return dt / (a.tokens * a.clients * a.layers), hits / max(1, hits + misses)
+
+
+def run_floor(a, slots: int, drawn) -> tuple[float, float]:
+    """The same requests through a plain LRU ``OrderedDict`` of ``slots`` keys."""
+    cache: OrderedDict = OrderedDict()
+    pc = time.perf_counter
+    t0, hits, misses = 0.0, 0, 0
+    for t, clients in enumerate(drawn):
+        if t == a.warm:
+            t0, hits, misses = pc(), 0, 0
+        for layer in range(a.layers):
+            for route, pred in clients:
+                for e in route[layer]:
+                    key = (layer, e)
+                    if key in cache:
+                        cache.move_to_end(key)
+                        hits += 1
+                    else:
+                        if len(cache) >= slots:
+                            cache.popitem(last=False)
+                        cache[key] = True
+                        misses += 1
+                for e in pred[layer] or ():
+                    key = (layer + 1, e)
+                    if key not in cache:
+                        if len(cache) >= slots:
+                            cache.popitem(last=False)
+                        cache[key] = True
+    dt = pc() - t0
+    return dt / (a.tokens * a.clients * a.layers), hits / max(1, hits + misses)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=58)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--share", type=float, default=0.3, help="slots as a share of all experts")
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=60, help="measured tokens per client per rep")
+    ap.add_argument("--warm", type=int, default=10, help="tokens per client before the clock")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--policy", default="cycle", help="the daemon's --policy (default: its default)")
+    a = ap.parse_args()
+    n_keys = a.layers * a.experts
+    slots = max(a.topk * a.clients * 2, int(a.share * n_keys))
+    harness.banner("store_path", f"{a.layers} x {a.experts} top-{a.topk}, {slots} slots ({slots / n_keys:.0%}), "
+                   f"{a.clients} clients, policy {a.policy}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    per, flo, ratios = [], [], []
+    for r in range(a.reps):
+        drawn = requests(a, r)
+        s, s_hit = run_store(a, slots, drawn)
+        f, f_hit = run_floor(a, slots, drawn)
+        per.append(s)
+        flo.append(f)
+        ratios.append(s / f)
+        harness.banner("store_path", f"rep {r + 1}/{a.reps}: store {s * 1e6:.1f} us/fetch (hit rate {s_hit:.1%}) | "
+                       f"LRU dict {f * 1e6:.1f} us/fetch ({f_hit:.1%}) | ratio {s / f:.1f} | "
+                       f"load {os.getloadavg()[0]:.1f}")
+    print(f"store_path: {a.layers} x {a.experts} top-{a.topk}, {slots / n_keys:.0%} slots, {a.clients} clients, "
+          f"{a.reps} reps x {a.tokens} tokens; medians")
+    print(f"store_path: store {harness.median(per) * 1e6:.1f} us per fetch, LRU dict floor "
+          f"{harness.median(flo) * 1e6:.1f} us, ratio {harness.median(ratios):.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
