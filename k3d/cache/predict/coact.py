@@ -72,6 +72,7 @@ from __future__ import annotations
 import numpy as np
 
 from k3d.cache.predict.counts import BINS, HIT, Counts, Tables, nbytes
+from k3d.cache.predict.recall import Recall
 from k3d.cache.predict.score import SMALL, bins_of, dense, resolve, small
 from k3d.cache.resident import residency
 
@@ -126,10 +127,15 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         self._ctx: dict[int, tuple] = {}        # client -> (target layer, _context's answer)
         self._keys: dict[int, list] = {}        # layer -> its keys, expert order
         self.scratch: dict[str, np.ndarray] = {}  # score.scratch's buffers (no state: reused memory)
+        self.temper = temper
+        self.recall = self._new_recall()           # trajectory matching (recall.py); None: small models
 
     @property
     def small(self) -> bool:
         return self.experts <= SMALL
+
+    def _new_recall(self) -> Recall | None:
+        return None if self.small else Recall(self.layers, self.experts, self.depth, self.temper)
 
     # -- learning ---------------------------------------------------------------
     def observe(self, client: int, keys) -> None:
@@ -166,7 +172,7 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         # the counts are those they were made under, and keep the bins as if scored.
         waiting = [(c, pend) for c, pend in self._pending.items() if pend[1] is None]
         if waiting:
-            bins = bins_of(self, [(pend[2], pend[0], pend[3], pend[4]) for _, pend in waiting])
+            bins = bins_of(self, [(pend[2], pend[0], pend[3], pend[4], pend[6]) for _, pend in waiting])
             for (c, pend), b in zip(waiting, bins):
                 res = pend[5]
                 if self.small:
@@ -187,7 +193,7 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         pend = self._pending.pop(client, None)
         if pend is not None and pend[0] == m:      # resolve the calibration of the last proposal
             if pend[1] is None:                    # deferred: binned at the fold
-                self._deferred.append((pend[2], m, pend[3], pend[4], pend[5], picks))
+                self._deferred.append((pend[2], m, pend[3], pend[4], pend[6], pend[5], picks))
             elif self.small:
                 cands = pend[1]                    # expert -> its bin, the candidates only
                 ci = c.cal_idx
@@ -208,7 +214,11 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         else:                                      # the pass's first layer
             st = self._starts.get(client)
             self._starts[client] = (m, st[0] if st else None)
+            if self.recall is not None:
+                self.recall.begin(client)
         c.learn(m, self._context(client, m)[1], picks)
+        if self.recall is not None:
+            self.recall.learn(client, m, picks)
         self._fetched[m] = True
         if hist is None:
             hist = self._recent[client] = []
@@ -220,6 +230,8 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         """``client``'s token ended: its next fetch begins a new pass, whose first layer
         takes this pass's last layers as context."""
         hist = self._recent.get(client)
+        if self.recall is not None:
+            self.recall.end(client)
         if hist:
             self._ends[hist[-1][0]] += 1
             self._prev[client] = hist
@@ -230,6 +242,8 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         """``client`` left: its context goes (what it taught stays)."""
         for d in (self._recent, self._prev, self._pending, self._k, self._ctx, self._starts):
             d.pop(client, None)
+        if self.recall is not None:
+            self.recall.forget(client)
 
     # -- predicting ---------------------------------------------------------------
     def _table(self, client: int) -> Tables:
@@ -295,7 +309,8 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         if self.small:
             best, cands = small(self, t, layer, parts, res)
         else:
-            best, cands = dense(self, t, layer, parts, rows, np.frombuffer(res, np.bool_), sizes)
+            votes = self.recall.votes(layer, parts, t.pm[layer])
+            best, cands = dense(self, t, layer, parts, rows, np.frombuffer(res, np.bool_), sizes, votes)
         self._pending[client] = (layer, cands)
         if not best:
             return []
@@ -324,8 +339,9 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
             return
         if res is None:
             res = residency(resident, layer, self._layer_keys(layer))
-        _, rows, sizes = self._context(client, layer)
-        self._pending[client] = (layer, None, t, rows, sizes, res)
+        parts, rows, sizes = self._context(client, layer)
+        votes = None if self.recall is None else self.recall.votes(layer, parts, t.pm[layer])
+        self._pending[client] = (layer, None, t, rows, sizes, res, votes)
 
     # -- shape and warm restart ------------------------------------------------------
     def _grow(self, layers: int, experts: int) -> None:
@@ -337,6 +353,7 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         self.layers, self.experts = L, E
         self.c = Counts(L, E, self.depth, self.window)
         self.c.take(old)
+        self.recall = self._new_recall()           # (a pass's row is of the old shape)
         self._fetched += [False] * (L - len(self._fetched))
         self._ends += [0] * (L - len(self._ends))
         self._goes += [0] * (L - len(self._goes))
@@ -383,7 +400,10 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed predictor state: {e}") from None
         new.cal_n[:], new.cal_hit[:] = cal_n, cal_hit
-        self.layers, self.experts, self.c = L, E, new
+        if (L, E) != (self.layers, self.experts):
+            self.layers, self.experts = L, E
+            self.recall = self._new_recall()
+        self.c = new
         self._deferred = []
         self.learned = int(new.visits.sum())
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))
