@@ -23,6 +23,11 @@ Model, per target layer ``m`` and expert ``e`` (the counts: ``counts.Counts``):
   carries over) and naive Bayes would count what they share once per layer; on
   the Qwen3 and Mixtral traces this ranks the candidates better (bench/README.md,
   the predictor's lab note);
+- for models of more than ``score.SMALL`` experts, *recall* (``recall.Recall``): the
+  last passes kept whole, those whose layers before ``m`` overlap this pass's most
+  voting for ``m``'s experts; its votes and the naive-Bayes probability are mixed
+  (``score.mix``) into the raw score.  Pairs cannot tell which of two paths through
+  a layer a token is on, a whole pass can (bench/README.md, "recall");
 - the raw score is then *calibrated*: its bin's measured hit frequency
   (``cal_hit / cal_n``; every candidate of every proposal that was not resident
   is resolved when its layer's fetch comes) replaces it.  A confidence is thus a
@@ -56,11 +61,13 @@ Memory, bounded by the model's layers ``L`` x experts ``E``: the counts take
 ``depth_for`` so at most max(16 MiB, 2 * L * (E**2 + 2 * E)) bytes; a fold's
 scoring tables ~400 * L * E bytes per fetch size in use (``counts.Tables``); the
 float64 q rows (8 * depth * L * E**2) only while they fit in ``score.Q_BYTES``
-(32 MiB); per client, a few passes' picks.  At DeepSeek-V3's 58 x 256: ~21 MB.
+(32 MiB); recall's passes (``recall.window_for``: at most max(8 MiB, 64 * L * E)
+bytes); per client, a few passes' picks.  At DeepSeek-V3's 58 x 256: ~29 MB.
 
 Per client it keeps only its current and previous pass's last ``depth`` layers
 (``forget`` drops them).  ``state``/``restore`` carry the counts across a restart
-(JSON-able, validated; ``state`` reports the counts as folded, without folding).
+(JSON-able, validated; ``state`` reports the counts as folded, without folding);
+recall's passes are not carried (what the requests of the day did).
 
 Thread: one caller at a time (the daemon's server thread, or replay); scoring
 reuses buffers it owns (``scratch``), so one predictor is never shared between
@@ -309,7 +316,7 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         if self.small:
             best, cands = small(self, t, layer, parts, res)
         else:
-            votes = self.recall.votes(layer, parts, t.pm[layer])
+            votes = self._votes(client, layer, rows)
             best, cands = dense(self, t, layer, parts, rows, np.frombuffer(res, np.bool_), sizes, votes)
         self._pending[client] = (layer, cands)
         if not best:
@@ -318,6 +325,11 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
             budget = min(budget, room())
         best.sort()
         return [(keys[e], -c) for c, e in best[:max(0, budget)]]
+
+    def _votes(self, client: int, layer: int, rows):
+        """Recall's votes for ``layer`` from the client's context ``rows``, when they are of
+        this pass (a pass's first layer, whose context is the pass before, has none)."""
+        return self.recall.votes(layer, rows) if self._recent.get(client) else None
 
     def _layer_keys(self, layer: int) -> list:
         keys = self._keys.get(layer)
@@ -339,8 +351,8 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
             return
         if res is None:
             res = residency(resident, layer, self._layer_keys(layer))
-        parts, rows, sizes = self._context(client, layer)
-        votes = None if self.recall is None else self.recall.votes(layer, parts, t.pm[layer])
+        _, rows, sizes = self._context(client, layer)
+        votes = None if self.recall is None else self._votes(client, layer, rows)
         self._pending[client] = (layer, None, t, rows, sizes, res, votes)
 
     # -- shape and warm restart ------------------------------------------------------

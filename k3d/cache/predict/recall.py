@@ -17,11 +17,13 @@ naive-Bayes probability (``score.mix``) before calibrating: the confidence stays
 measured frequency of the mixed score.  Only models of more than ``score.SMALL``
 experts use it (a handful of experts leaves no path to match).
 
-Layout: ``x`` (rows ``window``, ``layers * experts``), float32, one row per pass, 1.0
-where the pass picked the key; ``done[r]``: row ``r`` holds a finished pass (only those
-vote: a pass in progress has not reached the layer asked about).  Rows are reused in
-order (a ring); a client whose row is taken for a newer pass loses the rest of its
-own (it votes nowhere, nothing else changes).
+Layout: ``x`` (``layers * experts``, ``window``), float32, one column per finished
+pass, 1.0 where the pass picked the key (key-major, so a context's keys are a few
+contiguous rows to gather, and a layer's experts one contiguous block to vote
+with); a column never written is zeros and votes nothing.  A pass in progress is a
+list of keys per client (``_open``: it has not reached the layer asked about, so it
+never votes), written at its end (``end``) into the oldest column (a ring;
+``_set[r]``: the keys column ``r`` holds, cleared at its reuse).
 
 Memory, bounded by layers ``L`` x experts ``E``: ``4 * window * L * E`` bytes, the
 window from ``window_for`` (``WINDOW`` passes, fewer where that passes ``BYTES``, at
@@ -54,12 +56,12 @@ class Recall:
     def __init__(self, layers: int, experts: int, depth: int, temper: float, window: int | None = None):
         self.layers, self.experts, self.depth = layers, experts, depth
         self.window = window_for(layers, experts) if window is None else window
-        self.x = np.zeros((self.window, layers * experts), np.float32)
-        self.done = np.zeros(self.window, np.float32)   # 1.0: a finished pass (a factor of its vote)
-        self.owner: list[int | None] = [None] * self.window
-        self.next = 0                                   # the row the next pass takes
-        self.row: dict[int, int] = {}                   # client -> its pass's row
-        self.wd = [temper ** d for d in range(depth)]   # distance d + 1's weight
+        self.x = np.zeros((layers * experts, self.window), np.float32)
+        self._set: list[list[int]] = [[] for _ in range(self.window)]   # column -> the keys it holds
+        self.next = 0                                   # the column the next finished pass takes
+        self._open: dict[int, list[int]] = {}           # client -> the keys of its pass in progress
+        # a context row (d - 1) * E + a's weight: distance d's (CoPredictor._context's rows)
+        self.wr = np.repeat(np.array([temper ** d for d in range(depth)], np.float32), experts)
         self.any_done = False
 
     def nbytes(self) -> int:
@@ -68,56 +70,50 @@ class Recall:
     def begin(self, client: int) -> None:
         """``client`` starts a pass (its first layer's fetch is next to ``learn``)."""
         self.end(client)
-        r = self.next
-        self.next = (r + 1) % self.window
-        was = self.owner[r]
-        if was is not None and self.row.get(was) == r:  # a pass still in progress: it stops here
-            del self.row[was]
-        self.x[r] = 0.0
-        self.done[r] = 0.0
-        self.owner[r] = client
-        self.row[client] = r
+        self._open[client] = []
 
     def learn(self, client: int, m: int, picks) -> None:
-        r = self.row.get(client)
-        if r is not None:
-            base = m * self.experts
-            self.x[r, [base + e for e in picks]] = 1.0
+        keys = self._open.get(client)
+        if keys is not None:
+            base = (self.layers - 1 - m) * self.experts     # (layers stored last first: see votes)
+            keys += [base + e for e in picks]
 
     def end(self, client: int) -> None:
-        """``client``'s pass is over: its row votes from now on."""
-        r = self.row.pop(client, None)
-        if r is not None:
-            self.done[r] = 1.0
-            self.owner[r] = None
+        """``client``'s pass is over: it takes the oldest column, and votes from now on."""
+        keys = self._open.pop(client, None)
+        if keys:
+            r = self.next
+            self.next = (r + 1) % self.window
+            self.x[self._set[r], r] = 0.0
+            self.x[keys, r] = 1.0
+            self._set[r] = keys
             self.any_done = True
 
     def forget(self, client: int) -> None:
-        """``client`` left mid-pass: its unfinished row never votes."""
-        r = self.row.pop(client, None)
-        if r is not None:
-            self.owner[r] = None
+        """``client`` left mid-pass: its unfinished pass is never kept."""
+        self._open.pop(client, None)
 
-    def votes(self, m: int, parts, pm: np.ndarray) -> np.ndarray | None:
-        """Each expert's vote (E,) for layer ``m`` given the pass's context ``parts``
-        ((distance, picks), as ``CoPredictor._context``; those reaching before this
-        pass are skipped); None: nothing to match (no finished pass, no context in
-        this pass, or no past pass overlapping it)."""
-        if not self.any_done:
+    def votes(self, m: int, rows) -> np.ndarray | None:
+        """Each expert's raw vote (E,) for layer ``m``, and the neighbours' total weight,
+        given the context ``rows`` of this pass (``CoPredictor._context``'s: ``(d - 1) * E
+        + a`` for expert ``a`` of layer ``m - d``); None: nothing to match (no finished
+        pass, or none overlapping).  ``share`` turns them into probabilities.  Layers
+        are stored last first, so layer ``m - d``'s key ``a`` is row ``(L - m) * E`` +
+        the context row: one view and one gather, no index arithmetic per key."""
+        if not self.any_done or not rows:
             return None
-        E = self.experts
-        cols, w = [], []
-        for d, picks in parts:
-            if d <= m and d <= self.depth:
-                cols += [(m - d) * E + a for a in picks]
-                w += [self.wd[d - 1]] * len(picks)
-        if not cols:
-            return None
-        sims = self.x.take(cols, 1) @ np.array(w, np.float32)
-        sims *= self.done
+        E, top = self.experts, (self.layers - m) * self.experts
+        sims = self.wr.take(rows) @ self.x[top:].take(rows, 0)
         sims **= SHARP
         total = float(sims.sum())
         if total <= 0.0:
             return None
-        v = sims @ self.x[:, m * E:(m + 1) * E]
-        return (v + (PRIOR * total) * pm) / (total * (1.0 + PRIOR))
+        v = self.x[top - E:top] @ sims
+        v *= 1.0 / total
+        return v
+
+
+def share(votes: np.ndarray, pm: np.ndarray) -> np.ndarray:
+    """``votes`` (a share of the neighbours' weight) shrunk towards the plain pick rate ``pm``
+    by ``PRIOR``: strictly inside (0, 1) where ``pm`` is."""
+    return (votes + PRIOR * pm) * (1.0 / (1.0 + PRIOR))

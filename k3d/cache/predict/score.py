@@ -35,6 +35,7 @@ from math import comb, prod
 import numpy as np
 
 from k3d.cache.predict.counts import BINS, HIT, Tables
+from k3d.cache.predict.recall import share
 
 EDGES = np.array([i / (BINS - i) for i in range(1, BINS)])  # bin i's lower edge, as odds
 SMALL = 16              # models of at most this many experts score with lists
@@ -156,12 +157,13 @@ def averaging(sizes: tuple) -> np.ndarray:
     return avg
 
 
-def mix(odds: np.ndarray, votes: np.ndarray) -> np.ndarray:
+def mix(odds: np.ndarray, votes: np.ndarray, pm: np.ndarray) -> np.ndarray:
     """The odds of ``MIX`` times the naive-Bayes probability (``odds`` / (1 + ``odds``)) plus
-    the rest times ``recall``'s ``votes`` (both strictly inside (0, 1): finite odds)."""
+    the rest times ``recall``'s ``votes`` shrunk towards the plain rate ``pm``
+    (``recall.share``; both strictly inside (0, 1): finite odds)."""
     pr = odds / (1.0 + odds)
     pr *= MIX
-    pr += (1.0 - MIX) * votes
+    pr += (1.0 - MIX) * share(votes, pm)
     return pr / (1.0 - pr)
 
 
@@ -207,9 +209,9 @@ def bins_of(p, items) -> np.ndarray:
             Rr = np.array([e[2] for e in part], np.int64)                                  # (N, rows)
             g = (c.co[M[:, None], Rr] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], Rr] + p.prior)[:, :, None]
             _bins(p, out, part, avg @ g, t.io[M], sizes)
-    for i, item in enumerate(items):
-        if item[4] is not None:
-            out[i] = mix(out[i], item[4])
+    for i, (t, m, _, _, votes) in enumerate(items):
+        if votes is not None:
+            out[i] = mix(out[i], votes, t.pm[m])
     return EDGES.searchsorted(out, side="right")
 
 
@@ -307,7 +309,7 @@ def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray, sizes: tuple = (),
         odds = np.multiply.reduce(f, axis=0)
         odds /= t.io[m]
         if votes is not None:
-            odds = mix(odds, votes)
+            odds = mix(odds, votes, t.pm[m])
     else:
         odds = 1.0 / t.io[m]
     pb = np.where(res, BINS, EDGES.searchsorted(odds, side="right"))
