@@ -329,7 +329,8 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
     def _votes(self, client: int, layer: int, rows):
         """Recall's votes for ``layer`` from the client's context ``rows``, when they are of
         this pass (a pass's first layer, whose context is the pass before, has none)."""
-        return self.recall.votes(layer, rows) if self._recent.get(client) else None
+        r = self.recall
+        return r.votes(layer, rows) if r is not None and self._recent.get(client) else None
 
     def _layer_keys(self, layer: int) -> list:
         keys = self._keys.get(layer)
@@ -352,7 +353,7 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         if res is None:
             res = residency(resident, layer, self._layer_keys(layer))
         _, rows, sizes = self._context(client, layer)
-        votes = None if self.recall is None else self._votes(client, layer, rows)
+        votes = self._votes(client, layer, rows)
         self._pending[client] = (layer, None, t, rows, sizes, res, votes)
 
     # -- shape and warm restart ------------------------------------------------------
