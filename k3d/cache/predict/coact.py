@@ -50,7 +50,8 @@ this fold's tables), or above ``SMALL`` experts nothing the caller would take (n
 reaches its ``floor``, or its budget is 0), is not scored at all then: its
 candidates' bins are computed at the fold, all together (``score.resolve``), with
 the same counts, for one such proposal in ``cal_every`` (a count of them: the
-others leave nothing), weighing ``cal_every`` (``_defer``); one that the layer's
+others leave nothing; ``CAL_EVERY``, or ``CAL_EVERY_DENSE`` where recall votes for
+each sample too), weighing ``cal_every`` (``_defer``); one that the layer's
 tables alone say can give nothing reads neither the residency nor the caller's
 ``room``.  The fold
 schedule is a function of the stream alone, so the daemon and ``k3d replay`` fold
@@ -80,7 +81,7 @@ import numpy as np
 
 from k3d.cache.predict.counts import BINS, HIT, Counts, Tables, nbytes
 from k3d.cache.predict.recall import Recall
-from k3d.cache.predict.score import SMALL, bins_of, dense, resolve, small
+from k3d.cache.predict.score import SMALL, VOTES, bins_of, dense, resolve, small
 from k3d.cache.resident import residency
 
 from .passes import Passes
@@ -100,17 +101,20 @@ def depth_for(layers: int, experts: int) -> int:
     61 x 384 (depth 1)."""
     return max(1, min(DEPTH, COUNTS_BYTES // nbytes(layers, experts, 1)))
 CAL_EVERY = 2           # a deferred proposal's candidates feed the calibration one in this many, weighted so
+CAL_EVERY_DENSE = 4     # ... above SMALL experts, where each such sample also costs recall's vote
 
 
 class CoPredictor(Passes):     # (Passes: where each client's pass stands, passes.py)
     name = "coact"
 
     def __init__(self, layers: int = 1, experts: int = 1, depth: int | None = None, prior: float = 2.0,
-                 window: int = 4096, min_prob: float = 0.3, cal_every: int = CAL_EVERY,
+                 window: int = 4096, min_prob: float = 0.3, cal_every: int | None = None,
                  temper: float = TEMPER):
         self.layers, self.experts = max(1, layers), max(1, experts)
         depth = depth_for(self.layers, self.experts) if depth is None else depth
         self.depth, self.prior, self.window, self.min_prob = depth, prior, window, min_prob
+        if cal_every is None:
+            cal_every = CAL_EVERY if self.experts <= SMALL else CAL_EVERY_DENSE
         self.cal_every = max(1, cal_every)
         self.weights = [temper ** d for d in range(depth)]   # distance d + 1's exponent (score.py)
         self.weights_v = np.array(self.weights)
@@ -330,7 +334,7 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         """Recall's votes for ``layer`` from the client's context ``rows``, when they are of
         this pass (a pass's first layer, whose context is the pass before, has none)."""
         r = self.recall
-        return r.votes(layer, rows) if r is not None and self._recent.get(client) else None
+        return r.votes(layer, rows, VOTES) if r is not None and self._recent.get(client) else None
 
     def _layer_keys(self, layer: int) -> list:
         keys = self._keys.get(layer)

@@ -8,13 +8,12 @@ and, for a layer ``m`` of a pass in progress, weighs each past pass by how well 
 layers ``m - d`` (d = 1 .. ``depth``, same pass only) overlap this pass's:
 
     sim(t') = sum_d temper ** (d - 1) * |picks(m - d) & picks_t'(m - d)|
-    votes[e] = (sum_t' sim(t') ** SHARP * [e picked at m in t'] + PRIOR * W * pm[e]) / (W + PRIOR * W)
+    votes[e] = sum_t' sim(t') ** SHARP * [e picked at m in t'] / sum_t' sim(t') ** SHARP
 
-with ``W = sum_t' sim(t') ** SHARP``: a sharp power, so the closest passes decide
-(a near neighbour vote, not an average over all), shrunk towards the layer's plain
-pick rate ``pm`` by a ``PRIOR`` share.  ``CoPredictor`` mixes ``votes`` with its
-naive-Bayes probability (``score.mix``) before calibrating: the confidence stays a
-measured frequency of the mixed score.  Only models of more than ``score.SMALL``
+a sharp power, so the closest passes decide (a near neighbour vote, not an average
+over all).  ``score.mix`` shrinks the votes towards the layer's plain pick rate
+``pm`` by a ``PRIOR`` share and mixes them with the naive-Bayes probability before
+calibrating: the confidence stays a measured frequency of the mixed score.  Only models of more than ``score.SMALL``
 experts use it (a handful of experts leaves no path to match).
 
 Layout: ``x`` (``layers * experts``, ``window``), float32, one column per finished
@@ -93,11 +92,11 @@ class Recall:
         """``client`` left mid-pass: its unfinished pass is never kept."""
         self._open.pop(client, None)
 
-    def votes(self, m: int, rows) -> np.ndarray | None:
-        """Each expert's raw vote (E,) for layer ``m``, and the neighbours' total weight,
-        given the context ``rows`` of this pass (``CoPredictor._context``'s: ``(d - 1) * E
-        + a`` for expert ``a`` of layer ``m - d``); None: nothing to match (no finished
-        pass, or none overlapping).  ``share`` turns them into probabilities.  Layers
+    def votes(self, m: int, rows, scale: float = 1.0) -> np.ndarray | None:
+        """Each expert's vote (E,) for layer ``m``: ``scale`` times the share of the
+        neighbours' weight that picked it, given the context ``rows`` of this pass
+        (``CoPredictor._context``'s: ``(d - 1) * E + a`` for expert ``a`` of layer ``m -
+        d``); None: nothing to match (no finished pass, or none overlapping).  Layers
         are stored last first, so layer ``m - d``'s key ``a`` is row ``(L - m) * E`` +
         the context row: one view and one gather, no index arithmetic per key."""
         if not self.any_done or not rows:
@@ -109,11 +108,5 @@ class Recall:
         if total <= 0.0:
             return None
         v = self.x[top - E:top] @ sims
-        v *= 1.0 / total
+        v *= scale / total
         return v
-
-
-def share(votes: np.ndarray, pm: np.ndarray) -> np.ndarray:
-    """``votes`` (a share of the neighbours' weight) shrunk towards the plain pick rate ``pm``
-    by ``PRIOR``: strictly inside (0, 1) where ``pm`` is."""
-    return (votes + PRIOR * pm) * (1.0 / (1.0 + PRIOR))

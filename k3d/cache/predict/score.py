@@ -35,9 +35,10 @@ from math import comb, prod
 import numpy as np
 
 from k3d.cache.predict.counts import BINS, HIT, Tables
-from k3d.cache.predict.recall import share
+from k3d.cache.predict.recall import PRIOR
 
 EDGES = np.array([i / (BINS - i) for i in range(1, BINS)])  # bin i's lower edge, as odds
+P_EDGES = np.array([i / BINS for i in range(1, BINS)])      # ... as a probability (mixed scores: mix)
 SMALL = 16              # models of at most this many experts score with lists
 SUBSETS = 128           # a context layer's picks: every set of their size tabulated at once up to this many
 Q_ROWS_FROM = 128       # dense: keep a layer's q rows for the fold once folds are this many fetches apart
@@ -157,14 +158,21 @@ def averaging(sizes: tuple) -> np.ndarray:
     return avg
 
 
-def mix(odds: np.ndarray, votes: np.ndarray, pm: np.ndarray) -> np.ndarray:
-    """The odds of ``MIX`` times the naive-Bayes probability (``odds`` / (1 + ``odds``)) plus
-    the rest times ``recall``'s ``votes`` shrunk towards the plain rate ``pm``
-    (``recall.share``; both strictly inside (0, 1): finite odds)."""
+VOTES = (1.0 - MIX) / (1.0 + PRIOR)   # recall's votes' weight in the mix (recall.Recall.votes's scale)
+
+
+def mix(odds: np.ndarray, votes: np.ndarray, t: Tables, m: int) -> np.ndarray:
+    """The probability ``MIX`` times naive Bayes's (``odds`` / (1 + ``odds``)) plus the rest
+    times ``recall``'s vote share shrunk towards the plain rate by ``recall.PRIOR``:
+    ``votes`` come scaled by ``VOTES``, and ``t.pm_mix`` is the plain rate's part, one
+    product per fold.  Binned on ``P_EDGES`` (``odds`` may be a batch, ``m`` layers)."""
+    if t.pm_mix is None:
+        t.pm_mix = t.pm * (VOTES * PRIOR)
     pr = odds / (1.0 + odds)
     pr *= MIX
-    pr += (1.0 - MIX) * share(votes, pm)
-    return pr / (1.0 - pr)
+    pr += votes
+    pr += t.pm_mix[m]
+    return pr
 
 
 def bins_of(p, items) -> np.ndarray:
@@ -209,10 +217,16 @@ def bins_of(p, items) -> np.ndarray:
             Rr = np.array([e[2] for e in part], np.int64)                                  # (N, rows)
             g = (c.co[M[:, None], Rr] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], Rr] + p.prior)[:, :, None]
             _bins(p, out, part, avg @ g, t.io[M], sizes)
+    bins = EDGES.searchsorted(out, side="right")
+    voted: dict[Tables, list] = {}
     for i, (t, m, _, _, votes) in enumerate(items):
         if votes is not None:
-            out[i] = mix(out[i], votes, t.pm[m])
-    return EDGES.searchsorted(out, side="right")
+            voted.setdefault(t, []).append((i, m, votes))
+    for t, run in voted.items():                   # (as dense mixes them: one batch per tables)
+        idx = [i for i, _, _ in run]
+        bins[idx] = P_EDGES.searchsorted(mix(out[idx], np.array([v for _, _, v in run]), t,
+                                             [m for _, m, _ in run]), side="right")
+    return bins
 
 
 def _bins(p, out, part, q, io, sizes: tuple) -> None:
@@ -308,11 +322,13 @@ def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray, sizes: tuple = (),
         f **= p.weights_v[[d - 1 for d, _ in parts]][:, None]
         odds = np.multiply.reduce(f, axis=0)
         odds /= t.io[m]
-        if votes is not None:
-            odds = mix(odds, votes, t.pm[m])
     else:
         odds = 1.0 / t.io[m]
-    pb = np.where(res, BINS, EDGES.searchsorted(odds, side="right"))
+    if votes is not None:
+        b = P_EDGES.searchsorted(mix(odds, votes, t, m), side="right")
+    else:
+        b = EDGES.searchsorted(odds, side="right")
+    pb = np.where(res, BINS, b)
     conf = t.ct_dense(m).take(pb * E + t.ar)       # (a resident expert's bin BINS: -1)
     ok = (conf >= p.min_prob).nonzero()[0]
     if not ok.size:                                # the usual answer: skip the lists
