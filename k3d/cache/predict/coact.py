@@ -62,8 +62,8 @@ Memory, bounded by the model's layers ``L`` x experts ``E``: the counts take
 ``depth_for`` so at most max(16 MiB, 2 * L * (E**2 + 2 * E)) bytes; a fold's
 scoring tables ~400 * L * E bytes per fetch size in use (``counts.Tables``); the
 float64 q rows (8 * depth * L * E**2) only while they fit in ``score.Q_BYTES``
-(32 MiB); recall's passes (``recall.window_for``: at most max(8 MiB, 64 * L * E)
-bytes); per client, a few passes' picks.  At DeepSeek-V3's 58 x 256: ~29 MB.
+(32 MiB); recall's passes (``recall.window_for``: at most max(4 MiB, 64 * L * E)
+bytes); per client, a few passes' picks.  At DeepSeek-V3's 58 x 256: ~25 MB.
 
 Per client it keeps only its current and previous pass's last ``depth`` layers
 (``forget`` drops them).  ``state``/``restore`` carry the counts across a restart

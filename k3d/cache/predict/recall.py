@@ -26,9 +26,9 @@ never votes), written at its end (``end``) into the oldest column (a ring;
 
 Memory, bounded by layers ``L`` x experts ``E``: ``4 * window * L * E`` bytes, the
 window from ``window_for`` (``WINDOW`` passes, fewer where that passes ``BYTES``, at
-least ``MIN_WINDOW``): at most max(``BYTES``, 4 * ``MIN_WINDOW`` * L * E).  6.3 MB at
-Qwen3-30B's 48 x 128 (256 passes), 8.4 MB at DeepSeek-V3's 58 x 256 (141), 8.4 MB at
-Kimi-K2's 61 x 384 (89).  Not kept across a warm restart (``CoPredictor.state``): it
+least ``MIN_WINDOW``): at most max(``BYTES``, 4 * ``MIN_WINDOW`` * L * E).  4.2 MB at
+Qwen3-30B's 48 x 128 (170 passes), DeepSeek-V3's 58 x 256 (70) and Kimi-K2's 61 x 384
+(44).  Not kept across a warm restart (``CoPredictor.state``): it
 is what the current requests did, not what the model does.
 
 Pure and deterministic (no clock, randomness or I/O): the daemon and ``k3d replay``
@@ -41,7 +41,7 @@ import numpy as np
 
 WINDOW = 256            # passes kept, where they fit in BYTES
 MIN_WINDOW = 16
-BYTES = 8 << 20         # x's bytes, above which fewer passes are kept
+BYTES = 4 << 20         # x's bytes, above which fewer passes are kept (the daemon's RSS)
 SHARP = 12.0            # a past pass votes with its similarity to this power: the closest decide
 PRIOR = 0.05            # the plain rate's weight, a share of the neighbours' total
 
