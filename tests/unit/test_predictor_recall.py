@@ -106,3 +106,13 @@ def test_a_path_that_pairs_cannot_tell_is_proposed_right():
     assert proposed >= 150 and right >= 0.95 * proposed
     right, proposed = precision_on_xor(False)                # the pair counts alone
     assert right <= 0.75 * max(proposed, 1)
+
+
+def test_fetches_of_hundreds_of_keys_stay_finite():
+    r = Recall(5, 512, depth=4, temper=0.7, window=16)
+    every = tuple(range(512))
+    for _ in range(16):                                      # (prefills' unions: every expert)
+        one_pass(r, 1, [every] * 5)
+    # each pass's similarity ~1297, to the 12th: the sum passes float32's range
+    v = r.votes(4, rows_of([(d, every) for d in range(1, 5)], 512))
+    assert v is not None and 0.99 < v.min() and v.max() <= 1.0 + 1e-6

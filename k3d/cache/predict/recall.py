@@ -13,8 +13,9 @@ layers ``m - d`` (d = 1 .. ``depth``, same pass only) overlap this pass's:
 a sharp power, so the closest passes decide (a near neighbour vote, not an average
 over all).  ``score.mix`` shrinks the votes towards the layer's plain pick rate
 ``pm`` by a ``PRIOR`` share and mixes them with the naive-Bayes probability before
-calibrating: the confidence stays a measured frequency of the mixed score.  Only models of more than ``score.SMALL``
-experts use it (a handful of experts leaves no path to match).
+calibrating: the confidence stays a measured frequency of the mixed score.  Only
+models of more than ``score.SMALL`` experts use it (a handful of experts leaves no
+path to match).
 
 Layout: ``x`` (``layers * experts``, ``window``), float32, one column per finished
 pass, 1.0 where the pass picked the key (key-major, so a context's keys are a few
@@ -28,8 +29,9 @@ Memory, bounded by layers ``L`` x experts ``E``: ``4 * window * L * E`` bytes, t
 window from ``window_for`` (``WINDOW`` passes, fewer where that passes ``BYTES``, at
 least ``MIN_WINDOW``): at most max(``BYTES``, 4 * ``MIN_WINDOW`` * L * E).  4.2 MB at
 Qwen3-30B's 48 x 128 (170 passes), DeepSeek-V3's 58 x 256 (70) and Kimi-K2's 61 x 384
-(44).  Not kept across a warm restart (``CoPredictor.state``): it
-is what the current requests did, not what the model does.
+(44).  Beside it, the keys each column holds (``_set``: window x L x k ints, k keys a
+fetch) and each client's pass in progress.  Not kept across a warm restart
+(``CoPredictor.state``): it is what the current requests did, not what the model does.
 
 Pure and deterministic (no clock, randomness or I/O): the daemon and ``k3d replay``
 compute the same votes.  Thread: its ``CoPredictor``'s (one caller at a time).
@@ -103,6 +105,7 @@ class Recall:
             return None
         E, top = self.experts, (self.layers - m) * self.experts
         sims = self.wr.take(rows) @ self.x[top:].take(rows, 0)
+        sims *= 1.0 / len(rows)          # each at most 1 (weights <= 1): the power stays in float32's range
         sims **= SHARP
         total = float(sims.sum())
         if total <= 0.0:
