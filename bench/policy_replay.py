@@ -200,6 +200,8 @@ def main() -> int:
             print("cost per fetch (cycle; the predictor's hooks against Store.fetch of the same fetches):")
             if os.path.exists(SHARED):
                 cost("shared Mixtral-8x7B GSM8K trace", read(SHARED), 100)
+            if os.path.exists(QWEN3):           # (10 % of the experts: the predictor reads ahead most here)
+                cost("shared Qwen3-30B-A3B trace", read(QWEN3), 614)
             for name, (tokens, kw) in TRACES.items():
                 path = os.path.join(tmp, "t.trace")
                 write_trace(path, tokens, **kw)

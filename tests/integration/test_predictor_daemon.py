@@ -27,7 +27,7 @@ from k3d.commands.ctl import query_status
 from k3d.demo.synthetic import write_checkpoint
 from k3d.observe.trace import read
 
-LAYERS, EXPERTS = 8, 16
+LAYERS, EXPERTS = 8, 24         # above score.SMALL: the dense scoring, with recall.py's votes
 
 
 @pytest.fixture(scope="module")

@@ -134,9 +134,9 @@ QWEN = next((p for p in (_ROOT.parent / "shared", _ROOT.parent.parent / "shared"
 @pytest.mark.skipif(not QWEN.exists(), reason=f"{QWEN} absent")
 def test_qwen3_predictor_reads_and_hit_rate():
     """Issue 34 on the Qwen3 trace, the default predictor at 10 % and 20 % of the experts:
-    total reads (misses + reads ahead) within 1.2x cycle alone (met), and the hit rate
-    near OPT's demand rate at 10 % and 0.95x it at 20 % (not met yet: 0.6 and 0.3 points
-    short; bench/README.md's predictor lab note), well above cycle alone."""
+    total reads (misses + reads ahead) within 1.2x cycle alone, and the hit rate at least
+    OPT's demand rate at 10 % and 0.95x it at 20 % (70.99 % against 70.86 %, 82.31 %
+    against 82.12 %: bench/README.md's predictor lab notes), well above cycle alone."""
     ev = parse(QWEN.read_text().splitlines())
     for slots in (614, 1229):
         alone = run(ev, "cycle", slots, predictor="none")
@@ -144,7 +144,7 @@ def test_qwen3_predictor_reads_and_hit_rate():
         opt = run(ev, "opt", slots)
         assert on.misses + on.prefetched <= 1.2 * alone.misses, (slots, on, alone)
         bound = opt.hit_rate if slots == 614 else 0.95 * opt.hit_rate
-        assert on.hit_rate >= bound - 0.007, (slots, on.hit_rate, opt.hit_rate)
+        assert on.hit_rate >= bound, (slots, on.hit_rate, opt.hit_rate)
         assert on.hit_rate >= alone.hit_rate + 0.04, (slots, on, alone)
 
 

@@ -23,6 +23,11 @@ Model, per target layer ``m`` and expert ``e`` (the counts: ``counts.Counts``):
   carries over) and naive Bayes would count what they share once per layer; on
   the Qwen3 and Mixtral traces this ranks the candidates better (bench/README.md,
   the predictor's lab note);
+- for models of more than ``score.SMALL`` experts, *recall* (``recall.Recall``): the
+  last passes kept whole, those whose layers before ``m`` overlap this pass's most
+  voting for ``m``'s experts; its votes and the naive-Bayes probability are mixed
+  (``score.mix``) into the raw score.  Pairs cannot tell which of two paths through
+  a layer a token is on, a whole pass can (bench/README.md, "recall");
 - the raw score is then *calibrated*: its bin's measured hit frequency
   (``cal_hit / cal_n``; every candidate of every proposal that was not resident
   is resolved when its layer's fetch comes) replaces it.  A confidence is thus a
@@ -45,7 +50,8 @@ this fold's tables), or above ``SMALL`` experts nothing the caller would take (n
 reaches its ``floor``, or its budget is 0), is not scored at all then: its
 candidates' bins are computed at the fold, all together (``score.resolve``), with
 the same counts, for one such proposal in ``cal_every`` (a count of them: the
-others leave nothing), weighing ``cal_every`` (``_defer``); one that the layer's
+others leave nothing; ``CAL_EVERY``, or ``CAL_EVERY_DENSE`` where recall votes for
+each sample too), weighing ``cal_every`` (``_defer``); one that the layer's
 tables alone say can give nothing reads neither the residency nor the caller's
 ``room``.  The fold
 schedule is a function of the stream alone, so the daemon and ``k3d replay`` fold
@@ -56,11 +62,13 @@ Memory, bounded by the model's layers ``L`` x experts ``E``: the counts take
 ``depth_for`` so at most max(16 MiB, 2 * L * (E**2 + 2 * E)) bytes; a fold's
 scoring tables ~400 * L * E bytes per fetch size in use (``counts.Tables``); the
 float64 q rows (8 * depth * L * E**2) only while they fit in ``score.Q_BYTES``
-(32 MiB); per client, a few passes' picks.  At DeepSeek-V3's 58 x 256: ~21 MB.
+(32 MiB); recall's passes (``recall.window_for``: at most max(4 MiB, 64 * L * E)
+bytes); per client, a few passes' picks.  At DeepSeek-V3's 58 x 256: ~25 MB.
 
 Per client it keeps only its current and previous pass's last ``depth`` layers
 (``forget`` drops them).  ``state``/``restore`` carry the counts across a restart
-(JSON-able, validated; ``state`` reports the counts as folded, without folding).
+(JSON-able, validated; ``state`` reports the counts as folded, without folding);
+recall's passes are not carried (what the requests of the day did).
 
 Thread: one caller at a time (the daemon's server thread, or replay); scoring
 reuses buffers it owns (``scratch``), so one predictor is never shared between
@@ -72,7 +80,8 @@ from __future__ import annotations
 import numpy as np
 
 from k3d.cache.predict.counts import BINS, HIT, Counts, Tables, nbytes
-from k3d.cache.predict.score import SMALL, bins_of, dense, resolve, small
+from k3d.cache.predict.recall import Recall
+from k3d.cache.predict.score import SMALL, VOTES, bins_of, dense, resolve, small
 from k3d.cache.resident import residency
 
 from .passes import Passes
@@ -92,17 +101,20 @@ def depth_for(layers: int, experts: int) -> int:
     61 x 384 (depth 1)."""
     return max(1, min(DEPTH, COUNTS_BYTES // nbytes(layers, experts, 1)))
 CAL_EVERY = 2           # a deferred proposal's candidates feed the calibration one in this many, weighted so
+CAL_EVERY_DENSE = 4     # ... above SMALL experts, where each such sample also costs recall's vote
 
 
 class CoPredictor(Passes):     # (Passes: where each client's pass stands, passes.py)
     name = "coact"
 
     def __init__(self, layers: int = 1, experts: int = 1, depth: int | None = None, prior: float = 2.0,
-                 window: int = 4096, min_prob: float = 0.3, cal_every: int = CAL_EVERY,
+                 window: int = 4096, min_prob: float = 0.3, cal_every: int | None = None,
                  temper: float = TEMPER):
         self.layers, self.experts = max(1, layers), max(1, experts)
         depth = depth_for(self.layers, self.experts) if depth is None else depth
         self.depth, self.prior, self.window, self.min_prob = depth, prior, window, min_prob
+        if cal_every is None:
+            cal_every = CAL_EVERY if self.experts <= SMALL else CAL_EVERY_DENSE
         self.cal_every = max(1, cal_every)
         self.weights = [temper ** d for d in range(depth)]   # distance d + 1's exponent (score.py)
         self.weights_v = np.array(self.weights)
@@ -126,10 +138,15 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         self._ctx: dict[int, tuple] = {}        # client -> (target layer, _context's answer)
         self._keys: dict[int, list] = {}        # layer -> its keys, expert order
         self.scratch: dict[str, np.ndarray] = {}  # score.scratch's buffers (no state: reused memory)
+        self.temper = temper
+        self.recall = self._new_recall()           # trajectory matching (recall.py); None: small models
 
     @property
     def small(self) -> bool:
         return self.experts <= SMALL
+
+    def _new_recall(self) -> Recall | None:
+        return None if self.small else Recall(self.layers, self.experts, self.depth, self.temper)
 
     # -- learning ---------------------------------------------------------------
     def observe(self, client: int, keys) -> None:
@@ -166,7 +183,7 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         # the counts are those they were made under, and keep the bins as if scored.
         waiting = [(c, pend) for c, pend in self._pending.items() if pend[1] is None]
         if waiting:
-            bins = bins_of(self, [(pend[2], pend[0], pend[3], pend[4]) for _, pend in waiting])
+            bins = bins_of(self, [(pend[2], pend[0], pend[3], pend[4], pend[6]) for _, pend in waiting])
             for (c, pend), b in zip(waiting, bins):
                 res = pend[5]
                 if self.small:
@@ -187,7 +204,7 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         pend = self._pending.pop(client, None)
         if pend is not None and pend[0] == m:      # resolve the calibration of the last proposal
             if pend[1] is None:                    # deferred: binned at the fold
-                self._deferred.append((pend[2], m, pend[3], pend[4], pend[5], picks))
+                self._deferred.append((pend[2], m, pend[3], pend[4], pend[6], pend[5], picks))
             elif self.small:
                 cands = pend[1]                    # expert -> its bin, the candidates only
                 ci = c.cal_idx
@@ -208,7 +225,11 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         else:                                      # the pass's first layer
             st = self._starts.get(client)
             self._starts[client] = (m, st[0] if st else None)
+            if self.recall is not None:
+                self.recall.begin(client)
         c.learn(m, self._context(client, m)[1], picks)
+        if self.recall is not None:
+            self.recall.learn(client, m, picks)
         self._fetched[m] = True
         if hist is None:
             hist = self._recent[client] = []
@@ -220,6 +241,8 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         """``client``'s token ended: its next fetch begins a new pass, whose first layer
         takes this pass's last layers as context."""
         hist = self._recent.get(client)
+        if self.recall is not None:
+            self.recall.end(client)
         if hist:
             self._ends[hist[-1][0]] += 1
             self._prev[client] = hist
@@ -230,6 +253,8 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         """``client`` left: its context goes (what it taught stays)."""
         for d in (self._recent, self._prev, self._pending, self._k, self._ctx, self._starts):
             d.pop(client, None)
+        if self.recall is not None:
+            self.recall.forget(client)
 
     # -- predicting ---------------------------------------------------------------
     def _table(self, client: int) -> Tables:
@@ -295,7 +320,8 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         if self.small:
             best, cands = small(self, t, layer, parts, res)
         else:
-            best, cands = dense(self, t, layer, parts, rows, np.frombuffer(res, np.bool_), sizes)
+            votes = self._votes(client, layer, rows)
+            best, cands = dense(self, t, layer, parts, rows, np.frombuffer(res, np.bool_), sizes, votes)
         self._pending[client] = (layer, cands)
         if not best:
             return []
@@ -303,6 +329,12 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
             budget = min(budget, room())
         best.sort()
         return [(keys[e], -c) for c, e in best[:max(0, budget)]]
+
+    def _votes(self, client: int, layer: int, rows):
+        """Recall's votes for ``layer`` from the client's context ``rows``, when they are of
+        this pass (a pass's first layer, whose context is the pass before, has none)."""
+        r = self.recall
+        return r.votes(layer, rows, VOTES) if r is not None and self._recent.get(client) else None
 
     def _layer_keys(self, layer: int) -> list:
         keys = self._keys.get(layer)
@@ -325,7 +357,8 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         if res is None:
             res = residency(resident, layer, self._layer_keys(layer))
         _, rows, sizes = self._context(client, layer)
-        self._pending[client] = (layer, None, t, rows, sizes, res)
+        votes = self._votes(client, layer, rows)
+        self._pending[client] = (layer, None, t, rows, sizes, res, votes)
 
     # -- shape and warm restart ------------------------------------------------------
     def _grow(self, layers: int, experts: int) -> None:
@@ -337,6 +370,7 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         self.layers, self.experts = L, E
         self.c = Counts(L, E, self.depth, self.window)
         self.c.take(old)
+        self.recall = self._new_recall()           # (a pass's row is of the old shape)
         self._fetched += [False] * (L - len(self._fetched))
         self._ends += [0] * (L - len(self._ends))
         self._goes += [0] * (L - len(self._goes))
@@ -383,7 +417,10 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed predictor state: {e}") from None
         new.cal_n[:], new.cal_hit[:] = cal_n, cal_hit
-        self.layers, self.experts, self.c = L, E, new
+        if (L, E) != (self.layers, self.experts):
+            self.layers, self.experts = L, E
+            self.recall = self._new_recall()
+        self.c = new
         self._deferred = []
         self.learned = int(new.visits.sum())
         self._fold_at = min(MAX_FOLD, max(MIN_FOLD, self.learned // FOLD_SHARE))

@@ -212,6 +212,7 @@ class Tables:
         E = c.experts
         pm = (c.pop + k / E) * (1.0 / (c.visits.astype(np.float64) + 1.0))[:, None]
         self.pm, self.ppm = pm, prior * pm
+        self.pm_mix: np.ndarray | None = None    # score.mix's share of pm, made at its first use
         self.io = (1.0 - pm) / pm
         ct = (c.cal_hit[None, :, None] + CAL_PRIOR * pm[:, None, :]) / (c.cal_n + CAL_PRIOR)[None, :, None]
         self.ct = ct.reshape(c.layers, BINS * E)

@@ -35,13 +35,16 @@ from math import comb, prod
 import numpy as np
 
 from k3d.cache.predict.counts import BINS, HIT, Tables
+from k3d.cache.predict.recall import PRIOR
 
 EDGES = np.array([i / (BINS - i) for i in range(1, BINS)])  # bin i's lower edge, as odds
+P_EDGES = np.array([i / BINS for i in range(1, BINS)])      # ... as a probability (mixed scores: mix)
 SMALL = 16              # models of at most this many experts score with lists
 SUBSETS = 128           # a context layer's picks: every set of their size tabulated at once up to this many
 Q_ROWS_FROM = 128       # dense: keep a layer's q rows for the fold once folds are this many fetches apart
 CHUNK = 8192            # bins_of: q values (proposals x context layers x experts) per step: 64 KiB
 Q_BYTES = 32 << 20      # dense: whole layers' q rows are kept only while all layers' fit in this (float64)
+MIX = 0.5               # dense: the naive-Bayes probability's share of the mix with recall's votes
 
 _subsets_of: dict[tuple, tuple] = {}       # (experts, size) -> subsets' answer
 _averaging: dict[tuple, np.ndarray] = {}   # context group sizes -> the matrix averaging each group
@@ -155,9 +158,26 @@ def averaging(sizes: tuple) -> np.ndarray:
     return avg
 
 
+VOTES = (1.0 - MIX) / (1.0 + PRIOR)   # recall's votes' weight in the mix (recall.Recall.votes's scale)
+
+
+def mix(odds: np.ndarray, votes: np.ndarray, t: Tables, m: int) -> np.ndarray:
+    """The probability ``MIX`` times naive Bayes's (``odds`` / (1 + ``odds``)) plus the rest
+    times ``recall``'s vote share shrunk towards the plain rate by ``recall.PRIOR``:
+    ``votes`` come scaled by ``VOTES``, and ``t.pm_mix`` is the plain rate's part, one
+    product per fold.  Binned on ``P_EDGES`` (``odds`` may be a batch, ``m`` layers)."""
+    if t.pm_mix is None:
+        t.pm_mix = t.pm * (VOTES * PRIOR)
+    pr = odds / (1.0 + odds)
+    pr *= MIX
+    pr += votes
+    pr += t.pm_mix[m]
+    return pr
+
+
 def bins_of(p, items) -> np.ndarray:
     """The raw-score bins (N, E) of proposals (tables, layer, context rows, context
-    sizes), scored as ``dense`` would have under those tables: the counts must not
+    sizes, recall's votes or None), scored as ``dense`` would have under those tables: the counts must not
     have moved since they were made (call before the fold).  Vectorised over the
     items of one shape: a layer with enough of them (their rows at least half its
     table, or its table already made) gathers from its q rows (``layer_q``); the
@@ -167,14 +187,14 @@ def bins_of(p, items) -> np.ndarray:
     costs a page fault per 4 KiB, at every fold."""
     c, E = p.c, p.experts
     R = c.seen.shape[1]
-    out = np.zeros((len(items), E), np.int64)
+    out = np.zeros((len(items), E))           # odds, then (the end) mixed and binned
     groups: dict[tuple, list] = {}
-    for i, (t, m, rows, sizes) in enumerate(items):
+    for i, (t, m, rows, sizes, _) in enumerate(items):
         groups.setdefault((t, sizes), []).append((i, m, rows))
     for (t, sizes), entries in groups.items():
         if not sizes:
             M = np.array([e[1] for e in entries], np.int64)
-            out[[e[0] for e in entries]] = EDGES.searchsorted(1.0 / t.io[M], side="right")
+            out[[e[0] for e in entries]] = 1.0 / t.io[M]
             continue
         by_layer: dict[int, list] = {}
         for e in entries:
@@ -197,11 +217,20 @@ def bins_of(p, items) -> np.ndarray:
             Rr = np.array([e[2] for e in part], np.int64)                                  # (N, rows)
             g = (c.co[M[:, None], Rr] + t.ppm[M][:, None, :]) / (c.seen[M[:, None], Rr] + p.prior)[:, :, None]
             _bins(p, out, part, avg @ g, t.io[M], sizes)
-    return out
+    bins = EDGES.searchsorted(out, side="right")
+    voted: dict[Tables, list] = {}
+    for i, (t, m, _, _, votes) in enumerate(items):
+        if votes is not None:
+            voted.setdefault(t, []).append((i, m, votes))
+    for t, run in voted.items():                   # (as dense mixes them: one batch per tables)
+        idx = [i for i, _, _ in run]
+        bins[idx] = P_EDGES.searchsorted(mix(out[idx], np.array([v for _, _, v in run]), t,
+                                             [m for _, m, _ in run]), side="right")
+    return bins
 
 
 def _bins(p, out, part, q, io, sizes: tuple) -> None:
-    """``out``'s rows of ``part`` from its q rows averaged per context layer (N, groups, E):
+    """``out``'s rows (odds) of ``part`` from its q rows averaged per context layer (N, groups, E):
     odds = prod_d (q_d / (1 - q_d) * io)^w_d / io, w_d the weight of the group's distance
     (read off its first row: ``(d - 1) * E + a``)."""
     f = q / (1.0 - q)
@@ -211,7 +240,7 @@ def _bins(p, out, part, q, io, sizes: tuple) -> None:
     f **= p.weights_v[d0][:, :, None]
     odds = np.multiply.reduce(f, axis=1)
     odds /= io
-    out[[e[0] for e in part]] = EDGES.searchsorted(odds, side="right")
+    out[[e[0] for e in part]] = odds
 
 
 def scratch(p, name: str, shape: tuple, dtype=np.float64) -> np.ndarray:
@@ -228,14 +257,15 @@ def scratch(p, name: str, shape: tuple, dtype=np.float64) -> np.ndarray:
 def resolve(p, deferred) -> np.ndarray:
     """Calibration buffer indices (``counts``: a candidate's bin, and HIT + bin where it was
     picked) of the proposals ``propose`` deferred, all at once: entries (tables, layer,
-    context rows, context sizes, resident mask (bytes, 1: resident), picks); see ``bins_of``."""
+    context rows, context sizes, recall's votes or None, resident mask (bytes, 1: resident),
+    picks); see ``bins_of``."""
     if not deferred:
         return np.zeros(0, np.int64)
-    bins = bins_of(p, [e[:4] for e in deferred])
+    bins = bins_of(p, [e[:5] for e in deferred])
     # (the masks are bytes of 0 / 1, one per expert, all of one length: one shape per fold)
-    cand = ~np.frombuffer(b"".join([e[4] for e in deferred]), np.bool_).reshape(bins.shape)
+    cand = ~np.frombuffer(b"".join([e[5] for e in deferred]), np.bool_).reshape(bins.shape)
     hit = np.zeros(cand.shape, bool)
-    hit[[i for i, e in enumerate(deferred) for _ in e[5]], [x for e in deferred for x in e[5]]] = True
+    hit[[i for i, e in enumerate(deferred) for _ in e[6]], [x for e in deferred for x in e[6]]] = True
     return np.concatenate((bins[cand], bins[cand & hit] + HIT))
 
 
@@ -275,9 +305,11 @@ def q_rows(p, t: Tables, m: int, rows) -> np.ndarray:
     return (c.co[m].take(idx, 0) + t.ppm[m]) / (c.seen[m].take(idx) + p.prior)[:, None]
 
 
-def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray, sizes: tuple = ()) -> tuple[list, np.ndarray]:
+def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray, sizes: tuple = (),
+          votes: np.ndarray | None = None) -> tuple[list, np.ndarray]:
     """As ``small``, with one gather of the context rows (many experts); ``sizes``: the
-    parts' pick counts (``CoPredictor._context``'s)."""
+    parts' pick counts (``CoPredictor._context``'s); ``votes``: ``recall``'s, mixed in
+    (``mix``) before binning."""
     E = p.experts
     if parts:
         sizes = sizes or tuple(len(ps) for _, ps in parts)
@@ -292,7 +324,11 @@ def dense(p, t: Tables, m: int, parts, rows, res: np.ndarray, sizes: tuple = ())
         odds /= t.io[m]
     else:
         odds = 1.0 / t.io[m]
-    pb = np.where(res, BINS, EDGES.searchsorted(odds, side="right"))
+    if votes is not None:
+        b = P_EDGES.searchsorted(mix(odds, votes, t, m), side="right")
+    else:
+        b = EDGES.searchsorted(odds, side="right")
+    pb = np.where(res, BINS, b)
     conf = t.ct_dense(m).take(pb * E + t.ar)       # (a resident expert's bin BINS: -1)
     ok = (conf >= p.min_prob).nonzero()[0]
     if not ok.size:                                # the usual answer: skip the lists
