@@ -59,7 +59,7 @@ at the same fetches.  Cost: see ``bench/policy_replay.py --cost``.
 
 Memory, bounded by the model's layers ``L`` x experts ``E``: the counts take
 ``counts.nbytes`` (int16, ~2 * depth * L * E**2 bytes), with the depth from
-``depth_for`` so at most max(16 MiB, 2 * L * (E**2 + 2 * E)) bytes; a fold's
+``counts.depth_for`` so at most max(16 MiB, 2 * L * (E**2 + 2 * E)) bytes; a fold's
 scoring tables ~400 * L * E bytes per fetch size in use (``counts.Tables``); the
 float64 q rows (8 * depth * L * E**2) only while they fit in ``score.Q_BYTES``
 (32 MiB); recall's passes (``recall.window_for``: at most max(4 MiB, 64 * L * E)
@@ -79,7 +79,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3d.cache.predict.counts import BINS, HIT, Counts, Tables, nbytes
+from k3d.cache.predict import saved
+from k3d.cache.predict.counts import BINS, HIT, Counts, Tables, depth_for
 from k3d.cache.predict.recall import Recall
 from k3d.cache.predict.score import SMALL, VOTES, bins_of, dense, resolve, small
 from k3d.cache.resident import residency
@@ -87,19 +88,9 @@ from k3d.cache.resident import residency
 from .passes import Passes
 
 MIN_FOLD, FOLD_SHARE, MAX_FOLD = 32, 16, 1024
-DEPTH = 4               # context layers, where the counts fit in COUNTS_BYTES
-COUNTS_BYTES = 16 << 20  # the counts' memory, above which the context is shallower (down to 1 layer)
 TEMPER = 0.7            # a context layer at distance d weighs TEMPER ** (d - 1) in the naive Bayes product
 
 
-def depth_for(layers: int, experts: int) -> int:
-    """The context depth for a model of ``layers`` x ``experts``: ``DEPTH``, or as many
-    layers as keep the counts (``counts.nbytes``, ~2 * depth * L * E**2 bytes) within
-    ``COUNTS_BYTES``, at least 1.  So the counts take at most
-    max(COUNTS_BYTES, 2 * L * (E**2 + 2 * E)) bytes: 6.3 MB at Qwen3-30B's 48 x 128
-    (depth 4), 15.3 MB at DeepSeek-V3's 58 x 256 (depth 2), 18.1 MB at Kimi-K2's
-    61 x 384 (depth 1)."""
-    return max(1, min(DEPTH, COUNTS_BYTES // nbytes(layers, experts, 1)))
 CAL_EVERY = 2           # a deferred proposal's candidates feed the calibration one in this many, weighted so
 CAL_EVERY_DENSE = 4     # ... above SMALL experts, where each such sample also costs recall's vote
 
@@ -383,40 +374,14 @@ class CoPredictor(Passes):     # (Passes: where each client's pass stands, passe
         self._tables.clear()
 
     def state(self) -> dict:
-        """The learned counts as folded, JSON-able (sparse: nonzero entries only)."""
-        def sparse(arr):
-            idx = np.nonzero(arr)
-            return [[*map(int, i), int(arr[i])] for i in zip(*idx)]
-        blk, visits, cal = self.c.snapshot(self._resolved() if self._deferred else None)
-        return {"predictor": self.name, "layers": self.layers, "experts": self.experts, "depth": self.depth,
-                **{name: sparse(arr) for name, arr in self.c.views(blk, visits).items()},
-                "cal_n": [int(x) for x in cal[:BINS]], "cal_hit": [int(x) for x in cal[HIT:HIT + BINS]]}
+        """The learned counts as folded, JSON-able (``saved.dump``)."""
+        return saved.dump(self.name, self.layers, self.experts, self.depth, self.c,
+                          self._resolved() if self._deferred else None)
 
     def restore(self, state: dict) -> None:
         """Take saved counts; ValueError (nothing changed) if malformed or of another shape."""
-        try:
-            if state.get("predictor") != self.name or int(state["depth"]) != self.depth:
-                raise ValueError("saved by another predictor or depth")
-            L, E = int(state["layers"]), int(state["experts"])
-            if not (0 < L <= 4096 and 0 < E <= 4096):
-                raise ValueError("shape out of range")
-            L, E = max(L, self.layers), max(E, self.experts)
-            new = Counts(L, E, self.depth, self.window)
-            views = new.views()
-            for name, arr in views.items():
-                for row in state[name]:
-                    *idx, val = (int(x) for x in row)
-                    if not 0 <= val < new.window or len(idx) != arr.ndim or \
-                            any(not 0 <= i < s for i, s in zip(idx, arr.shape)):
-                        raise ValueError(f"{name} entry out of range")
-                    arr[tuple(idx)] = val
-            cal_n = np.array([int(x) for x in state["cal_n"]], np.int64)
-            cal_hit = np.array([int(x) for x in state["cal_hit"]], np.int64)
-            if cal_n.shape != (BINS,) or cal_hit.shape != (BINS,) or (cal_hit < 0).any() or (cal_hit > cal_n).any():
-                raise ValueError("calibration out of range")
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"malformed predictor state: {e}") from None
-        new.cal_n[:], new.cal_hit[:] = cal_n, cal_hit
+        new = saved.load(state, self.name, self.depth, self.window, self.layers, self.experts)
+        L, E = new.layers, new.experts
         if (L, E) != (self.layers, self.experts):
             self.layers, self.experts = L, E
             self.recall = self._new_recall()

@@ -51,6 +51,20 @@ def nbytes(layers: int, experts: int, depth: int) -> int:
     return np.dtype(DTYPE).itemsize * layers * (E + depth * E + depth * E * E)
 
 
+DEPTH = 4               # context layers, where the counts fit in COUNTS_BYTES
+COUNTS_BYTES = 16 << 20  # the counts' memory, above which the context is shallower (down to 1 layer)
+
+
+def depth_for(layers: int, experts: int) -> int:
+    """The context depth for a model of ``layers`` x ``experts``: ``DEPTH``, or as many
+    layers as keep the counts (``counts.nbytes``, ~2 * depth * L * E**2 bytes) within
+    ``COUNTS_BYTES``, at least 1.  So the counts take at most
+    max(COUNTS_BYTES, 2 * L * (E**2 + 2 * E)) bytes: 6.3 MB at Qwen3-30B's 48 x 128
+    (depth 4), 15.3 MB at DeepSeek-V3's 58 x 256 (depth 2), 18.1 MB at Kimi-K2's
+    61 x 384 (depth 1)."""
+    return max(1, min(DEPTH, COUNTS_BYTES // nbytes(layers, experts, 1)))
+
+
 class Counts:
     def __init__(self, layers: int, experts: int, depth: int, window: int):
         if not 0 < window <= MAX_WINDOW:
