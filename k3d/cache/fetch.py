@@ -6,14 +6,10 @@ The loop validates a request and makes one call here, with the client's session:
   client's fair share, background reads it now waits on are promoted, the route
   trace gets the line, the client's predictions follow (``predict``), and the
   fetch is answered: at once (every slot READY, checked) or parked until its reads
-  finish.  A small miss already in the page cache is read on this thread as its
-  read starts (``k3d.reads.inline``), so a fetch of such misses is answered at
-  once, with no hand-over, wake-up or second pass of the loop.  The inline reads
-  a fetch starts (its misses, the client's predictions, the daemon's) are
-  finished in one pass before it is answered (``_finish_inline``: one sum into
-  the counters, one check of their files, one pass making them READY); other
-  callers of ``_start`` finish theirs at once.  Latency is recorded where the
-  reply is sent, for both.
+  finish (latency is recorded where the reply is sent).  Small misses in the page
+  cache are read on this thread (``k3d.reads.inline``); all a fetch reads so (its
+  misses, the client's and the daemon's predictions) is finished in one pass
+  before the reply (``_finish_inline``: one sum, one check of their files).
 - ``report``: fetches the client answered itself from the shared index (each a
   layer, its experts and the slots it saw), applied as hits in order
   (``Store.report``), each traced as a fetch line;
