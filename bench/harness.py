@@ -180,6 +180,16 @@ def banner(name: str, text: str) -> None:
     print(f"[{name}] {text}", flush=True)
 
 
+def scale_shape(ap) -> None:
+    """The options of ``scale.py``'s probe that ``fetch_cpu.py`` and ``store_path.py``
+    share: the model's counts, the arena's share of its experts, the decoding clients."""
+    ap.add_argument("--layers", type=int, default=58)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--share", type=float, default=0.3, help="arena slots as a share of all experts")
+    ap.add_argument("--clients", type=int, default=2)
+
+
 def drop_page_cache(path: str) -> None:
     """Evict ``path`` from the page cache (fsync first: dirty pages are not dropped)."""
     fd = os.open(path, os.O_RDONLY)

@@ -100,11 +100,7 @@ def run_floor(a, slots: int, drawn) -> tuple[float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=58)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--share", type=float, default=0.3, help="slots as a share of all experts")
-    ap.add_argument("--clients", type=int, default=2)
+    harness.scale_shape(ap)
     ap.add_argument("--tokens", type=int, default=60, help="measured tokens per client per rep")
     ap.add_argument("--warm", type=int, default=10, help="tokens per client before the clock")
     ap.add_argument("--reps", type=int, default=5)
