@@ -105,23 +105,25 @@ def test_a_fetch_ready_at_once_gets_only_the_final_reply(server):  # noqa: F811
 
 def test_a_client_on_its_next_token_gets_no_more_parts(server):  # noqa: F811
     """A client that began a new token gave the stream up: the reads that finish after
-    send nothing but the final reply (repinned for its new token, as for any fetch)."""
+    send nothing but the final reply (repinned for its new token, as for any fetch).
+    Both reads are held until the new token is answered, so the order is known: no
+    part can come first (nothing was ready), and any part would come before the
+    final reply, which is sent once both reads are in."""
     srv = server()
     s = raw_dealer(srv.cfg.endpoint)
     request(s, 1, "hello", name="raw")
     assert reply(s)["ok"]
-    (g,) = hold(srv, (2, 3))
+    g3, g4 = hold(srv, (2, 3), (2, 4))
     request(s, 2, "fetch", keys=[[2, 3], [2, 4]], as_ready=True)
     poll_for(lambda: srv.store.stats.misses == 2, 10, "the fetch to be planned")
     request(s, 3, "begin_token")
-    got = [reply(s)]                                  # (2, 4)'s part may come before or after
-    got.append(reply(s))
-    g.set()
-    got.append(reply(s))
-    final = [r for r in got if r["id"] == 2 and "part" not in r]
-    parts = [r for r in got if "part" in r]
-    assert len(final) == 1 and len(got) == 3 and [r["id"] for r in got].count(3) == 1
-    assert all(r["part"] == [1] for r in parts)      # never the held key, read after the new token
+    begun = reply(s)
+    assert begun["id"] == 3 and begun["ok"] and "part" not in begun
+    g4.set()                                          # each read finishes after the new token
+    g3.set()
+    final = reply(s)
+    assert final["id"] == 2 and final["ok"] and "part" not in final, final
+    assert len(final["slots"]) == 2
     s.close()
 
 
