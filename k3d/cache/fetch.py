@@ -133,7 +133,7 @@ class FetchService:
                 self.reads.waited_on(slot, s.client_id)
             s.fetches += 1
             self._trace_fetch(s, keys, now, plan.misses, plan.evictions, plan.waited, plan.prefetched_hits)
-            started = self.predict(s, predicted, now, finish=False, note=False) if predicted else 0
+            started = self.predict(s, predicted, now, in_fetch=True) if predicted else 0
             self._note_pins(s)    # once: its predictions only add pins
             if self.auto is not None:             # the daemon's own, after the client's
                 self._auto(s, keys, plan, started, now)
@@ -179,12 +179,12 @@ class FetchService:
             self.live.trace.done(now, s.client_id, s.epoch, layers)
         return self.store.release_layers(s.holder, layers)
 
-    def predict(self, s: Session, keys, now: float, finish: bool = True, note: bool = True) -> int:
+    def predict(self, s: Session, keys, now: float, in_fetch: bool = False) -> int:
         """Start background reads of ``keys`` not resident; returns how many started.
-        ``finish=False``: the caller finishes the inline reads (``fetch``).
         The route trace gets the keys as the store gets them (``k3d replay``
-        reproduces the prefetch counters from them).  ``note``: update ``s``'s pin
-        peak (``fetch`` does it once after its own pins and these)."""
+        reproduces the prefetch counters from them).  ``in_fetch``: the predictions
+        that come with a fetch, which finishes their inline reads and takes ``s``'s
+        pin peak once, after its own pins and these."""
         if not self.client_predictions:
             return 0
         store = self.store
@@ -196,9 +196,9 @@ class FetchService:
             self.live.trace.predict(now, s.client_id, s.epoch, keys)
         started = store.predict(s.client_id, keys, now)
         s.pf_started += len(started)
-        if started and note:
+        if started and not in_fetch:
             self._note_pins(s)
-        self._start(started, urgent=False, owner=s.client_id, finish=finish)
+        self._start(started, urgent=False, owner=s.client_id, finish=not in_fetch)
         return len(started)
 
     def begin_token(self, s: Session, hits) -> int:

@@ -119,10 +119,7 @@ class FileWatch:
 
     def _check(self, i: int, paths: bool) -> str | None:
         was = self.ids[i]
-        st = os.fstat(self.fds[i])
-        # the common answer (unchanged) without building an Identity: after every batch of reads
-        same = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == was
-        what = None if same else difference(was, Identity.of(st))
+        what = difference(was, Identity.of(os.fstat(self.fds[i])))
         if what is None and paths:
             try:
                 what = difference(was, Identity.of(os.stat(self._abs[i])))

@@ -165,6 +165,10 @@ def test_admission_of_the_victim_just_chosen_is_the_full_scores_comparison():
                 seen.add(expect)
         p.pin(v, "h")
     assert seen == {True, False}                    # both answers were exercised
+    for s, key in p._key.items():                   # any resident slot, the candidate or not
+        for conf in (0.01, 0.5, 0.99):
+            for want in ((2, 7), (5, 7), (0, 7)):
+                assert p.admits(want, s, conf) == (p.score(key) > p.score(want, p=conf))
     p.check()
 
 

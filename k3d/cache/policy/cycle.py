@@ -164,8 +164,7 @@ class CyclePolicy(LayerFiling):
         if exclude:
             return self._victim_scan(exclude)
         if self._fresh:
-            self._unpinned_all(self._fresh)
-            self._fresh = set()
+            self._file_fresh()
         if self._moves:
             self._flush_moves()
         c, f, L = self._current, self._first, max(self.layers, 1)

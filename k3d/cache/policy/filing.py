@@ -149,6 +149,11 @@ class LayerFiling(PinTable):
             else:
                 waiting.add(s)
 
+    def _file_fresh(self) -> None:
+        """The slots inserted unpinned and still unpinned go pending (most were pinned at once)."""
+        fresh, self._fresh = self._fresh, set()
+        self._unpinned_all(fresh)
+
     def _file_pending(self) -> None:
         """File every layer's pending slots (restore and audit want ``_free`` whole)."""
         pending, self._pending = self._pending, {}
@@ -175,8 +180,7 @@ class LayerFiling(PinTable):
     def _candidate(self, layer: int):
         """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
         if self._fresh:
-            self._unpinned_all(self._fresh)
-            self._fresh = set()
+            self._file_fresh()
         waiting = self._pending.get(layer)
         if waiting:
             self._pending[layer] = set()
@@ -225,8 +229,7 @@ class LayerFiling(PinTable):
         """Audit: file what waits, then compare the index with one built from scratch."""
         assert not set().union(self._fresh, *self._pending.values()) & set(self._holders), \
             "a pinned slot waits to be filed"
-        self._unpinned_all(self._fresh)
-        self._fresh = set()
+        self._file_fresh()
         for layer, slots in self._pending.items():
             assert all(self._key[s][0] == layer for s in slots), f"a slot pending under layer {layer} is not of it"
         self._file_pending()
