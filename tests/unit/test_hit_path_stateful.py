@@ -90,6 +90,7 @@ class Client:
 
 
 class HitPathMachine(RuleBasedStateMachine):
+    POLICY = "lru"
     @initialize(n=st.integers(1, 3), quota=st.sampled_from([0, 0, 4]))
     def setup(self, n, quota):
         self.quota = quota
@@ -103,7 +104,7 @@ class HitPathMachine(RuleBasedStateMachine):
     def _daemon(self):
         self.index = SharedIndex(LAYERS, EXPERTS)
         self.reader = IndexReader(self.index.fd, self.index.size)
-        self.store = Store(SLOTS, policy=make("lru"), index=self.index, reuse=Reuse(), reserve=2)
+        self.store = Store(SLOTS, policy=make(self.POLICY, layers=LAYERS), index=self.index, reuse=Reuse(), reserve=2)
         self.store.live.pin_quota = self.quota
         self.written = [0] * SLOTS          # times each slot was filled
         self.parked: list = []              # (client id, rid, holder, keys, slots, sent: set or None)
@@ -449,6 +450,18 @@ def _wire(reports):
 TestHitPath = HitPathMachine.TestCase
 TestHitPath.settings = settings(max_examples=200, stateful_step_count=80, deadline=None,
                                 suppress_health_check=[HealthCheck.too_slow])
+
+
+class CycleHitPathMachine(HitPathMachine):
+    """The same interleavings under the default policy (the model ran under LRU only).
+    Its arena is small enough that every layer is scored before a released slot is
+    pinned again, so ``filing``'s late filing itself is driven by
+    ``test_policy_cycle.py``'s seeded test, not here."""
+    POLICY = "cycle"
+
+
+TestCycleHitPath = CycleHitPathMachine.TestCase
+TestCycleHitPath.settings = TestHitPath.settings
 
 
 def test_one_client_reuses_at_once_as_without_the_index():
