@@ -1,6 +1,6 @@
 """Model-based test of the hit path: clients answer hits from the index, the daemon reuses slots later.
 
-Hypothesis interleaves, on a small store (6 slots, 24 keys) with the real
+Hypothesis interleaves, on a small store (4 slots, 8 keys: 2 layers x 4 experts) with the real
 ``SharedIndex``, the real client half (``k3client.hits.LocalHits``, one per
 client, over the same memfd) and the real ``Reuse``, what clients really do and
 what the daemon does, one message at a time:
