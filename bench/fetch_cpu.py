@@ -2,7 +2,8 @@
 
     python bench/fetch_cpu.py [--layers 58] [--experts 256] [--topk 8] [--share 0.3]
                               [--clients 2] [--tokens 30] [--warm 30] [--reps 5]
-                              [--predict auto|client|off] [--hidden 128] [--inter 64]
+                              [--predict auto|client|off] [--policy cycle|lru]
+                              [--hidden 128] [--inter 64]
 
 Issue 34's target for the miss path: a fetch of 8 keys with ~5 misses of small
 experts costs the daemon at most ~100 µs of CPU beyond the read itself.
@@ -159,6 +160,7 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=30, help="tokens per client before the first rep")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--predict", default="auto", help="the daemon's --predict")
+    ap.add_argument("--policy", default="cycle", help="the daemon's --policy (default: its default)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--inter", type=int, default=64)
     a = ap.parse_args()
@@ -174,7 +176,7 @@ def main() -> int:
                     pass
         slots = int(a.share * a.layers * a.experts)
         cfg = resolve({"endpoint": f"ipc://{work}/k.sock", "slots": slots, "state_dir": "none",
-                       "predict": a.predict, "readers": readers_for(src.kind, os.cpu_count())}, {})
+                       "predict": a.predict, "policy": a.policy, "readers": readers_for(src.kind, os.cpu_count())}, {})
         arena = Arena(*size_arena(cfg, src.expert_bytes))
         scratch = Arena(arena.slots, arena.slot_bytes)
         srv = Server(cfg, src, arena, f"{work}/k.sock.arena")

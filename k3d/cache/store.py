@@ -109,9 +109,16 @@ class Store(SlotTable):
         for layer in dict.fromkeys(k[0] for k in keys):
             policy.visit(layer)
         policy.pin_all(resident, holder)       # pin hits first so no miss evicts them
-        state, predicted, touch, slots = self.state, self.book.predicted_by, policy.touch, plan.slots
+        state, predicted, slots = self.state, self.book.predicted_by, plan.slots
+        # hits are touched in runs (one call per run), each run before the next miss's
+        # victim is chosen: the order the policy hears of keys is the request order
+        run_s: list[int] = []
+        run_k: list = []
         for key, s in zip(keys, have):
             if s is None:
+                if run_s:
+                    policy.touch_all(run_s, run_k)
+                    run_s, run_k = [], []
                 s, evicted = self._assign(key, urgent=True, now=now)
                 plan.evictions += evicted
                 plan.misses += 1
@@ -121,16 +128,20 @@ class Store(SlotTable):
             elif state[s] == LOADING:
                 plan.waited += 1
                 plan.waiting.add(s)
-                touch(s, key)
+                run_s.append(s)
+                run_k.append(key)
                 load = self.loads[s]
                 if not load.urgent:
                     load.urgent = True
                     plan.promote.append(s)
             else:
-                touch(s, key)
+                run_s.append(s)
+                run_k.append(key)
             if s in predicted:
                 plan.prefetched_hits += self.book.used(s)
             slots.append(s)
+        if run_s:
+            policy.touch_all(run_s, run_k)
         st = self.stats
         st.fetches += 1
         st.misses += plan.misses
