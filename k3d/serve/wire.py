@@ -77,6 +77,7 @@ _send, _recv, _get = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backe
 _NOBLOCK, _MORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _INT = frozenset((int,))
+_LIST = frozenset((list,))
 
 
 def receive(sock: zmq.Socket, block: bool = False):
@@ -198,8 +199,9 @@ def keys(msg: dict, field: str, unique: bool, source) -> list[tuple[int, int]]:
         raise BadRequest(f"{field} has {len(raw)} keys; at most {MAX_KEYS} per request")
     # Fast path for well-formed requests (every fetch and prediction: one pass, one
     # set); the loop below re-checks key by key only to name the first bad one.
+    # (only lists are pairs: unpacking would take a 2-byte bin or a 2-key map as one)
     try:
-        out = [(l, e) for l, e in raw if type(l) is int is type(e)]
+        out = [(l, e) for l, e in raw if type(l) is int is type(e)] if set(map(type, raw)) <= _LIST else None
     except (TypeError, ValueError):
         out = None
     if out is not None and len(out) == len(raw):

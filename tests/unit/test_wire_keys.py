@@ -33,6 +33,10 @@ def test_predictions_may_repeat_a_key():
     ([[0, 1, 2]], BadRequest, "[0, 1, 2] is not a [layer, expert] pair"),
     ([[[0], 1]], BadRequest, "[[0], 1] is not a [layer, expert] pair"),
     ([3], BadRequest, "3 is not a [layer, expert] pair"),
+    # what msgpack decodes a bin or a map to unpacks into two ints: still not a pair
+    ([b"\x00\x01"], BadRequest, "is not a [layer, expert] pair"),
+    ([{0: 5, 1: 6}], BadRequest, "is not a [layer, expert] pair"),
+    ([[0, 1], (1, 2)], BadRequest, "(1, 2) is not a [layer, expert] pair"),
     ([[0, 1], [3, 0]], UnknownExpert, "(layer 3, expert 0)"),
     ([[-1, 0]], UnknownExpert, "(layer -1, expert 0)"),
     ("nope", BadRequest, "keys must be a list"),
