@@ -249,8 +249,10 @@ def runtime(client, layers: dict[int, Layer], predict: bool = True, native_kerne
     the first step; the loader passes False for a model on a CUDA device), and no prediction for a
     layer whose experts the shared index shows all resident."""
     op = native.load() if native_kernel else None
+    one = native.load_layer() if op is not None else None
     return Runtime(client, layers, predict=predict, numerics="fused",
                    native=functools.partial(native.gated_expert, op) if op is not None else None,
+                   native_layer=functools.partial(native.layer_experts, one) if one is not None else None,
                    skip_resident=True)
 
 
