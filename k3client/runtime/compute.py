@@ -212,6 +212,7 @@ def _one_call(rt, ml, experts, predicted, counts, starts, x, scales, tokens, red
         out = rt.native_layer(ml.module, [v for _, v in group], [counts[e] for e, _ in group],
                               starts[group[0][0]], x, scales, tokens, reduced, out)
         rt.stats.native_experts += len(group)
+        rt.stats.native_calls += 1
     return out
 
 
