@@ -64,10 +64,12 @@ def build(client, cfg, a):
     for i in range(a.layers):
         specs = client.layout_of(i)
         fam = Standard({s.name for s in specs})
-        layers[i] = Layer(i, Activation(cfg["num_local_experts"], "silu"), None, fam, tuple(s.name for s in specs),
+        # a router, as vLLM's layer has: with every expert resident gate-ahead only checks the index
+        router = torch.nn.Linear(a.hidden, cfg["num_local_experts"], bias=False).to(dtype)
+        layers[i] = Layer(i, Activation(cfg["num_local_experts"], "silu"), router, fam, tuple(s.name for s in specs),
                           dtype, top_k=cfg["num_experts_per_tok"], specs=specs,
                           rowmajor=native.eligible(specs, fam, a.tp), shard=shard)
-    rt = Runtime(client, layers, predict=False, numerics="fused",
+    rt = Runtime(client, layers, predict=True, numerics="fused",
                  native=functools.partial(native.gated_expert, rowmm),
                  native_layer=functools.partial(native.layer_experts, one), skip_resident=True)
     return rt, rowmm, one

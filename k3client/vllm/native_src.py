@@ -37,16 +37,24 @@ SOURCE = r"""
 #include <cstring>
 #include <vector>
 
+// bytes of w's rows ahead of the one being read that are prefetched: each row of an arena view (1 KiB
+// for a 512-wide expert, half of it in a TP shard's down columns) is too short for the hardware
+// prefetcher to ramp up; 8 KiB ahead read a cold shard 1.4-1.7x faster here (bench/README.md)
+constexpr int64_t PREFETCH_BYTES = 8192;
+
 // M rows of x against rows [n0, n1) of w: out[m, n] = sum_k x[m, k] * w[n, k].  (Unrolling over
 // 2-4 rows of w, for more independent FMA chains at M = 1, measured slower here: not done.)
 template <int M>
 static void block(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, float* out, int64_t ldo,
                   int64_t n0, int64_t n1, int64_t K) {
+  const int64_t ahead = std::max<int64_t>(1, PREFETCH_BYTES / (2 * K)) * ldw;    // elements
   for (int64_t n = n0; n < n1; ++n) {
     const uint16_t* wr = w + n * ldw;
+    const char* pf = reinterpret_cast<const char*>(wr + ahead);     // a hint: never faults, past the end too
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
+      if ((k & 31) == 0) _mm_prefetch(pf + 2 * k, _MM_HINT_T0);    // one 64-byte line per 32 elements
       // bf16 -> fp32 is a 16-bit shift: exact
       __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
       __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
@@ -99,9 +107,11 @@ torch::Tensor rowmm(const torch::Tensor& x, const torch::Tensor& w) {
   return out;
 }
 
-static torch::Tensor act_of(const torch::Tensor& g, int64_t act) {
-  if (act == 0) return at::silu(g);
-  return at::gelu(g, act == 1 ? "none" : "tanh");
+// h = act(g) into h, by ATen's own op: its bits depend on g's shape and strides (a vectorised loop's
+// scalar tail), so g is what the per-expert path hands torch's act_fn
+static void act_into(const torch::Tensor& g, const torch::Tensor& h, int64_t act) {
+  if (act == 0) at::silu_out(const_cast<torch::Tensor&>(h), g);
+  else at::gelu_out(const_cast<torch::Tensor&>(h), g, act == 1 ? "none" : "tanh");
 }
 
 torch::Tensor experts(const torch::Tensor& x, const std::vector<std::vector<torch::Tensor>>& views,
@@ -114,8 +124,22 @@ torch::Tensor experts(const torch::Tensor& x, const std::vector<std::vector<torc
   TORCH_CHECK(scales.size() == tokens.size(), "experts: one scale and one token per row");
   TORCH_CHECK(act >= 0 && act <= 2, "experts: act must be 0 (silu), 1 (gelu) or 2 (gelu tanh)");
   const int64_t K = x.size(1), T = x.size(0);
-  int64_t total = 0;
-  for (auto c : counts) total += c;
+  int64_t total = 0, maxn = 0, maxi = 0;
+  for (size_t i = 0; i < views.size(); ++i) {
+    const auto& v = views[i];
+    TORCH_CHECK(v.size() == 2 || v.size() == 3, "experts: an expert's views are (gate_up, down) or (gate, up, down)");
+    TORCH_CHECK(counts[i] >= 1, "experts: an expert with no rows");
+    for (size_t j = 0; j + 1 < v.size(); ++j) check_w(v[j], K);
+    const int64_t I = v.size() == 2 ? v[0].size(0) / 2 : v[0].size(0);
+    TORCH_CHECK(v.size() == 2 ? v[0].size(0) == 2 * I : v[1].size(0) == I,
+                "experts: gate and up must have the same rows");
+    check_w(v.back(), I);
+    TORCH_CHECK(v.back().size(0) == views[0].back().size(0),
+                "experts: every expert's down projection must have H rows");
+    total += counts[i];
+    maxn = std::max(maxn, counts[i]);
+    maxi = std::max(maxi, I);
+  }
   TORCH_CHECK(at >= 0 && at + total <= (int64_t)scales.size(), "experts: rows outside the step's");
   for (auto t : tokens) TORCH_CHECK(t >= 0 && t < T, "experts: a row's token is outside x");
   if (views.empty()) return out_.has_value() ? *out_ : torch::Tensor();
@@ -135,13 +159,16 @@ torch::Tensor experts(const torch::Tensor& x, const std::vector<std::vector<torc
   TORCH_CHECK(out.size(0) == T, "experts: out must have x's tokens");
   float* op = out.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  std::vector<float> rowsbuf;               // an expert's rows of x, gathered (several rows)
+  // scratch for the largest expert of the call: gate and up side by side ([n, 2I], as a gate_up view
+  // gives them), the activation h ([n, I]), the down projection ([n, H]), gathered rows of x
+  auto gu = torch::empty({maxn, 2 * maxi}, x.options());
+  auto hb = torch::empty({maxn * maxi}, x.options());
+  std::vector<float> d(maxn * H), rowsbuf;
   int64_t r = at;
   for (size_t i = 0; i < views.size(); ++i) {
     const auto& v = views[i];
     const int64_t n = counts[i];
-    TORCH_CHECK(v.size() == 2 || v.size() == 3, "experts: an expert's views are (gate_up, down) or (gate, up, down)");
-    TORCH_CHECK(n >= 1, "experts: an expert with no rows");
+    const int64_t I = v.size() == 2 ? v[0].size(0) / 2 : v[0].size(0);
     const float* xe = xp + tokens[r] * x.stride(0);
     int64_t ldx = x.stride(0);
     if (n > 1) {                             // rowmm reads rows ldx apart: its tokens' rows, packed
@@ -151,34 +178,36 @@ torch::Tensor experts(const torch::Tensor& x, const std::vector<std::vector<torc
       xe = rowsbuf.data();
       ldx = K;
     }
-    torch::Tensor h;
-    if (v.size() == 2) {
-      check_w(v[0], K);
-      auto gu = torch::empty({n, v[0].size(0)}, x.options());
-      mm(xe, ldx, n, v[0], gu.data_ptr<float>());
-      auto parts = gu.chunk(2, -1);
-      h = act_of(parts[0], act).mul_(parts[1]);
-    } else {
-      check_w(v[0], K);
-      check_w(v[1], K);
-      auto g = torch::empty({n, v[0].size(0)}, x.options());
-      auto u = torch::empty({n, v[1].size(0)}, x.options());
-      mm(xe, ldx, n, v[0], g.data_ptr<float>());
-      mm(xe, ldx, n, v[1], u.data_ptr<float>());
-      h = act_of(g, act).mul_(u);
+    float* g = gu.data_ptr<float>();
+    float* u;
+    int64_t ldu;
+    torch::Tensor gate;                     // the tensor the per-expert path's act_fn reads
+    if (v.size() == 2) {                    // rowmm(x, gate_up).chunk(2): [n, I] with rows 2I apart
+      mm(xe, ldx, n, v[0], g);
+      gate = torch::from_blob(g, {n, I}, {2 * I, 1}, x.options());
+      u = g + I;
+      ldu = 2 * I;
+    } else {                                // rowmm(x, gate), rowmm(x, up): contiguous [n, I] each
+      u = g + n * I;
+      mm(xe, ldx, n, v[0], g);
+      mm(xe, ldx, n, v[1], u);
+      gate = torch::from_blob(g, {n, I}, x.options());
+      ldu = I;
     }
-    if (reduced) h = h.to(torch::kBFloat16).to(torch::kFloat);
-    const auto& down = v.back();
-    check_w(down, h.size(1));
-    TORCH_CHECK(down.size(0) == H, "experts: every expert's down projection must have H rows");
-    h = h.contiguous();
-    auto d = torch::empty({n, H}, x.options());
-    mm(h.data_ptr<float>(), h.size(1), n, down, d.data_ptr<float>());
-    const float* dp = d.data_ptr<float>();
+    float* h = hb.data_ptr<float>();
+    act_into(gate, torch::from_blob(h, {n, I}, x.options()), act);
+    for (int64_t j = 0; j < n; ++j) {       // act(gate).mul_(up), then (reduced) .to(bf16).float()
+      float* hr = h + j * I;
+      const float* ur = u + j * ldu;
+      for (int64_t c = 0; c < I; ++c) hr[c] = hr[c] * ur[c];
+      if (reduced)
+        for (int64_t c = 0; c < I; ++c) hr[c] = static_cast<float>(c10::BFloat16(hr[c]));
+    }
+    mm(h, I, n, v.back(), d.data());
     for (int64_t j = 0; j < n; ++j, ++r) {
       const float s = (float)scales[r];
       float* o = op + tokens[r] * H;
-      const float* dr = dp + j * H;
+      const float* dr = d.data() + j * H;
       if (assign) {
         for (int64_t c = 0; c < H; ++c) o[c] = dr[c] * s;
       } else {

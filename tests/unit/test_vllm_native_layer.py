@@ -129,7 +129,7 @@ def test_the_op_refuses_what_it_cannot_read(ops):
     math = Activation(E, "silu")
     x = torch.zeros(1, 32)
     bf = torch.zeros(64, 32, dtype=torch.bfloat16)
-    down = torch.zeros(32, 64, dtype=torch.bfloat16)
+    down = torch.zeros(32, 32, dtype=torch.bfloat16)          # [H, I]: gate_up is [2I, K]
     with pytest.raises(RuntimeError, match="w must be bfloat16"):
         native.layer_experts(one, math, [(bf.float(), down)], [1], 0, x, [1.0], [0], None)
     with pytest.raises(RuntimeError, match="token is outside x"):
