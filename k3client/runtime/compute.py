@@ -23,8 +23,15 @@ the layer's output.  Where the compute of the layer is complete is the runtime's
   not depend on arrival.  A decode step (at most ``SMALL_STEP`` pairs) is sorted in
   Python on one ``tolist``: argsort, bincount and gathers cost more at that size.
   With the native kernel the weighted outputs are summed in float32 and rounded once,
-  where vLLM's fused kernel rounds them.  Invariant: ``torch.backends.mkldnn.enabled``
-  is as the caller left it when ``fused`` returns or raises.
+  where vLLM's fused kernel rounds them.  A decode step whose experts all go to the
+  native kernel, where the runtime has ``native_layer``, is computed in one native
+  call per group (``_one_call``): the same bits, no Python between experts.  Its
+  groups come whole (``client.fetch``): the fused call needs every view of a group
+  at once, so a miss delays the group's hits too, where ``as_ready`` would compute
+  them during the read; measured here, ``as_ready`` saved nothing visible
+  (bench/README.md, "as_ready.py"), and a resident decode step is answered whole.
+  Invariant: ``torch.backends.mkldnn.enabled`` is as the caller left it when ``fused``
+  returns or raises.
 
 Owner: the model's thread.
 """

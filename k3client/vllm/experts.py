@@ -21,7 +21,8 @@ the same path.  With the key its quant method is ``K3dMoEMethod``:
   its tokens, times their routing weights, summed per token in ascending expert
   order.  Gated families: ``act(x W_gate^T) * (x W_up^T) W_down^T`` (``native.rowmm``
   for small runs of bf16 row-major views, where ``k3client.runtime.dispatch`` picks it
-  for the CPU: not for a bf16 engine on an AMX CPU, which uses oneDNN's AMX matmul);
+  for the CPU: not for a bf16 engine on an AMX CPU, which uses oneDNN's AMX matmul; a
+  decode step's layer in one ``native.layer_experts`` call, the same bits);
   gpt-oss: vLLM's ``swigluoai`` with both biases (``compute.gpt_oss_expert``; MXFP4 as
   shipped: ``k3client.runtime.gpt_oss_mxfp4``, dequantized per expert, where vLLM's CPU
   build computes MXFP4 at all: an x86 CPU with AMX).  What vLLM gives the runtime is ``layer``'s

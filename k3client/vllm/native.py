@@ -1,4 +1,5 @@
-"""A small native op for the plugin's CPU experts: ``x @ w.T`` over a row-major bf16 arena view.
+"""Small native ops for the plugin's CPU experts: ``rowmm`` (``x @ w.T`` over a row-major bf16 arena
+view) and ``experts`` (a decode step's gated experts of one layer in one call).
 
 Why: a decode step gives each expert 1-4 rows.  torch has no good kernel for that
 shape over a plain bf16 weight: ATen's bf16 gemm (oneDNN off) is compute-bound from
@@ -20,9 +21,17 @@ Layout and invariants (checked in C++; a view that breaks them is a one-line err
 - float32 activations with bf16 weights: a float32 engine computes on the arena's
   bf16 values exactly as if they were cast to float32 first (the cast is exact),
   with no cast.
+- ``w``'s rows 8 KiB ahead are prefetched (a hint, no effect on the result): an
+  expert's rows are too short for the hardware prefetcher to ramp up.
 
-Build: ``load()`` compiles the C++ below once per machine with
-``torch.utils.cpp_extension.load_inline`` (``-O3 -mavx512f``) into torch's extension
+``experts`` (``layer_experts`` binds it): what ``compute.fused`` computes per expert
+with ``gated_expert``, scaled by the routing weights and summed per token in ascending
+expert order, in one call with no Python between experts, bit for bit the per-expert
+path's result (``native_src`` says how; the unit test compares the bits).  The C++ of
+both is ``native_src.SOURCE``.
+
+Build: ``load()`` compiles ``native_src.SOURCE`` once per machine with
+``torch.utils.cpp_extension.load_inline`` (``-O3 -mavx512f -ffp-contract=off``) into torch's extension
 directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; torch's
 file lock makes concurrent engines build it once); about a minute on a 2-core VM,
 then a load of the cached library.  Where the CPU has no AVX-512 (``k3client.cpu``), or
@@ -30,8 +39,8 @@ there is no compiler, ``load()`` returns None once and logs why in one line: the
 computes with torch, as before.  Whether a loaded op is used is
 ``k3client.runtime.dispatch.kernels``' choice (a bf16 engine on an AMX CPU uses oneDNN instead).
 
-Thread: ``load()`` may be called from any thread (a lock); ``rowmm`` is reentrant and
-splits ``N`` over torch's intra-op threads (``at::parallel_for``).
+Thread: ``load()``/``load_layer()`` may be called from any thread (a lock); both ops are
+reentrant and split ``N`` over torch's intra-op threads (``at::parallel_for``).
 """
 
 from __future__ import annotations

@@ -8,20 +8,21 @@ gated experts of one rank in one call, what ``k3client.runtime.compute.fused``
 does per expert with ``native.gated_expert`` and then sums, with no Python between
 experts.  Its bits are that path's bits, by construction:
 
-- ``x``: float32, the step's rows sorted by expert (``[R, K]``), or one row
-  (``[1, K]``) that every expert reads (one token); ``views[i]``: expert i's
+- ``x``: float32 ``[T, K]``, the step's tokens' rows (a row of the step reads
+  ``x[tokens[r]]``; an expert's rows are gathered for ``rowmm``); ``views[i]``: expert i's
   ``(gate_up, down)`` or ``(gate, up, down)`` (bf16, rows contiguous, any row
   stride: a TP shard's strided down columns too); ``counts[i]``: its rows, which
   start at row ``at`` of the step's order and follow each other in ``views``' order
   (ascending expert ids); ``scales``: the routing weight of each of the step's rows
   (float32 values); ``tokens``: the token of each of those rows;
-- per expert: gate and up by ``rowmm`` into tensors of the per-expert path's shapes
-  (one ``[n, 2I]`` for a ``gate_up`` view, chunked; else two ``[n, I]``), ATen's own
-  ``silu``/``gelu`` on them (``act``: 0 silu, 1 gelu, 2 gelu tanh; ATen's result
-  depends on the tensor's shape, since a vectorised loop's tail is scalar, so the
-  shapes are the per-expert path's), ``mul_`` by up, rounded to bf16 and back where
-  ``reduced`` (a bf16 engine), the down ``rowmm``, each value times its row's
-  weight in float32;
+- per expert: gate and up by ``rowmm`` into scratch laid out as the per-expert
+  path's tensors (one ``[n, 2I]`` for a ``gate_up`` view, its gate half read with
+  rows ``2I`` apart, as ``chunk`` gives it; else two contiguous ``[n, I]``), ATen's
+  own ``silu_out``/``gelu_out`` on that gate (``act``: 0 silu, 1 gelu, 2 gelu tanh;
+  ATen's result depends on the tensor's shape and strides, since a vectorised
+  loop's tail is scalar, so they are the per-expert path's), times up, rounded to
+  bf16 and back where ``reduced`` (a bf16 engine; round to nearest even, as
+  ``Tensor.to``), the down ``rowmm``, each value times its row's weight in float32;
 - ``out`` (float32 ``[T, H]``, or None): the weighted rows are added to ``out[token]``
   in the order given (ascending expert, then token order): ``index_add_``'s order
   over zeros; with None a new ``out`` is made, zeros for several tokens, the first
