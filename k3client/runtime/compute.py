@@ -23,8 +23,15 @@ the layer's output.  Where the compute of the layer is complete is the runtime's
   not depend on arrival.  A decode step (at most ``SMALL_STEP`` pairs) is sorted in
   Python on one ``tolist``: argsort, bincount and gathers cost more at that size.
   With the native kernel the weighted outputs are summed in float32 and rounded once,
-  where vLLM's fused kernel rounds them.  Invariant: ``torch.backends.mkldnn.enabled``
-  is as the caller left it when ``fused`` returns or raises.
+  where vLLM's fused kernel rounds them.  A decode step whose experts all go to the
+  native kernel, where the runtime has ``native_layer``, is computed in one native
+  call per group (``_one_call``): the same bits, no Python between experts.  Its
+  groups come whole (``client.fetch``): the fused call needs every view of a group
+  at once, so a miss delays the group's hits too, where ``as_ready`` would compute
+  them during the read; measured here, ``as_ready`` saved nothing visible
+  (bench/README.md, "as_ready.py"), and a resident decode step is answered whole.
+  Invariant: ``torch.backends.mkldnn.enabled`` is as the caller left it when ``fused``
+  returns or raises.
 
 Owner: the model's thread.
 """
@@ -117,7 +124,7 @@ def fused(rt, ml, hidden_states, top_k_index, top_k_weights):
     """vLLM's numerics over arena views (module docstring)."""
     tokens, k = top_k_index.shape
     device = hidden_states.device
-    scales = ws = None
+    scales = ws = rows = None
     mine = ml.mine                                 # an expert-parallel rank: only its experts' pairs
     if tokens * k <= SMALL_STEP:
         ids = top_k_index.reshape(-1).tolist()
@@ -127,9 +134,6 @@ def fused(rt, ml, hidden_states, top_k_index, top_k_weights):
         experts = sorted(counts)
         w = top_k_weights.reshape(-1).tolist()
         scales = [w[i] for i in order]            # a one-row run is scaled by a Python float
-        if tokens > 1:
-            rows = torch.tensor([i // k for i in order], device=device)
-            ws = torch.tensor(scales, dtype=top_k_weights.dtype, device=device).unsqueeze(-1)
     else:                                                            # a prefill: torch sorts
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -143,7 +147,6 @@ def fused(rt, ml, hidden_states, top_k_index, top_k_weights):
     st.layer_steps += 1
     st.union += len(experts)
     st.routed += tokens * k
-    xs = hidden_states[rows] if tokens > 1 else hidden_states
     rt.ahead.score(ml.layer, experts)
     predicted = rt.ahead.predict(ml, hidden_states) if rt.predict else None
     dtype, out_dtype = ml.dtype, hidden_states.dtype
@@ -158,6 +161,15 @@ def fused(rt, ml, hidden_states, top_k_index, top_k_weights):
     reduced = device.type == "cpu" and dtype in dispatch.REDUCED       # a bf16/fp16 engine on a CPU
     kern = dispatch.kernels(cpu.facts(), device.type, dtype, rt.native is not None, ml.rowmajor)
     native = rt.native if kern.rowmm_rows else None
+    if (native is not None and rt.native_layer is not None and scales is not None and experts
+            and expert is gated_expert and max(counts.values()) <= kern.rowmm_rows):
+        out = _one_call(rt, ml, experts, predicted, counts, starts, hidden_states.float(), scales,
+                        [i // k for i in order], dtype if reduced else None)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+    if scales is not None and tokens > 1:
+        rows = torch.tensor([i // k for i in order], device=device)
+        ws = torch.tensor(scales, dtype=top_k_weights.dtype, device=device).unsqueeze(-1)
+    xs = hidden_states[rows] if tokens > 1 else hidden_states
     onednn = kern.onednn_rows
     # with the native kernel the weighted outputs are summed in float32 (vLLM's kernel does), else in out_dtype
     acc = torch.float32 if native is not None else out_dtype
@@ -193,6 +205,21 @@ def fused(rt, ml, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
     if out.dtype != out_dtype:
         out = out.to(out_dtype)
+    return out
+
+
+def _one_call(rt, ml, experts, predicted, counts, starts, x, scales, tokens, reduced):
+    """``fused``'s decode step with one native call per group (``Runtime.native_layer``; one group
+    when the arena holds the layer's union), bit for bit the per-expert path's result: the call
+    scales and sums each group's experts into ``out`` in ascending order, as ``fused`` sums them.
+    A group comes whole (``client.fetch``, not ``as_ready``): with every expert resident it is
+    answered at once; a miss makes the call wait for the group's reads (module docstring)."""
+    out = None
+    for group in rt._groups(ml, experts, predicted):
+        out = rt.native_layer(ml.module, [v for _, v in group], [counts[e] for e, _ in group],
+                              starts[group[0][0]], x, scales, tokens, reduced, out)
+        rt.stats.native_experts += len(group)
+        rt.stats.native_calls += 1
     return out
 
 

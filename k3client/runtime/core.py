@@ -19,7 +19,10 @@ top_k_weights)``.  The runtime then:
 
 ``native``: a callable ``(math, views, x_float32, reduced_dtype_or_None) -> float32
 [rows, H]`` for gated experts of a ``Layer.rowmajor`` layer (``k3client.vllm.native``'s
-``rowmm``, bound by the adapter); None computes with torch.
+``rowmm``, bound by the adapter); None computes with torch.  ``native_layer``: with
+``native``, a callable computing a decode step's run of such experts in one call, scaled
+and summed (``k3client.vllm.native.layer_experts``, bound; ``compute.fused`` says when);
+None: one ``native`` call per expert.
 
 Owner: the thread that runs the model's forward; the client is used only from it.
 Nothing here imports an engine (transformers, vLLM): torch only.
@@ -40,7 +43,7 @@ class Runtime(Epochs):
     """Fetches experts for the forward in progress and computes them; see the module docstring."""
 
     def __init__(self, client, layers: dict, predict: bool = True, numerics: str = "eager", native=None,
-                 skip_resident: bool = False):
+                 skip_resident: bool = False, native_layer=None):
         if numerics not in NUMERICS:
             raise ValueError(f"numerics {numerics!r}: one of {NUMERICS}")
         super().__init__(client, StepStats() if numerics == "fused" else Stats())
@@ -48,6 +51,7 @@ class Runtime(Epochs):
         self.predict = predict
         self.numerics = numerics
         self.native = native
+        self.native_layer = native_layer if native is not None else None
         if numerics == "fused":
             self.stats.native_kernel = native is not None
         self.ahead = GateAhead(client, layers, self.stats, skip_resident=skip_resident)

@@ -95,6 +95,7 @@ class StepStats(Stats):
     routed: int = 0         # tokens x top-k, summed over layer-steps
     native_kernel: bool = False     # a native kernel was given to the runtime (and it built)
     native_experts: int = 0         # experts computed by it
+    native_calls: int = 0           # of those, calls that computed a group of experts at once (native_layer)
 
     def as_dict(self) -> dict:
         d = super().as_dict()

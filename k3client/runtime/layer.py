@@ -40,6 +40,7 @@ class Activation:
 
     def __init__(self, num_experts: int, activation: str, moe_config=None):
         self.num_experts = num_experts
+        self.activation = activation            # its name, for a native kernel that calls it itself
         self.act_fn = ACTIVATIONS.get(activation)
         self.alpha = getattr(moe_config, "swiglu_alpha", None) or OAI_ALPHA
         self.limit = getattr(moe_config, "swiglu_limit", None) or OAI_LIMIT

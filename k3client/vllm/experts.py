@@ -21,7 +21,8 @@ the same path.  With the key its quant method is ``K3dMoEMethod``:
   its tokens, times their routing weights, summed per token in ascending expert
   order.  Gated families: ``act(x W_gate^T) * (x W_up^T) W_down^T`` (``native.rowmm``
   for small runs of bf16 row-major views, where ``k3client.runtime.dispatch`` picks it
-  for the CPU: not for a bf16 engine on an AMX CPU, which uses oneDNN's AMX matmul);
+  for the CPU: not for a bf16 engine on an AMX CPU, which uses oneDNN's AMX matmul; a
+  decode step's layer in one ``native.layer_experts`` call, the same bits);
   gpt-oss: vLLM's ``swigluoai`` with both biases (``compute.gpt_oss_expert``; MXFP4 as
   shipped: ``k3client.runtime.gpt_oss_mxfp4``, dequantized per expert, where vLLM's CPU
   build computes MXFP4 at all: an x86 CPU with AMX).  What vLLM gives the runtime is ``layer``'s
@@ -249,8 +250,10 @@ def runtime(client, layers: dict[int, Layer], predict: bool = True, native_kerne
     the first step; the loader passes False for a model on a CUDA device), and no prediction for a
     layer whose experts the shared index shows all resident."""
     op = native.load() if native_kernel else None
+    one = native.load_layer() if op is not None else None
     return Runtime(client, layers, predict=predict, numerics="fused",
                    native=functools.partial(native.gated_expert, op) if op is not None else None,
+                   native_layer=functools.partial(native.layer_experts, one) if one is not None else None,
                    skip_resident=True)
 
 

@@ -1,4 +1,5 @@
-"""A small native op for the plugin's CPU experts: ``x @ w.T`` over a row-major bf16 arena view.
+"""Small native ops for the plugin's CPU experts: ``rowmm`` (``x @ w.T`` over a row-major bf16 arena
+view) and ``experts`` (a decode step's gated experts of one layer in one call).
 
 Why: a decode step gives each expert 1-4 rows.  torch has no good kernel for that
 shape over a plain bf16 weight: ATen's bf16 gemm (oneDNN off) is compute-bound from
@@ -20,9 +21,17 @@ Layout and invariants (checked in C++; a view that breaks them is a one-line err
 - float32 activations with bf16 weights: a float32 engine computes on the arena's
   bf16 values exactly as if they were cast to float32 first (the cast is exact),
   with no cast.
+- ``w``'s rows 8 KiB ahead are prefetched (a hint, no effect on the result): an
+  expert's rows are too short for the hardware prefetcher to ramp up.
 
-Build: ``load()`` compiles the C++ below once per machine with
-``torch.utils.cpp_extension.load_inline`` (``-O3 -mavx512f``) into torch's extension
+``experts`` (``layer_experts`` binds it): what ``compute.fused`` computes per expert
+with ``gated_expert``, scaled by the routing weights and summed per token in ascending
+expert order, in one call with no Python between experts, bit for bit the per-expert
+path's result (``native_src`` says how; the unit test compares the bits).  The C++ of
+both is ``native_src.SOURCE``.
+
+Build: ``load()`` compiles ``native_src.SOURCE`` once per machine with
+``torch.utils.cpp_extension.load_inline`` (``-O3 -mavx512f -ffp-contract=off``) into torch's extension
 directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; torch's
 file lock makes concurrent engines build it once); about a minute on a 2-core VM,
 then a load of the cached library.  Where the CPU has no AVX-512 (``k3client.cpu``), or
@@ -30,8 +39,8 @@ there is no compiler, ``load()`` returns None once and logs why in one line: the
 computes with torch, as before.  Whether a loaded op is used is
 ``k3client.runtime.dispatch.kernels``' choice (a bf16 engine on an AMX CPU uses oneDNN instead).
 
-Thread: ``load()`` may be called from any thread (a lock); ``rowmm`` is reentrant and
-splits ``N`` over torch's intra-op threads (``at::parallel_for``).
+Thread: ``load()``/``load_layer()`` may be called from any thread (a lock); both ops are
+reentrant and split ``N`` over torch's intra-op threads (``at::parallel_for``).
 """
 
 from __future__ import annotations
@@ -42,79 +51,27 @@ import threading
 import torch
 
 from .. import cpu
+from .native_src import SOURCE
 
 log = logging.getLogger("k3client.vllm")
 
 ROWS = 8              # activation rows per pass over w (one accumulator register each)
-# the build's name in torch's extension directory: a new one with every change of _SOURCE
-NAME = "k3d_rowmm_1"
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-
-// M rows of x against rows [n0, n1) of w: out[m, n] = sum_k x[m, k] * w[n, k].  (Unrolling over
-// 2-4 rows of w, for more independent FMA chains at M = 1, measured slower here: not done.)
-template <int M>
-static void block(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, float* out, int64_t ldo,
-                  int64_t n0, int64_t n1, int64_t K) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* wr = w + n * ldw;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      // bf16 -> fp32 is a 16-bit shift: exact
-      __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
-      __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k), wf, acc[m]);
-    }
-    for (int m = 0; m < M; ++m) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m]);
-  }
-}
-
-template <int M>
-static void rows(const float* x, int64_t ldx, const uint16_t* w, int64_t ldw, float* out, int64_t N, int64_t K) {
-  // 64 output rows of w per task: a few KiB of w, enough to amortise a task
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { block<M>(x, ldx, w, ldw, out, N, n0, n1, K); });
-}
-
-torch::Tensor rowmm(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "rowmm: x and w must be 2-D");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat, "rowmm: x must be float32");
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "rowmm: w must be bfloat16");
-  TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1, "rowmm: rows of x and w must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K % 16 == 0, "rowmm: w must be [N, K] with K a multiple of 16");
-  auto out = torch::empty({M, N}, x.options());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const float* xp = x.data_ptr<float>() + m0 * x.stride(0);
-    float* op = out.data_ptr<float>() + m0 * N;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: rows<1>(xp, x.stride(0), wp, w.stride(0), op, N, K); break;
-      case 2: rows<2>(xp, x.stride(0), wp, w.stride(0), op, N, K); break;
-      case 3: rows<3>(xp, x.stride(0), wp, w.stride(0), op, N, K); break;
-      case 4: rows<4>(xp, x.stride(0), wp, w.stride(0), op, N, K); break;
-      case 5: rows<5>(xp, x.stride(0), wp, w.stride(0), op, N, K); break;
-      case 6: rows<6>(xp, x.stride(0), wp, w.stride(0), op, N, K); break;
-      case 7: rows<7>(xp, x.stride(0), wp, w.stride(0), op, N, K); break;
-      default: rows<8>(xp, x.stride(0), wp, w.stride(0), op, N, K); break;
-    }
-  }
-  return out;
-}
-"""
+# the build's name in torch's extension directory: a new one with every change of native_src.SOURCE
+NAME = "k3d_rowmm_2"
+# Layer.module.activation -> the ``act`` code of ``experts`` (native_src)
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 _lock = threading.Lock()
-_state: dict = {}        # "op": the compiled rowmm, or None once a load failed (not retried)
+_state: dict = {}        # "mod": the compiled module, or None once a load failed (not retried)
 
 
-def load():
-    """The compiled ``rowmm`` or None (no AVX-512, no compiler, a failed build: logged once)."""
+def _module():
+    """The compiled module (``rowmm``, ``experts``) or None (no AVX-512, no compiler, a failed build:
+    logged once)."""
     with _lock:
-        if "op" in _state:
-            return _state["op"]
-        op = None
+        if "mod" in _state:
+            return _state["mod"]
+        mod = None
         facts = cpu.facts()
         if not facts.avx512:
             log.warning("k3client.vllm: the CPU has %s; experts computed with torch", facts.describe())
@@ -122,14 +79,26 @@ def load():
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                mod = load_inline(NAME, cpp_sources=_SOURCE, functions=["rowmm"],
-                                  extra_cflags=["-O3", "-mavx512f"], verbose=False)
-                op = mod.rowmm
+                # -ffp-contract=off: experts' scale-and-add must round as torch's mul_ then add_ do
+                mod = load_inline(NAME, cpp_sources=SOURCE, functions=["rowmm", "experts"],
+                                  extra_cflags=["-O3", "-mavx512f", "-ffp-contract=off"], verbose=False)
             except Exception as e:          # no compiler, no ninja, a build error: torch computes
                 log.warning("k3client.vllm: native expert kernel unavailable (%s: %s); experts computed "
                             "with torch", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        _state["op"] = op
-        return op
+        _state["mod"] = mod
+        return mod
+
+
+def load():
+    """The compiled ``rowmm`` or None (see ``_module``)."""
+    mod = _module()
+    return mod.rowmm if mod is not None else None
+
+
+def load_layer():
+    """The compiled ``experts`` (one call per layer, ``native_src``) or None (see ``_module``)."""
+    mod = _module()
+    return mod.experts if mod is not None else None
 
 
 def eligible(specs, family, tp: int = 1) -> bool:
@@ -162,3 +131,14 @@ def gated_expert(op, math, views, x, reduced):
     if reduced is not None:
         h = h.to(reduced).float()
     return op(h, views[-1])
+
+
+def layer_experts(op, math, views, counts, at, x, scales, tokens, reduced, out=None):
+    """A run of a layer's gated experts in one native call (``native_src``'s ``experts``), with the
+    bits of ``gated_expert`` per expert, scaled and summed per token as ``compute.fused`` sums them.
+
+    ``views``: each expert's views, ascending; ``counts``: their rows, from row ``at`` of the
+    step's order; ``x``: the step's rows, float32 (one row: one token); ``scales``/``tokens``:
+    every row's routing weight and token (lists); ``reduced``: a bf16 engine's dtype, else None;
+    ``out``: the float32 sum so far (None: the first run of the layer).  Returns the sum."""
+    return op(x, views, counts, at, scales, tokens, ACT_CODES[math.activation], reduced is not None, out)

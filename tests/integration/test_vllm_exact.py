@@ -127,6 +127,8 @@ def test_qwen3_batch4_tokens_equal_and_no_expert_bytes_in_vllm(qwen3, qwen3_k3d)
     assert 0 < st["experts_per_layer_step"] < st["routed_per_layer_step"]
     assert st["epochs"] == st["forwards"] and st["cache_full_retries"] == 0
     assert (st["native_experts"] > 0) == st["native_kernel"]
+    # decode steps: a layer's experts in one native call (native.layer_experts), not one per expert
+    assert (0 < st["native_calls"] < st["native_experts"]) == st["native_kernel"]
 
 
 def test_qwen3_in_an_arena_smaller_than_a_step(qwen3, qwen3_k3d):
