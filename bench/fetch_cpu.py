@@ -51,7 +51,7 @@ import harness  # noqa: E402
 import zmq  # noqa: E402
 
 from k3client.protocol import PROTOCOL_VERSION, pack  # noqa: E402
-from k3d.config import DEFAULT_PATTERN, resolve  # noqa: E402
+from k3d.config import DEFAULT_PATTERN, Config, resolve  # noqa: E402
 from k3d.demo.routing import SyntheticRouter  # noqa: E402
 from k3d.memory.arena import Arena  # noqa: E402
 from k3d.reads.inline import NOWAIT, runs_of  # noqa: E402
@@ -159,8 +159,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=30, help="measured tokens per client per rep")
     ap.add_argument("--warm", type=int, default=30, help="tokens per client before the first rep")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--predict", default="auto", help="the daemon's --predict")
-    ap.add_argument("--policy", default="cycle", help="the daemon's --policy (default: its default)")
+    ap.add_argument("--predict", default=Config.predict, help="the daemon's --predict (default: its default)")
+    ap.add_argument("--policy", default=Config.policy, help="the daemon's --policy (default: its default)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--inter", type=int, default=64)
     a = ap.parse_args()
@@ -208,7 +208,8 @@ def main() -> int:
         f, r, k = (statistics.median(x) for x in (per_fetch, per_read, reads_per_fetch))
         beyond = (f - r * k) * 1e6
         print(f"fetch_cpu: {a.layers} x {a.experts} top-{a.topk}, {a.share:.0%} resident, {a.clients} clients, "
-              f"predict {a.predict}, {a.reps} reps x {a.tokens} tokens; medians; load {load:.1f} at start")
+              f"predict {a.predict}, policy {a.policy}, {a.reps} reps x {a.tokens} tokens; medians; "
+              f"load {load:.1f} at start")
         print(f"fetch_cpu: loop {f * 1e6:.1f} us CPU/fetch; reads {k:.2f}/fetch x bare {r * 1e6:.2f} us = "
               f"floor {r * k * 1e6:.1f} us (ratio {f / (r * k):.1f}); beyond the reads {beyond:.1f} us "
               f"(target <= {TARGET_US:.0f}) {'PASS' if beyond <= TARGET_US else 'FAIL'}; "

@@ -35,6 +35,7 @@ import harness  # noqa: E402
 
 from k3d.cache import policy as policies  # noqa: E402
 from k3d.cache.store import Store  # noqa: E402
+from k3d.config import Config  # noqa: E402
 from k3d.demo.routing import SyntheticRouter  # noqa: E402
 
 
@@ -104,7 +105,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=60, help="measured tokens per client per rep")
     ap.add_argument("--warm", type=int, default=10, help="tokens per client before the clock")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--policy", default="cycle", help="the daemon's --policy (default: its default)")
+    ap.add_argument("--policy", default=Config.policy, help="the daemon's --policy (default: its default)")
     a = ap.parse_args()
     n_keys = a.layers * a.experts
     slots = max(a.topk * a.clients * 2, int(a.share * n_keys))
