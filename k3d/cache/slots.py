@@ -109,30 +109,41 @@ class SlotTable:
             s = self.policy.victim(exclude=self.loads)
         return s
 
-    def _assign(self, key, urgent: bool, victim: int | None = None, now: float = 0.0) -> tuple[int, int]:
+    def _assign(self, key, urgent: bool, victim: int | None = None, now: float = 0.0,
+                holder=None) -> tuple[int, int]:
         """A slot for ``key`` (free, else ``victim`` or the policy's, reusable now: the
-        caller checked), now LOADING and inserted in the policy's order (request time)."""
-        evicted = 0
+        caller checked), now LOADING and inserted in the policy's order (request time),
+        pinned for ``holder`` if one is given (before any other victim is chosen)."""
+        policy, predicted = self.policy, not urgent
         if victim is None and self.free:
             s = self.free.pop()
+            evicted = 0
+            if holder is None:
+                policy.insert(s, key, predicted)
+            else:
+                policy.insert_pinned(s, key, predicted, holder)
         else:
             s = self._victim() if victim is None else victim
             assert s is not None, "caller checked capacity"
-            reusable = self._evict(s, now)
+            reusable = self._evict(s, now, policy_too=holder is None)
             assert reusable, "caller checked that a victim is reusable now"
             evicted = 1
+            if holder is None:
+                policy.insert(s, key, predicted)
+            else:
+                policy.replace(s, key, predicted, holder)
         self.state[s] = LOADING
         self.slot_key[s] = key
         self.key_slot[key] = s
         self.resident.add(key)
         self.loads[s] = Loading(key, urgent)
-        self.policy.insert(s, key, predicted=not urgent)
         self.index.loading(key, s)
         return s, evicted
 
-    def _evict(self, s: int, now: float) -> bool:
+    def _evict(self, s: int, now: float, policy_too: bool = True) -> bool:
         """``s`` leaves the cache (and the index).  True: its memory may be reused now;
-        False: it waits in ``reuse`` until no client can read it."""
+        False: it waits in ``reuse`` until no client can read it.  ``policy_too=False``:
+        the caller tells the policy itself (``policy.replace``, which removes ``s``)."""
         key = self.slot_key[s]
         by = self.book.drop(s)                 # (a prediction: not reached while predictions are pinned)
         if by is not None:
@@ -141,7 +152,8 @@ class SlotTable:
         self.resident.discard(key)
         self.slot_key[s] = None
         self.state[s] = FREE
-        self.policy.remove(s)
+        if policy_too:
+            self.policy.remove(s)
         self.index.clear(key)
         return self.reuse.retire(s, now)
 

@@ -119,12 +119,11 @@ class Store(SlotTable):
                 if run_s:
                     policy.touch_all(run_s, run_k)
                     run_s, run_k = [], []
-                s, evicted = self._assign(key, urgent=True, now=now)
+                s, evicted = self._assign(key, urgent=True, now=now, holder=holder)
                 plan.evictions += evicted
                 plan.misses += 1
                 plan.new_loads.append(s)
                 plan.waiting.add(s)
-                policy.pin(s, holder)
             elif state[s] == LOADING:
                 plan.waited += 1
                 plan.waiting.add(s)
@@ -190,10 +189,9 @@ class Store(SlotTable):
                     self.stats.prefetch_refused += 1
                     q.refused += 1
                     break
-            s, evicted = self._assign(key, urgent=False, victim=victim, now=now)
+            s, evicted = self._assign(key, urgent=False, victim=victim, now=now, holder=(PREDICT, client))
             self.stats.evictions += evicted
             self.book.add(client, s)
-            self.policy.pin(s, (PREDICT, client))
             started.append(s)
         self.stats.prefetched += len(started)
         q.prefetched += len(started)

@@ -11,6 +11,11 @@ The protocol (the store is the only caller, always on the server thread)::
     insert(slot, key, predicted=False)  key requested now (a miss, or a prediction):
                                         it enters the order at request time, even
                                         though its read has not finished
+    insert_pinned(slot, key, predicted, holder)
+                                        ``insert`` then ``pin(slot, holder)``
+    replace(slot, key, predicted, holder)
+                                        ``remove(slot)`` then ``insert_pinned``: a
+                                        victim's slot taken by a miss or a prediction
     touch(slot, key)                    key requested now and resident (a hit)
     hear_all(fetches)                   visit + touches of several fetches of hits, in order
     demote(slot)                        an unused prediction: next victim unless pinned
@@ -69,6 +74,18 @@ class PinTable:
                 hs.add(holder)
         if first:
             self._pinned_all(first)
+
+    def insert_pinned(self, slot: int, key, predicted: bool, holder) -> None:
+        """``insert`` then ``pin``: a miss or a prediction, pinned as it enters (a policy
+        may do both in one step: every miss and prediction comes so)."""
+        self.insert(slot, key, predicted)
+        self.pin(slot, holder)
+
+    def replace(self, slot: int, key, predicted: bool, holder) -> None:
+        """``remove(slot)`` then ``insert_pinned``: the store evicted ``slot`` (the
+        victim) and gives it to ``key`` at once."""
+        self.remove(slot)
+        self.insert_pinned(slot, key, predicted, holder)
 
     def touch_all(self, slots, keys) -> None:
         """``touch`` each of ``slots`` (holding ``keys``), in order: a fetch's hits."""

@@ -40,6 +40,8 @@ client's measured precision as ``p``).
 
 from __future__ import annotations
 
+from heapq import heappop, heappush
+
 from k3d.cache.policy.filing import LayerFiling
 from k3d.cache.policy.usage import UsageStats
 
@@ -51,6 +53,7 @@ class CyclePolicy(LayerFiling):
         super().__init__(UsageStats(half_life, prior_weight))
         self.layers = layers                          # L; grows with the keys seen
         self._pscores: dict[int, tuple] = {}          # passed layer -> its candidate's victim order
+        self._pheap: list[tuple] = []                 # (-score, slot, layer) of _pscores (lazy: stale entries)
         self._nscores: dict[int, tuple] = {}          # the same for layers ahead, when _ahead
         self._ahead = False
         self._stamp = None                            # (current, first, layers) the scores are for
@@ -122,6 +125,53 @@ class CyclePolicy(LayerFiling):
             self._dirty.add(layer)
             self.usage.used(layer, (key,))
 
+    def insert_pinned(self, slot: int, key, predicted: bool, holder) -> None:
+        """``insert`` then ``pin`` in one step (a miss or a prediction): pinned before
+        any victim is chosen, so never ``_fresh``; ``slot`` holds no pin (it was free,
+        or ``replace`` removed it)."""
+        layer = key[0]
+        self._key[slot] = key
+        mine = self._by_layer.get(layer)
+        if mine is None:
+            self._by_layer[layer] = {slot}
+        else:
+            mine.add(slot)
+        if layer >= self.layers:
+            self.layers = layer + 1
+        if not predicted:                             # (as ``insert``)
+            self._cand.pop(layer, None)
+            self._dirty.add(layer)
+            self.usage.used(layer, (key,))
+        held = self._pins.get(holder)                 # ``PinTable.pin``, its first pin
+        if held is None:
+            self._pins[holder] = {slot}
+        else:
+            held.add(slot)
+        self._holders[slot] = {holder}
+
+    def replace(self, slot: int, key, predicted: bool, holder) -> None:
+        """``remove`` then ``insert_pinned`` in one step: ``slot`` is a victim (resident,
+        unpinned), usually its layer's filed least."""
+        layer = self._key.pop(slot)[0]
+        if slot in self._fresh:                       # (``_pinned_all`` of one slot, inline)
+            self._fresh.discard(slot)
+        else:
+            waiting = self._pending.get(layer)
+            if waiting and slot in waiting:
+                waiting.discard(slot)
+            else:
+                free = self._free.get(layer)
+                if free is not None and free.pop(slot, None) is not None:
+                    b = self._best.get(layer)
+                    if b is not None and b[1] == slot:
+                        del self._best[layer]
+                        self._cand.pop(layer, None)
+                        self._dirty.add(layer)
+        self._by_layer[layer].discard(slot)
+        if slot in self._holders:
+            self._forget_pins(slot)
+        self.insert_pinned(slot, key, predicted, holder)
+
     def touch(self, slot: int, key=None) -> None:
         self._used_all((self._key[slot] if key is None else key,), (slot,))
 
@@ -160,7 +210,10 @@ class CyclePolicy(LayerFiling):
         hit, -slot), passed layers apart (any of them goes first).  The scores are kept
         while the cycle's position stays (a fetch's misses choose several victims at
         one position) and rescored where a layer changed; the layers still ahead are
-        scored only when no passed layer has a candidate."""
+        scored only when no passed layer has a candidate.  The passed layers' largest is
+        the top of ``_pheap``, a heap of their scores as they were pushed, where an entry
+        no longer in ``_pscores`` is dropped as it surfaces: a victim at an unchanged
+        position costs its own layer's rescoring, not a pass over every passed layer."""
         if exclude:
             return self._victim_scan(exclude)
         if self._fresh:
@@ -169,11 +222,12 @@ class CyclePolicy(LayerFiling):
             self._flush_moves()
         c, f, L = self._current, self._first, max(self.layers, 1)
         wrapped = f > c
-        ps, ns, dirty = self._pscores, self._nscores, self._dirty
+        ps, ns, dirty, heap = self._pscores, self._nscores, self._dirty, self._pheap
         if (c, f, L) != self._stamp:                  # every layer's distance moved
             self._stamp = (c, f, L)
             ps.clear()
             ns.clear()
+            heap.clear()
             self._ahead = False                       # ns not computed at this position
             todo = [*range(f, L), *range(c + 1)] if wrapped else range(f, c + 1)
         else:
@@ -181,19 +235,29 @@ class CyclePolicy(LayerFiling):
         cands, candidate, ahead = self._cand, self._candidate, self._ahead
         for layer in todo:
             if (layer >= f or layer <= c) if wrapped else (f <= layer <= c):
-                sc = ps
+                cand = cands[layer] if layer in cands else candidate(layer)
+                if cand is None:
+                    ps.pop(layer, None)
+                else:
+                    score = ((layer - c - 1) % L + 1) / cand[1]
+                    ps[layer] = (score, -cand[0])
+                    heappush(heap, (-score, cand[0], layer))
             elif ahead:
-                sc = ns
-            else:
-                continue
-            cand = cands[layer] if layer in cands else candidate(layer)
-            if cand is None:
-                sc.pop(layer, None)
-            else:
-                sc[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
+                cand = cands[layer] if layer in cands else candidate(layer)
+                if cand is None:
+                    ns.pop(layer, None)
+                else:
+                    ns[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
         dirty.clear()
         if ps:
-            return -max(ps.values())[1]
+            # the largest (score, -slot) of ``ps``: the least (-score, slot) among the
+            # heap's entries still in it (one per layer at most: a layer's slot is unique)
+            while True:
+                e = heap[0]
+                v = ps.get(e[2])
+                if v is not None and v[1] == -e[1] and v[0] == -e[0]:
+                    return e[1]
+                heappop(heap)
         if not ahead:
             self._ahead = True
             for layer in self._by_layer:

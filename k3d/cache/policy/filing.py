@@ -163,19 +163,22 @@ class LayerFiling(PinTable):
 
     def _file(self, layer: int, slots) -> None:
         """File ``slots`` (unpinned residents of ``layer``) in ``_free`` by their order now."""
-        key_of, order, bests, heaps = self._key, self.usage.order, self._best, self._heaps
+        slots = list(slots)
+        fs = self.usage.orders([self._key[s] for s in slots])   # (used while pinned: computed now)
         free = self._free.get(layer)
         if free is None:
             free = self._free[layer] = {}
-        h = heaps.get(layer)
-        for s in slots:
-            f = order(key_of[s])                      # (used while pinned: computed now)
-            free[s] = f
-            if h is not None:
-                heappush(h, (f, s))
-            b = bests.get(layer, _STALE)
-            if b is None or (b is not _STALE and (f, s) < b):
-                bests[layer] = (f, s)
+        free.update(zip(slots, fs))
+        filed = list(zip(fs, slots))
+        h = self._heaps.get(layer)
+        if h is not None:
+            for e in filed:
+                heappush(h, e)
+        b = self._best.get(layer, _STALE)
+        if b is not _STALE:              # a stale least stays so (``_least`` finds it)
+            least = min(filed)
+            if b is None or least < b:
+                self._best[layer] = least
 
     def _candidate(self, layer: int):
         """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""

@@ -98,6 +98,21 @@ class UsageStats:
             f = st[2] = self._order_of(st)
         return f
 
+    def orders(self, keys) -> list[float]:
+        """``order`` of each of ``keys``, in one call (the filing files a layer's slots
+        together)."""
+        stat, ld, log, out = self._stat, self._log_decay, math.log, []
+        for key in keys:
+            st = stat.get(key)
+            if st is None:
+                out.append(-math.inf)
+                continue
+            f = st[2]
+            if f is None:                # (``_order_of``, inline: one per slot filed)
+                f = st[2] = log(st[0]) - st[1] * ld if st[0] > 0 else -math.inf
+            out.append(f)
+        return out
+
     def _order_of(self, st: list) -> float:
         """The log count scaled to visit 0 (-inf for a zero count, which only ``restore``
         can give)."""
