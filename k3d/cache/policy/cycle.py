@@ -232,10 +232,10 @@ class CyclePolicy(LayerFiling):
             todo = [*range(f, L), *range(c + 1)] if wrapped else range(f, c + 1)
         else:
             todo = dirty
-        cands, candidate, ahead = self._cand, self._candidate, self._ahead
+        cands, refresh, ahead = self._cand, self._refresh, self._ahead
         for layer in todo:
             if (layer >= f or layer <= c) if wrapped else (f <= layer <= c):
-                cand = cands[layer] if layer in cands else candidate(layer)
+                cand = cands[layer] if layer in cands else refresh(layer)
                 if cand is None:
                     ps.pop(layer, None)
                 else:
@@ -243,7 +243,7 @@ class CyclePolicy(LayerFiling):
                     ps[layer] = (score, -cand[0])
                     heappush(heap, (-score, cand[0], layer))
             elif ahead:
-                cand = cands[layer] if layer in cands else candidate(layer)
+                cand = cands[layer] if layer in cands else refresh(layer)
                 if cand is None:
                     ns.pop(layer, None)
                 else:
@@ -262,7 +262,7 @@ class CyclePolicy(LayerFiling):
             self._ahead = True
             for layer in self._by_layer:
                 if not ((layer >= f or layer <= c) if wrapped else (f <= layer <= c)):
-                    cand = cands[layer] if layer in cands else candidate(layer)
+                    cand = cands[layer] if layer in cands else refresh(layer)
                     if cand is not None:
                         ns[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
         return -max(ns.values())[1] if ns else None

@@ -184,15 +184,18 @@ class LayerFiling(PinTable):
         """(slot, rate) of the layer's best victim, or None; cached until the layer changes."""
         if self._fresh:
             self._file_fresh()
+        if self._moves:
+            self._flush_moves()
+        cand = self._cand.get(layer, _STALE)
+        return self._refresh(layer) if cand is _STALE else cand
+
+    def _refresh(self, layer: int):
+        """``_candidate`` of a layer whose candidate is stale, once ``_fresh`` and ``_moves``
+        are filed (``victim`` files them once, then refreshes each changed layer)."""
         waiting = self._pending.get(layer)
         if waiting:
             self._pending[layer] = set()
-            self._file(layer, waiting)
-        if self._moves:
-            self._flush_moves()
-        cand = self._cand.get(layer, _STALE)      # (victim asks only when it is not cached:
-        if cand is not _STALE:                    # no KeyError raised and caught each time)
-            return cand
+            self._file(layer, waiting)           # (no pending slot is in _moves: only filed ones)
         b = self._best.get(layer, _STALE)
         if b is _STALE:                  # least (order, slot): ties go to the lower slot
             b = self._best[layer] = self._least(layer)

@@ -13,6 +13,8 @@ Layout::
     _stat[key]       [count, at, order]: the key's decayed count of uses as of its
                      layer's visit ``at``; ``order`` its log count scaled to visit 0,
                      or None after a use until ``order`` is asked for again
+    _terms[layer]    (visits, w * prior, seen + w): ``rate``'s terms shared by the
+                     layer's keys, kept until the layer's next visit or use
 
 Forgetting (LRFU-style): a use adds 1 and every visit of the key's layer multiplies
 the count by ``0.5 ** (1 / half_life)``, applied lazily from ``at``.  ``rate`` shrinks
@@ -52,10 +54,12 @@ class UsageStats:
         self._picks: dict[int, int] = {}
         self._experts: dict[int, int] = {}
         self._stat: dict[tuple, list] = {}
+        self._terms: dict[int, tuple] = {}
 
     def visit(self, layer: int) -> None:
         """A fetch for ``layer`` begins: one more chance for each of its experts."""
         self._visits[layer] = self._visits.get(layer, 0) + 1
+        self._terms.pop(layer, None)
 
     def used(self, layer: int, keys) -> None:
         """Each of ``keys``, all of ``layer``, was used, in order.  A few dictionary
@@ -63,6 +67,7 @@ class UsageStats:
         stat, decay, experts = self._stat, self._decay, self._experts
         v = self._visits.get(layer, 0)
         self._picks[layer] = self._picks.get(layer, 0) + len(keys)
+        self._terms.pop(layer, None)
         for key in keys:
             st = stat.get(key)
             if st is None:
@@ -76,16 +81,24 @@ class UsageStats:
 
     def rate(self, key) -> float:
         """Estimated chance that ``key`` is picked when its layer comes."""
-        layer = key[0]
+        terms = self._terms.get(key[0])
+        if terms is None:
+            terms = self._layer_terms(key[0])
+        v, wprior, wseen = terms
+        st = self._stat.get(key)
+        count = st[0] * self._decay ** (v - st[1]) if st else 0.0
+        return (count + wprior) / wseen
+
+    def _layer_terms(self, layer: int) -> tuple:
+        """``rate``'s terms of ``layer`` now: (visits, w * prior, seen + w)."""
         v = self._visits.get(layer, 0)
         experts = self._experts.get(layer, 1) or 1    # (a restored layer visited, never used, says 0)
         prior = self._picks.get(layer, 0) / v / experts if v else 1.0 / experts
         d = self._decay
         seen = (1.0 - d ** v) / (1.0 - d)             # decayed number of visits observed
-        st = self._stat.get(key)
-        count = st[0] * d ** (v - st[1]) if st else 0.0
         w = self._prior_weight
-        return (count + w * prior) / (seen + w)
+        terms = self._terms[layer] = (v, w * prior, seen + w)
+        return terms
 
     def order(self, key) -> float:
         """``key``'s order within its layer (larger: more used), which holds between its
@@ -141,6 +154,7 @@ class UsageStats:
                 not (0 <= st[0] < 1e9) or st[1] < 0 for _, st in keys):
             raise ValueError("cycle-policy statistics out of range")
         count = 0
+        self._terms.clear()
         for l, v, p, e in layers:
             self._visits[l], self._picks[l], self._experts[l] = v, p, e
             count = max(count, l + 1)
@@ -153,6 +167,9 @@ class UsageStats:
         return count
 
     def check(self) -> None:
+        for layer, terms in list(self._terms.items()):
+            del self._terms[layer]
+            assert self._layer_terms(layer) == terms, f"stale rate terms kept for layer {layer}"
         for key, st in self._stat.items():
             assert 0 <= st[1] <= self._visits.get(key[0], 0), f"use of {key} later than its layer's visits"
             assert st[2] is None or st[2] == self._order_of(st), f"stale order kept for {key}"
