@@ -91,8 +91,13 @@ class Store(SlotTable):
             return FetchPlan(slots=have, new_loads=[], waiting=set(), promote=[])
         resident = {s for s in have if s is not None}
         need = have.count(None)
-        if need > len(self.free):      # (free slots enough: nothing can refuse, no count needed)
+        free = len(self.free)
+        if need > free:                # (free slots enough: nothing can refuse, no count needed)
             self.pressed = now
+        # nor when the unpinned residents less every slot the fetch excludes are enough and
+        # every victim is reusable now (the bound never exceeds the exact count below)
+        if need > free and not (free + policy.evictable() - len(resident) - len(self.loads) >= need
+                                and self.reuse.could_reuse_now()):
             evictable = policy.evictable(exclude=resident.union(self.loads))
             refused = refusals.room(need, len(self.free), evictable, self.reuse, policy, self.slots)
             if refused is not None:

@@ -40,7 +40,7 @@ client's measured precision as ``p``).
 
 from __future__ import annotations
 
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 
 from k3d.cache.policy.filing import LayerFiling
 from k3d.cache.policy.usage import UsageStats
@@ -222,17 +222,17 @@ class CyclePolicy(LayerFiling):
             self._flush_moves()
         c, f, L = self._current, self._first, max(self.layers, 1)
         wrapped = f > c
-        ps, ns, dirty, heap = self._pscores, self._nscores, self._dirty, self._pheap
+        ps, ns, dirty = self._pscores, self._nscores, self._dirty
+        cands, refresh = self._cand, self._refresh
         if (c, f, L) != self._stamp:                  # every layer's distance moved
             self._stamp = (c, f, L)
-            ps.clear()
             ns.clear()
-            heap.clear()
             self._ahead = False                       # ns not computed at this position
-            todo = [*range(f, L), *range(c + 1)] if wrapped else range(f, c + 1)
+            self._rescore_passed([*range(f, L), *range(c + 1)] if wrapped else range(f, c + 1), c, L)
+            todo = ()
         else:
             todo = dirty
-        cands, refresh, ahead = self._cand, self._refresh, self._ahead
+        heap, ahead = self._pheap, self._ahead
         for layer in todo:
             if (layer >= f or layer <= c) if wrapped else (f <= layer <= c):
                 cand = cands[layer] if layer in cands else refresh(layer)
@@ -266,6 +266,20 @@ class CyclePolicy(LayerFiling):
                     if cand is not None:
                         ns[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
         return -max(ns.values())[1] if ns else None
+
+    def _rescore_passed(self, passed, c: int, L: int) -> None:
+        """``_pscores`` and ``_pheap`` afresh for the ``passed`` layers at position ``c``."""
+        ps, cands, refresh = self._pscores, self._cand, self._refresh
+        ps.clear()
+        heap = []
+        for layer in passed:
+            cand = cands[layer] if layer in cands else refresh(layer)
+            if cand is not None:
+                score = ((layer - c - 1) % L + 1) / cand[1]
+                ps[layer] = (score, -cand[0])
+                heap.append((-score, cand[0], layer))
+        heapify(heap)
+        self._pheap = heap
 
     def _victim_scan(self, exclude) -> int | None:
         best, best_score = None, None
