@@ -52,9 +52,9 @@ class CyclePolicy(LayerFiling):
     def __init__(self, layers: int = 0, half_life: float = 8.0, prior_weight: float = 1.0):
         super().__init__(UsageStats(half_life, prior_weight))
         self.layers = layers                          # L; grows with the keys seen
-        self._pscores: dict[int, tuple] = {}          # passed layer -> its candidate's victim order
-        self._pheap: list[tuple] = []                 # (-score, slot, layer) of _pscores (lazy: stale entries)
-        self._nscores: dict[int, tuple] = {}          # the same for layers ahead, when _ahead
+        self._pscores: dict[int, tuple] = {}          # passed layer -> its candidate's (-score, slot, layer)
+        self._pheap: list[tuple] = []                 # _pscores' entries as pushed (lazy: stale ones stay)
+        self._nscores: dict[int, tuple] = {}          # layer ahead -> (score, -slot), when _ahead
         self._ahead = False
         self._stamp = None                            # (current, first, layers) the scores are for
         self._current = -1                            # the layer being served (last visited)
@@ -150,26 +150,8 @@ class CyclePolicy(LayerFiling):
         self._holders[slot] = {holder}
 
     def replace(self, slot: int, key, predicted: bool, holder) -> None:
-        """``remove`` then ``insert_pinned`` in one step: ``slot`` is a victim (resident,
-        unpinned), usually its layer's filed least."""
-        layer = self._key.pop(slot)[0]
-        if slot in self._fresh:                       # (``_pinned_all`` of one slot, inline)
-            self._fresh.discard(slot)
-        else:
-            waiting = self._pending.get(layer)
-            if waiting and slot in waiting:
-                waiting.discard(slot)
-            else:
-                free = self._free.get(layer)
-                if free is not None and free.pop(slot, None) is not None:
-                    b = self._best.get(layer)
-                    if b is not None and b[1] == slot:
-                        del self._best[layer]
-                        self._cand.pop(layer, None)
-                        self._dirty.add(layer)
-        self._by_layer[layer].discard(slot)
-        if slot in self._holders:
-            self._forget_pins(slot)
+        """``remove`` then ``insert_pinned``: ``slot`` is a victim, taken by ``key`` at once."""
+        self.remove(slot)
         self.insert_pinned(slot, key, predicted, holder)
 
     def touch(self, slot: int, key=None) -> None:
@@ -179,13 +161,28 @@ class CyclePolicy(LayerFiling):
         """An unused prediction: nothing to undo (a guess never counted as a use)."""
 
     def remove(self, slot: int) -> None:
-        key = self._key.get(slot)
+        """``slot`` leaves: out of the filing (``_pinned_all`` of one slot, inline: every
+        victim comes here, usually its layer's filed least) and its pins forgotten."""
+        key = self._key.pop(slot, None)
         if key is not None:
             layer = key[0]
-            self._pinned_all((slot,))                 # (before the key goes: it names the layer)
+            if slot in self._fresh:
+                self._fresh.discard(slot)
+            else:
+                waiting = self._pending.get(layer)
+                if waiting and slot in waiting:
+                    waiting.discard(slot)
+                else:
+                    free = self._free.get(layer)
+                    if free is not None and free.pop(slot, None) is not None:
+                        b = self._best.get(layer)
+                        if b is not None and b[1] == slot:    # the least went: scan again
+                            del self._best[layer]
+                            self._cand.pop(layer, None)
+                            self._dirty.add(layer)
             self._by_layer[layer].discard(slot)
-            del self._key[slot]
-        self._forget_pins(slot)
+        if slot in self._holders:
+            self._forget_pins(slot)
 
     def has(self, slot: int) -> bool:
         return slot in self._key
@@ -210,10 +207,13 @@ class CyclePolicy(LayerFiling):
         hit, -slot), passed layers apart (any of them goes first).  The scores are kept
         while the cycle's position stays (a fetch's misses choose several victims at
         one position) and rescored where a layer changed; the layers still ahead are
-        scored only when no passed layer has a candidate.  The passed layers' largest is
-        the top of ``_pheap``, a heap of their scores as they were pushed, where an entry
-        no longer in ``_pscores`` is dropped as it surfaces: a victim at an unchanged
-        position costs its own layer's rescoring, not a pass over every passed layer."""
+        scored only when no passed layer has a candidate.
+
+        The passed layers' entries ``(-score, slot, layer)`` (least first: the largest
+        score, then the lower slot) are kept in ``_pscores`` and pushed onto ``_pheap``;
+        an entry that is no longer its layer's (by identity) is dropped as it surfaces.
+        So a victim at an unchanged position costs its own layer's rescoring, not a
+        pass over every passed layer."""
         if exclude:
             return self._victim_scan(exclude)
         if self._fresh:
@@ -221,45 +221,45 @@ class CyclePolicy(LayerFiling):
         if self._moves:
             self._flush_moves()
         c, f, L = self._current, self._first, max(self.layers, 1)
-        wrapped = f > c
-        ps, ns, dirty = self._pscores, self._nscores, self._dirty
-        cands, refresh = self._cand, self._refresh
+        ps, dirty = self._pscores, self._dirty
         if (c, f, L) != self._stamp:                  # every layer's distance moved
             self._stamp = (c, f, L)
-            ns.clear()
+            self._nscores.clear()
             self._ahead = False                       # ns not computed at this position
-            self._rescore_passed([*range(f, L), *range(c + 1)] if wrapped else range(f, c + 1), c, L)
-            todo = ()
-        else:
-            todo = dirty
-        heap, ahead = self._pheap, self._ahead
-        for layer in todo:
-            if (layer >= f or layer <= c) if wrapped else (f <= layer <= c):
-                cand = cands[layer] if layer in cands else refresh(layer)
-                if cand is None:
-                    ps.pop(layer, None)
-                else:
-                    score = ((layer - c - 1) % L + 1) / cand[1]
-                    ps[layer] = (score, -cand[0])
-                    heappush(heap, (-score, cand[0], layer))
-            elif ahead:
-                cand = cands[layer] if layer in cands else refresh(layer)
-                if cand is None:
-                    ns.pop(layer, None)
-                else:
-                    ns[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
+            self._rescore_passed([*range(f, L), *range(c + 1)] if f > c else range(f, c + 1), c, L)
+        elif dirty:
+            cands, refresh, heap, wrapped = self._cand, self._refresh, self._pheap, f > c
+            for layer in dirty:
+                if (layer >= f or layer <= c) if wrapped else (f <= layer <= c):
+                    cand = cands[layer] if layer in cands else refresh(layer)
+                    if cand is None:
+                        ps.pop(layer, None)
+                    else:
+                        e = ps[layer] = (-((layer - c - 1) % L + 1) / cand[1], cand[0], layer)
+                        heappush(heap, e)
+                elif self._ahead:
+                    cand = cands[layer] if layer in cands else refresh(layer)
+                    if cand is None:
+                        self._nscores.pop(layer, None)
+                    else:
+                        self._nscores[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
         dirty.clear()
         if ps:
-            # the largest (score, -slot) of ``ps``: the least (-score, slot) among the
-            # heap's entries still in it (one per layer at most: a layer's slot is unique)
+            heap = self._pheap
             while True:
                 e = heap[0]
-                v = ps.get(e[2])
-                if v is not None and v[1] == -e[1] and v[0] == -e[0]:
+                if ps.get(e[2]) is e:
                     return e[1]
                 heappop(heap)
-        if not ahead:
+        return self._victim_ahead(c, f, L)
+
+    def _victim_ahead(self, c: int, f: int, L: int) -> int | None:
+        """``victim`` when no passed layer has a candidate: the largest score of the layers
+        ahead (``_nscores``, all of them scored once per position)."""
+        ns = self._nscores
+        if not self._ahead:
             self._ahead = True
+            cands, refresh, wrapped = self._cand, self._refresh, f > c
             for layer in self._by_layer:
                 if not ((layer >= f or layer <= c) if wrapped else (f <= layer <= c)):
                     cand = cands[layer] if layer in cands else refresh(layer)
@@ -275,9 +275,8 @@ class CyclePolicy(LayerFiling):
         for layer in passed:
             cand = cands[layer] if layer in cands else refresh(layer)
             if cand is not None:
-                score = ((layer - c - 1) % L + 1) / cand[1]
-                ps[layer] = (score, -cand[0])
-                heap.append((-score, cand[0], layer))
+                e = ps[layer] = (-((layer - c - 1) % L + 1) / cand[1], cand[0], layer)
+                heap.append(e)
         heapify(heap)
         self._pheap = heap
 
