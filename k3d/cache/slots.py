@@ -176,14 +176,15 @@ class SlotTable:
         # each eviction adds one slot to free or to the unclaimed wait (a slot just retired
         # is nobody's claim): counted here, not by ``coming()`` again, O(waiting) each
         room = len(self.free) + self.reuse.coming()
-        while room < target:
-            s = self._victim()
-            if s is None:
-                break
-            if self._evict(s, now):
-                self.free.append(s)
-            evicted += 1
-            room += 1
+        if room < target:
+            # the policy removes each victim as it chooses it (nothing of the store's
+            # evictions below reads the policy, so the victims are those one by one)
+            victims, skips = self.policy.victims(target - room, self.loads)
+            self.stats.loading_skips += skips
+            for s in victims:
+                if self._evict(s, now, policy_too=False):
+                    self.free.append(s)
+            evicted = len(victims)
         self.stats.evictions += evicted
         self.stats.evicted_ahead += evicted
         if len(self.free) >= self.want:

@@ -21,6 +21,8 @@ The protocol (the store is the only caller, always on the server thread)::
     demote(slot)                        an unused prediction: next victim unless pinned
     remove(slot)                        the store evicted or dropped the slot
     victim(exclude=())                  the slot to evict, or None
+    victims(n, loading)                 up to n victims, none in ``loading``, each
+                                        removed as it is chosen (evictions ahead)
     evictable(exclude=())               how many slots victim() could return
     admits(key, slot, confidence)       may a background read of ``key`` evict ``slot``?
     ranking(slot_key)                   keys hottest first (a warm restart pre-loads them)
@@ -86,6 +88,24 @@ class PinTable:
         victim) and gives it to ``key`` at once."""
         self.remove(slot)
         self.insert_pinned(slot, key, predicted, holder)
+
+    def victims(self, n: int, loading) -> tuple[list[int], int]:
+        """Up to ``n`` victims, each ``remove``d as it is chosen, none in ``loading`` (a
+        slot being read): ``victim``, or ``victim(exclude=loading)`` when its choice is
+        loading, then ``remove``, ``n`` times or until there is none.  Returns (the
+        slots in order, how many choices were loading).  The store evicts ahead so."""
+        out, skips = [], 0
+        victim, remove = self.victim, self.remove
+        while len(out) < n:
+            s = victim()
+            if s is not None and s in loading:
+                skips += 1
+                s = victim(exclude=loading)
+            if s is None:
+                break
+            remove(s)
+            out.append(s)
+        return out, skips
 
     def touch_all(self, slots, keys) -> None:
         """``touch`` each of ``slots`` (holding ``keys``), in order: a fetch's hits."""

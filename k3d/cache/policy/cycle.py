@@ -221,13 +221,19 @@ class CyclePolicy(LayerFiling):
         if self._moves:
             self._flush_moves()
         c, f, L = self._current, self._first, max(self.layers, 1)
-        ps, dirty = self._pscores, self._dirty
         if (c, f, L) != self._stamp:                  # every layer's distance moved
             self._stamp = (c, f, L)
             self._nscores.clear()
             self._ahead = False                       # ns not computed at this position
             self._rescore_passed([*range(f, L), *range(c + 1)] if f > c else range(f, c + 1), c, L)
-        elif dirty:
+            self._dirty.clear()
+        return self._pick(c, f, L)
+
+    def _pick(self, c: int, f: int, L: int) -> int | None:
+        """``victim`` once what waits is filed and the position scored: the changed layers
+        rescored, then the largest entry still its layer's."""
+        ps, dirty = self._pscores, self._dirty
+        if dirty:
             cands, refresh, heap, wrapped = self._cand, self._refresh, self._pheap, f > c
             for layer in dirty:
                 if (layer >= f or layer <= c) if wrapped else (f <= layer <= c):
@@ -252,6 +258,28 @@ class CyclePolicy(LayerFiling):
                     return e[1]
                 heappop(heap)
         return self._victim_ahead(c, f, L)
+
+    def victims(self, n: int, loading) -> tuple[list[int], int]:
+        """``PinTable.victims``: after the first, each victim is ``_pick``ed directly, since a
+        removal files nothing and moves no position (only the victim's layer changed)."""
+        out, skips = [], 0
+        if n <= 0:
+            return out, skips
+        s = self.victim()
+        c, f, L = self._stamp
+        pick, remove = self._pick, self.remove
+        while s is not None:
+            if s in loading:
+                skips += 1
+                s = self._victim_scan(loading)
+                if s is None:
+                    break
+            remove(s)
+            out.append(s)
+            if len(out) == n:
+                break
+            s = pick(c, f, L)
+        return out, skips
 
     def _victim_ahead(self, c: int, f: int, L: int) -> int | None:
         """``victim`` when no passed layer has a candidate: the largest score of the layers
