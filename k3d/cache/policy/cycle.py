@@ -211,7 +211,8 @@ class CyclePolicy(LayerFiling):
 
         The passed layers' entries ``(-score, slot, layer)`` (least first: the largest
         score, then the lower slot) are kept in ``_pscores`` and pushed onto ``_pheap``;
-        an entry that is no longer its layer's (by identity) is dropped as it surfaces.
+        an entry that no longer equals its layer's is dropped as it surfaces (an equal one
+        names the same slot at the same score: either may be taken).
         So a victim at an unchanged position costs its own layer's rescoring, not a
         pass over every passed layer."""
         if exclude:
@@ -254,7 +255,7 @@ class CyclePolicy(LayerFiling):
             heap = self._pheap
             while True:
                 e = heap[0]
-                if ps.get(e[2]) is e:
+                if ps.get(e[2]) == e:
                     return e[1]
                 heappop(heap)
         return self._victim_ahead(c, f, L)
