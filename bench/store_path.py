@@ -2,6 +2,7 @@
 
     python bench/store_path.py [--layers 58] [--experts 256] [--topk 8] [--share 0.3]
                                [--clients 2] [--tokens 60] [--warm 10] [--reps 5] [--policy cycle]
+                               [--hit-path]
 
 What ``bench/scale.py`` cannot separate from sockets, reads and wake-ups: the Python
 cost of the store and its policy per fetch (``k3d.cache.store.Store``: a fetch's plan,
@@ -10,6 +11,13 @@ with no I/O.  Requests are ``scale.py``'s: ``clients`` streams of ``SyntheticRou
 text (58 x 256 top-8 by default), per token one ``end_epoch`` per client and per
 layer one ``fetch`` of the top-k and one ``predict`` of the gate-ahead guess for the
 next layer, every read completed at once.
+
+``--hit-path``: the clients answer hits themselves, as k3client does by default, so the
+store evicts ahead (``make_room``) and a fetch takes free slots.  As the daemon does,
+each request is bracketed by ``reuse.waiting``/``replied`` (the other clients' next
+messages say ``seen``), a refused fetch (``SlotsBusy``) is retried, and each request is
+followed by ``settle``'s reclaim and evictions ahead.  Without it, every victim is
+chosen inside a fetch or a prediction (one client, or clients asking for every key).
 
 Floor, same run, same requests: a plain LRU cache in an ``OrderedDict`` of the same
 number of slots (a hit moves to the end, a miss or a prediction not resident evicts the
@@ -33,7 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 
+from k3client.errors import SlotsBusy  # noqa: E402
 from k3d.cache import policy as policies  # noqa: E402
+from k3d.cache.reuse import Reuse, reserve_for  # noqa: E402
 from k3d.cache.store import Store  # noqa: E402
 from k3d.config import Config  # noqa: E402
 from k3d.demo.routing import SyntheticRouter  # noqa: E402
@@ -46,24 +56,67 @@ def requests(a, rep: int):
     return [[r.token() for r in routers] for _ in range(a.warm + a.tokens)]
 
 
+class HitPath:
+    """``--hit-path``: the requests of clients that answer hits themselves, around the
+    store as the daemon's loop puts them (module docstring)."""
+
+    def __init__(self, store: Store, clients: int):
+        self.store, self.rid = store, 0
+        for c in range(clients):
+            store.reuse.attach(c)
+
+    def request(self, c: int, handle, *args) -> None:
+        store, reuse = self.store, self.store.reuse
+        while True:
+            self.rid += 1
+            reuse.waiting(c, self.rid)
+            try:
+                handle(*args)
+                ok = True
+            except SlotsBusy:                  # the client retries after settle made room
+                ok = False
+            reuse.replied(c, self.rid, ok=ok)
+            for other in reuse.viewers:        # their next messages report what they saw
+                if other != c:
+                    reuse.seen(other, reuse.retired)
+            if reuse.limbo:
+                store.reclaim(0.0)
+            if store.want or store.pressed > -1.0:
+                store.make_room(0.0)
+            if ok:
+                return
+
+
 def run_store(a, slots: int, drawn) -> tuple[float, float]:
     """Seconds per fetch over the measured tokens, and the hit rate."""
-    store = Store(slots, policy=policies.make(a.policy, layers=a.layers))
+    store = Store(slots, policy=policies.make(a.policy, layers=a.layers), reuse=Reuse(),
+                  reserve=reserve_for(slots))
+    hit_path = HitPath(store, a.clients) if a.hit_path else None
     pc = time.perf_counter
     t0, h0, m0 = 0.0, 0, 0
+
+    def fetch(c: int, t: int, layer: int, route, pred) -> None:
+        plan = store.fetch((c, t), [(layer, e) for e in route[layer]])
+        for s in plan.new_loads:
+            store.complete(s, None)
+        if pred[layer]:
+            for s in store.predict(c, [(layer + 1, e) for e in pred[layer]]):
+                store.complete(s, None)
+
     for t, clients in enumerate(drawn):
         if t == a.warm:
             t0, h0, m0 = pc(), store.stats.hits, store.stats.misses
         for c in range(a.clients):
-            store.end_epoch(c, (c, t - 1))
+            if hit_path is None:
+                store.end_epoch(c, (c, t - 1))
+            else:
+                hit_path.request(c, store.end_epoch, c, (c, t - 1))
         for layer in range(a.layers):
             for c, (route, pred) in enumerate(clients):
-                plan = store.fetch((c, t), [(layer, e) for e in route[layer]])
-                for s in plan.new_loads:
-                    store.complete(s, None)
-                if pred[layer]:
-                    for s in store.predict(c, [(layer + 1, e) for e in pred[layer]]):
-                        store.complete(s, None)
+                if hit_path is None:
+                    fetch(c, t, layer, route, pred)
+                else:
+                    hit_path.request(c, fetch, c, t, layer, route, pred)
     dt = pc() - t0
     hits, misses = store.stats.hits - h0, store.stats.misses - m0
     return dt / (a.tokens * a.clients * a.layers), hits / max(1, hits + misses)
@@ -106,11 +159,14 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=10, help="tokens per client before the clock")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--policy", default=Config.policy, help="the daemon's --policy (default: its default)")
+    ap.add_argument("--hit-path", action="store_true",
+                    help="the clients answer hits themselves: the store evicts ahead (make_room)")
     a = ap.parse_args()
     n_keys = a.layers * a.experts
     slots = max(a.topk * a.clients * 2, int(a.share * n_keys))
+    mode = f"policy {a.policy}{', hit path' if a.hit_path else ''}"
     harness.banner("store_path", f"{a.layers} x {a.experts} top-{a.topk}, {slots} slots ({slots / n_keys:.0%}), "
-                   f"{a.clients} clients, policy {a.policy}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+                   f"{a.clients} clients, {mode}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     per, flo, ratios = [], [], []
     for r in range(a.reps):
         drawn = requests(a, r)
@@ -123,6 +179,7 @@ def main() -> int:
                        f"LRU dict {f * 1e6:.1f} us/fetch ({f_hit:.1%}) | ratio {s / f:.1f} | "
                        f"load {os.getloadavg()[0]:.1f}")
     print(f"store_path: {a.layers} x {a.experts} top-{a.topk}, {slots / n_keys:.0%} slots, {a.clients} clients, "
+          f"{mode}, "
           f"{a.reps} reps x {a.tokens} tokens; medians")
     print(f"store_path: store {harness.median(per) * 1e6:.1f} us per fetch, LRU dict floor "
           f"{harness.median(flo) * 1e6:.1f} us, ratio {harness.median(ratios):.1f}")
