@@ -199,7 +199,8 @@ class FetchService:
         s.pf_started += len(started)
         if started and not in_fetch:
             self._note_pins(s)
-        self._start(started, urgent=False, owner=s.client_id, finish=not in_fetch)
+        if started:
+            self._start(started, urgent=False, owner=s.client_id, finish=not in_fetch)
         return len(started)
 
     def begin_token(self, s: Session, hits) -> int:
