@@ -28,7 +28,9 @@ The loop validates a request and makes one call here, with the client's session:
   daemon predicts the new token's first layer (an ``auto`` line after ``begin``);
   the loop thread's CPU in ``auto``'s hooks and in starting its reads is added to
   ``auto.cpu_ns`` at each (status ``prediction.daemon.cpu_s``: what predicting
-  costs, measured where it is paid);
+  costs, measured where it is paid); a fetch or report in a token it skips
+  (``AutoPrefetch.idle``) is only counted, unmeasured: the two clock reads would
+  cost more than the counter;
 - ``drop``: a client leaves or dies: pins released, held-back reads go on as
   background reads, a fetch it waits on is answered NotAttached;
 - ``settle``: after each request, slots no client can read any more are freed
