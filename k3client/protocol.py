@@ -103,6 +103,12 @@ def pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def packer():
+    """``pack`` for one thread's repeated use (the daemon's replies): the same bytes,
+    without a ``Packer`` made per call (~0.35 µs of a ~0.7 µs reply)."""
+    return msgpack.Packer(use_bin_type=True).pack
+
+
 def pack_request(msg: dict) -> bytes:
     """``msg`` packed, if within ``MAX_MESSAGE_BYTES`` (else ``BadRequest``, one line)."""
     data = pack(msg)

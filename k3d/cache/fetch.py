@@ -28,7 +28,9 @@ The loop validates a request and makes one call here, with the client's session:
   daemon predicts the new token's first layer (an ``auto`` line after ``begin``);
   the loop thread's CPU in ``auto``'s hooks and in starting its reads is added to
   ``auto.cpu_ns`` at each (status ``prediction.daemon.cpu_s``: what predicting
-  costs, measured where it is paid);
+  costs, measured where it is paid); a fetch or report in a token it skips
+  (``AutoPrefetch.idle``) is only counted, unmeasured: the two clock reads would
+  cost more than the counter;
 - ``drop``: a client leaves or dies: pins released, held-back reads go on as
   background reads, a fetch it waits on is answered NotAttached;
 - ``settle``: after each request, slots no client can read any more are freed
@@ -165,7 +167,8 @@ class FetchService:
         if self.live.trace is not None:
             for (keys, _), prefetched in zip(hits, used):
                 self._trace_fetch(s, keys, now, prefetched=prefetched)
-        if self.auto is not None:             # learn only: the client is past these layers
+        if self.auto is not None and not self.auto.idle(s.client_id, len(hits)):
+            # learn only: the client is past these layers
             t = thread_time_ns()
             self.auto.after_reports(s.client_id, hits)
             self.auto.cpu_ns += thread_time_ns() - t
@@ -198,7 +201,8 @@ class FetchService:
         s.pf_started += len(started)
         if started and not in_fetch:
             self._note_pins(s)
-        self._start(started, urgent=False, owner=s.client_id, finish=not in_fetch)
+        if started:
+            self._start(started, urgent=False, owner=s.client_id, finish=not in_fetch)
         return len(started)
 
     def begin_token(self, s: Session, hits) -> int:
@@ -260,12 +264,17 @@ class FetchService:
     def _auto(self, s: Session, keys, plan, client_started: int, now: float) -> None:
         """The daemon's predictions after ``s``'s fetch (the one call site): learn, propose,
         read BACKGROUND.  The trace gets an ``auto`` line even when empty: it marks where
-        the predictor ran, so ``k3d replay`` runs it at the same point."""
-        t = thread_time_ns()
-        proposed, started = self.auto.after_fetch(s.client_id, keys, plan.slots, client_started, now)
-        if started:               # (inline reads: finished by ``fetch``, the one caller)
-            self._start(started, urgent=False, owner=s.client_id, finish=False)
-        self.auto.cpu_ns += thread_time_ns() - t
+        the predictor ran, so ``k3d replay`` runs it at the same point.  A fetch it
+        skips (``idle``: a token it backed off from) costs it a counter, not measured:
+        the two clock reads that would measure it cost more (a system call each)."""
+        if self.auto.idle(s.client_id):
+            proposed = []
+        else:
+            t = thread_time_ns()
+            proposed, started = self.auto.after_fetch(s.client_id, keys, plan.slots, client_started, now)
+            if started:               # (inline reads: finished by ``fetch``, the one caller)
+                self._start(started, urgent=False, owner=s.client_id, finish=False)
+            self.auto.cpu_ns += thread_time_ns() - t
         if self.live.trace is not None:
             self.live.trace.auto(now, s.client_id, s.epoch, proposed)
 

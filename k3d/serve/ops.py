@@ -76,6 +76,8 @@ class Ops:
     def _reports(self, s: Session, msg: dict, now: float) -> None:
         """The message's hit reports, then its ``done`` layers (protocol 6): a report may
         name a layer the same message releases (the client read it before it was done)."""
+        if "hits" not in msg and "done" not in msg:    # (most fetches: nothing to apply)
+            return
         self.cache.report(s, self._hits(msg), now)
         done, bad = wire.done(msg, self.source)
         if done:

@@ -67,6 +67,7 @@ from k3client.protocol import (
     MAX_REPLY_BYTES,
     PROTOCOL_VERSION,
     pack,
+    packer,
     unpack,
 )
 from k3d.serve.access import private_umask
@@ -307,6 +308,7 @@ class Replies:
     def __init__(self, sock: zmq.Socket, gen: int):
         self.sock, self.gen = sock, gen
         self.dropped = 0
+        self._pack = packer()              # (the server thread's own: a Packer is not shared)
         self._full: set[bytes] = set()     # peers warned of a full queue, until a reply gets through
 
     def ok(self, routing: bytes, rid, fields: dict) -> None:
@@ -321,7 +323,7 @@ class Replies:
 
     def _send(self, routing: bytes, reply: dict) -> None:
         try:
-            data = pack(reply)
+            data = self._pack(reply)
             why = f"{len(data)} bytes, more than a client accepts ({MAX_REPLY_BYTES})" \
                 if len(data) > MAX_REPLY_BYTES else None
         except (TypeError, ValueError, OverflowError) as e:   # msgpack's refusals: a bug in a handler

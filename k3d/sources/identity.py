@@ -119,7 +119,11 @@ class FileWatch:
 
     def _check(self, i: int, paths: bool) -> str | None:
         was = self.ids[i]
-        what = difference(was, Identity.of(os.fstat(self.fds[i])))
+        st = os.fstat(self.fds[i])
+        if not paths and st.st_mtime_ns == was.mtime_ns and st.st_size == was.size \
+                and st.st_ino == was.ino and st.st_dev == was.dev:
+            return None       # (the check after every batch of reads: no tuple made when unchanged)
+        what = difference(was, Identity.of(st))
         if what is None and paths:
             try:
                 what = difference(was, Identity.of(os.stat(self._abs[i])))

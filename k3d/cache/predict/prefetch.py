@@ -156,11 +156,20 @@ class AutoPrefetch:
             return [], []
         return self._predict(client, layer, (self.budget or len(keys)) - client_started, now)
 
+    def idle(self, client: int, fetches: int = 1) -> bool:
+        """Whether nothing can come of ``client``'s next ``fetches`` fetches (none of the
+        daemon's predictions outstanding to count, and the client's token skipped or
+        nothing to predict): then they are counted here, as ``after_fetch`` would count
+        them, and the caller need not call (nor measure) the hooks that would do nothing."""
+        if self._out or not (self._tokens.get(client, 0) % self.skip or self._all_resident()):
+            return False
+        self.fetches += fetches
+        return True
+
     def after_reports(self, client: int, reports) -> None:
         """``after_fetch`` without predicting, for each of ``client``'s reported fetches
         (``[(keys, slots), ...]``); nothing per report while nothing can come of it."""
-        if not self._out and (self._tokens.get(client, 0) % self.skip or self._all_resident()):
-            self.fetches += len(reports)
+        if self.idle(client, len(reports)):
             return
         for keys, slots in reports:
             self.after_fetch(client, keys, slots, predict=False)
