@@ -97,12 +97,17 @@ def test_a_fetch_carrying_a_release_pins_its_own_keys_afresh(server):  # noqa: F
 
 def test_replay_is_exact_with_releases(server, tmp_path):  # noqa: F811
     """One client (its misses reuse a slot at once, so nothing evicts ahead), layers
-    released as it goes: the trace's ``done`` lines replay to the daemon's counters."""
+    released as it goes: the trace's ``done`` lines replay to the daemon's counters.
+    Replay finishes every read at once; so that the daemon's victims are replay's, each
+    token begins once its predictions' reads are done (on a loaded machine a read the
+    page cache could not serve at once goes to the pool and may still be loading when
+    an unused prediction, unpinned at the token's end, is the next victim)."""
     trace = str(tmp_path / "route.trace")
     srv = server(slots=10, policy="lru", predict="client", trace=trace)
     rng = random.Random(3)
     with k3client.connect(srv.cfg.endpoint, name="r") as c:
         for _ in range(30):
+            poll_for(lambda: not srv.store.loads, what="the token's reads to finish")
             c.begin_token()
             for layer in range(4):
                 ahead = [(layer + 1, e) for e in rng.sample(range(16), 2)] if layer < 3 else None
