@@ -94,21 +94,19 @@ if mode != "echo":
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of process ``pid``: its main thread (the server loop) and the others,
-    user and kernel (``-sys``) apart."""
-    out: dict[str, float] = {}
+    user and kernel (``-sys``) apart.  The others are the process's total less the main
+    thread's: the process's figures keep the time of threads that have exited (a reader
+    thread that ends within the window), which a sum over the live threads would lose."""
     tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        name = "main" if tid == str(pid) else "other"     # the loop runs on the main thread
-        out[name] = out.get(name, 0.0) + int(fields[11]) / tick
-        out[name + "-sys"] = out.get(name + "-sys", 0.0) + int(fields[12]) / tick
-    return out
+
+    def user_sys(path: str) -> tuple[float, float]:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) / tick, int(fields[12]) / tick
+
+    main, main_sys = user_sys(f"/proc/{pid}/task/{pid}/stat")     # the loop runs on the main thread
+    total, total_sys = user_sys(f"/proc/{pid}/stat")
+    return {"main": main, "main-sys": main_sys, "other": total - main, "other-sys": total_sys - main_sys}
 
 
 class Measure:
