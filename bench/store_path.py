@@ -2,7 +2,7 @@
 
     python bench/store_path.py [--layers 58] [--experts 256] [--topk 8] [--share 0.3]
                                [--clients 2] [--tokens 60] [--warm 10] [--reps 5] [--policy cycle]
-                               [--hit-path]
+                               [--hit-path] [--bytecodes]
 
 What ``bench/scale.py`` cannot separate from sockets, reads and wake-ups: the Python
 cost of the store and its policy per fetch (``k3d.cache.store.Store``: a fetch's plan,
@@ -18,6 +18,12 @@ each request is bracketed by ``reuse.waiting``/``replied`` (the other clients' n
 messages say ``seen``), a refused fetch (``SlotsBusy``) is retried, and each request is
 followed by ``settle``'s reclaim and evictions ahead.  Without it, every victim is
 chosen inside a fetch or a prediction (one client, or clients asking for every key).
+
+``--bytecodes``: instead of timing, one rep's measured tokens run under a tracer that
+counts the Python bytecodes executed per fetch (``sys.settrace`` with
+``f_trace_opcodes``): slow, but a figure that does not move with the machine's load,
+for comparing two trees a few per cent apart (bench/README.md, "the cycle policy's
+victims").
 
 Floor, same run, same requests: a plain LRU cache in an ``OrderedDict`` of the same
 number of slots (a hit moves to the end, a miss or a prediction not resident evicts the
@@ -87,8 +93,22 @@ class HitPath:
                 return
 
 
-def run_store(a, slots: int, drawn) -> tuple[float, float]:
-    """Seconds per fetch over the measured tokens, and the hit rate."""
+class Bytecodes:
+    """A ``sys.settrace`` tracer counting the bytecodes run in the frames it sees."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            self.n += 1
+        return self
+
+
+def run_store(a, slots: int, drawn, count: Bytecodes | None = None) -> tuple[float, float]:
+    """Seconds per fetch over the measured tokens, and the hit rate; with ``count``, the
+    measured tokens' calls run under it (counting bytecodes: the seconds are not real)."""
     store = Store(slots, policy=policies.make(a.policy, layers=a.layers), reuse=Reuse(),
                   reserve=reserve_for(slots))
     hit_path = HitPath(store, a.clients) if a.hit_path else None
@@ -106,6 +126,8 @@ def run_store(a, slots: int, drawn) -> tuple[float, float]:
     for t, clients in enumerate(drawn):
         if t == a.warm:
             t0, h0, m0 = pc(), store.stats.hits, store.stats.misses
+            if count is not None:
+                sys.settrace(count)                # (frames called from here on: the store's)
         for c in range(a.clients):
             if hit_path is None:
                 store.end_epoch(c, (c, t - 1))
@@ -117,6 +139,7 @@ def run_store(a, slots: int, drawn) -> tuple[float, float]:
                     fetch(c, t, layer, route, pred)
                 else:
                     hit_path.request(c, fetch, c, t, layer, route, pred)
+    sys.settrace(None)
     dt = pc() - t0
     hits, misses = store.stats.hits - h0, store.stats.misses - m0
     return dt / (a.tokens * a.clients * a.layers), hits / max(1, hits + misses)
@@ -161,12 +184,20 @@ def main() -> int:
     ap.add_argument("--policy", default=Config.policy, help="the daemon's --policy (default: its default)")
     ap.add_argument("--hit-path", action="store_true",
                     help="the clients answer hits themselves: the store evicts ahead (make_room)")
+    ap.add_argument("--bytecodes", action="store_true",
+                    help="count the Python bytecodes per fetch of one rep instead of timing (slow, load-proof)")
     a = ap.parse_args()
     n_keys = a.layers * a.experts
     slots = max(a.topk * a.clients * 2, int(a.share * n_keys))
     mode = f"policy {a.policy}{', hit path' if a.hit_path else ''}"
     harness.banner("store_path", f"{a.layers} x {a.experts} top-{a.topk}, {slots} slots ({slots / n_keys:.0%}), "
                    f"{a.clients} clients, {mode}; load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    if a.bytecodes:
+        count = Bytecodes()
+        _, hit = run_store(a, slots, requests(a, 0), count)
+        print(f"store_path: {mode}, {a.tokens} tokens x {a.clients} clients: "
+              f"{count.n / (a.tokens * a.clients * a.layers):.0f} bytecodes per fetch, hit rate {hit:.1%}")
+        return 0
     per, flo, ratios = [], [], []
     for r in range(a.reps):
         drawn = requests(a, r)
