@@ -31,6 +31,7 @@ import contextlib
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -242,3 +243,11 @@ sys.exit(main(sys.argv[1:]))
 """
     return [sys.executable, "-c", script, str(gate)]
 
+
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn``: SIGINT at its default in the child, as a terminal's foreground job
+    has it, whatever the test run inherited.  A run started in the background by a
+    non-interactive shell has SIGINT ignored, an ignored signal stays ignored across
+    exec, and Python then installs no KeyboardInterrupt handler: the child would never
+    see the Ctrl-C a test sends it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import run_module as run
+from helpers import ctrl_c_reaches_it, run_module as run
 from k3d.demo.synthetic import write_checkpoint
 
 
@@ -65,13 +65,6 @@ def test_status_json_failure_is_json(tmp_path):
     assert r.returncode == 1
     out = json.loads(r.stdout)
     assert out["ok"] is False and "not running" in out["error"]
-
-
-def ctrl_c_reaches_it() -> None:
-    """``preexec_fn``: SIGINT at its default in the child, whatever the test run inherited.
-    A run started in the background by a non-interactive shell has SIGINT ignored, and an
-    ignored signal stays ignored across exec: ``k3ctl --watch`` would never see the Ctrl-C."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_watch_prints_frames_with_interval_rates(checkpoint, start_daemon):

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import k3client
-from helpers import k3d_shm, poll_for
+from helpers import ctrl_c_reaches_it, k3d_shm, poll_for
 
 K3D = [sys.executable, "-P", "-m", "k3d"]
 
@@ -70,7 +70,7 @@ def test_ctrl_c_during_the_demo_is_one_line_and_exit_130():
     process, file and shared-memory entry gone."""
     shm_before = k3d_shm()
     demo = subprocess.Popen([*K3D, "demo", "--tokens", "100000", "--clients", "3"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=ctrl_c_reaches_it)
     try:
         first = demo.stdout.readline()
         assert first.startswith("demo: checkpoint "), first + demo.stderr.read()
