@@ -48,29 +48,22 @@ class SharedIndex:
         self._bytes = memoryview(self._mm)
         self._q = self._bytes.cast("Q")          # the same words, natively (see the docstring)
 
-    # The three writers below are the same seqlock write, spelled out in each: one
-    # Python call per entry written, not two (the loop writes ~18 entries per fetch).
-    def loading(self, key, slot: int) -> None:
+    def _set(self, key, word: int) -> None:
         q, i = self._q, HEADER_WORDS + 2 * (key[0] * self.width + key[1])
         seq = q[i]
         q[i] = seq + 1
-        q[i + 1] = slot << 2 | LOADING
+        q[i + 1] = word
         q[i] = seq + 2
+
+    def loading(self, key, slot: int) -> None:
+        self._set(key, slot << 2 | LOADING)
 
     def ready(self, key, slot: int) -> None:
-        q, i = self._q, HEADER_WORDS + 2 * (key[0] * self.width + key[1])
-        seq = q[i]
-        q[i] = seq + 1
-        q[i + 1] = slot << 2 | READY
-        q[i] = seq + 2
+        self._set(key, slot << 2 | READY)
 
     def clear(self, key) -> None:
-        q, i = self._q, HEADER_WORDS + 2 * (key[0] * self.width + key[1])
-        seq = q[i]
-        q[i] = seq + 1
-        q[i + 1] = 0
-        q[i] = seq + 2
-        q[RETIRED] += 1
+        self._set(key, 0)
+        self._q[RETIRED] += 1
 
     def retired(self) -> int:
         """The header's count of unpublished entries (``Store.check``: equal to ``Reuse.retired``)."""
