@@ -61,6 +61,11 @@ class Identity(NamedTuple):
     def of(cls, st: os.stat_result) -> Identity:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
+    def matches(self, st: os.stat_result) -> bool:
+        """``Identity.of(st) == self``, without making the tuple (every batch of reads asks)."""
+        return (st.st_mtime_ns == self.mtime_ns and st.st_size == self.size
+                and st.st_ino == self.ino and st.st_dev == self.dev)
+
 
 def difference(was: Identity, now: Identity) -> str | None:
     """What changed from ``was`` to ``now``, in words (None: the same file, unchanged)."""
@@ -120,9 +125,8 @@ class FileWatch:
     def _check(self, i: int, paths: bool) -> str | None:
         was = self.ids[i]
         st = os.fstat(self.fds[i])
-        if not paths and st.st_mtime_ns == was.mtime_ns and st.st_size == was.size \
-                and st.st_ino == was.ino and st.st_dev == was.dev:
-            return None       # (the check after every batch of reads: no tuple made when unchanged)
+        if not paths and was.matches(st):
+            return None       # (the check after every batch of reads: unchanged, nothing made)
         what = difference(was, Identity.of(st))
         if what is None and paths:
             try:
