@@ -125,13 +125,11 @@ class SlotTable:
         else:
             s = self._victim() if victim is None else victim
             assert s is not None, "caller checked capacity"
-            reusable = self._evict(s, now, policy_too=holder is None)
+            assert holder is not None, "only a fetch or a prediction evicts (a preload takes free slots)"
+            reusable = self._evict(s, now)
             assert reusable, "caller checked that a victim is reusable now"
             evicted = 1
-            if holder is None:
-                policy.insert(s, key, predicted)
-            else:
-                policy.replace(s, key, predicted, holder)
+            policy.replace(s, key, predicted, holder)
         self.state[s] = LOADING
         self.slot_key[s] = key
         self.key_slot[key] = s
@@ -140,10 +138,11 @@ class SlotTable:
         self.index.loading(key, s)
         return s, evicted
 
-    def _evict(self, s: int, now: float, policy_too: bool = True) -> bool:
+    def _evict(self, s: int, now: float) -> bool:
         """``s`` leaves the cache (and the index).  True: its memory may be reused now;
-        False: it waits in ``reuse`` until no client can read it.  ``policy_too=False``:
-        the caller tells the policy itself (``policy.replace``, which removes ``s``)."""
+        False: it waits in ``reuse`` until no client can read it.  The policy has
+        removed ``s`` already, or does as it gives the slot away: ``policy.victims`` and
+        ``policy.replace`` remove each victim as they take it."""
         key = self.slot_key[s]
         by = self.book.drop(s)                 # (a prediction: not reached while predictions are pinned)
         if by is not None:
@@ -152,8 +151,6 @@ class SlotTable:
         self.resident.discard(key)
         self.slot_key[s] = None
         self.state[s] = FREE
-        if policy_too:
-            self.policy.remove(s)
         self.index.clear(key)
         return self.reuse.retire(s, now)
 
@@ -182,7 +179,7 @@ class SlotTable:
             victims, skips = self.policy.victims(target - room, self.loads)
             self.stats.loading_skips += skips
             for s in victims:
-                if self._evict(s, now, policy_too=False):
+                if self._evict(s, now):
                     self.free.append(s)
             evicted = len(victims)
         self.stats.evictions += evicted

@@ -94,19 +94,19 @@ class Store(SlotTable):
         free = len(self.free)
         if need > free:                # (free slots enough: nothing can refuse, no count needed)
             self.pressed = now
-        # nor when the unpinned residents less every slot the fetch excludes are enough and
-        # every victim is reusable now (the bound never exceeds the exact count below)
-        if need > free and not (free + policy.evictable() - len(resident) - len(self.loads) >= need
-                                and self.reuse.could_reuse_now()):
-            evictable = policy.evictable(exclude=resident.union(self.loads))
-            refused = refusals.room(need, len(self.free), evictable, self.reuse, policy, self.slots)
-            if refused is not None:
-                if isinstance(refused, SlotsBusy):
-                    self.want = max(self.want, need)
-                    self.stats.slots_busy += 1
-                else:
-                    self.stats.cache_full += 1
-                raise refused
+            # nor when the unpinned residents less every slot the fetch excludes are enough
+            # and every victim is reusable now (the bound never exceeds the exact count)
+            if not (free + policy.evictable() - len(resident) - len(self.loads) >= need
+                    and self.reuse.could_reuse_now()):
+                evictable = policy.evictable(exclude=resident.union(self.loads))
+                refused = refusals.room(need, free, evictable, self.reuse, policy, self.slots)
+                if refused is not None:
+                    if isinstance(refused, SlotsBusy):
+                        self.want = max(self.want, need)
+                        self.stats.slots_busy += 1
+                    else:
+                        self.stats.cache_full += 1
+                    raise refused
         quota = self.live.pin_quota
         if quota:
             refusals.fetch_quota(len(policy.held(holder) | resident | self.reuse.claims(holder[0])) + need, quota)

@@ -87,23 +87,24 @@ class CyclePolicy(CycleOrder):
                     moves.add(slot)
 
     def insert(self, slot: int, key=None, predicted: bool = False) -> None:
-        layer = key[0]
-        self._key[slot] = key
-        self._by_layer.setdefault(layer, set()).add(slot)
-        if layer >= self.layers:
-            self.layers = layer + 1
+        self._enter(slot, key, predicted)
         if slot not in self._holders:    # pending at the next victim, unless pinned first (a miss is)
             self._fresh.add(slot)
-        if not predicted:                             # a guess is not a use
-            # ``_used_all`` of one key, whose slot was just inserted (so not filed: no move)
-            self._cand.pop(layer, None)
-            self._dirty.add(layer)
-            self.usage.used(layer, (key,))
 
     def insert_pinned(self, slot: int, key, predicted: bool, holder) -> None:
         """``insert`` then ``pin`` in one step (a miss or a prediction): pinned before
         any victim is chosen, so never ``_fresh``; ``slot`` holds no pin (it was free,
         or ``replace`` removed it)."""
+        self._enter(slot, key, predicted)
+        held = self._pins.get(holder)                 # ``PinTable.pin``, its first pin
+        if held is None:
+            self._pins[holder] = {slot}
+        else:
+            held.add(slot)
+        self._holders[slot] = {holder}
+
+    def _enter(self, slot: int, key, predicted: bool) -> None:
+        """``key`` is resident in ``slot`` now, requested (a use) or ``predicted`` (not one)."""
         layer = key[0]
         self._key[slot] = key
         mine = self._by_layer.get(layer)
@@ -113,16 +114,11 @@ class CyclePolicy(CycleOrder):
             mine.add(slot)
         if layer >= self.layers:
             self.layers = layer + 1
-        if not predicted:                             # (as ``insert``)
+        if not predicted:                             # a guess is not a use
+            # ``_used_all`` of one key, whose slot was just inserted (so not filed: no move)
             self._cand.pop(layer, None)
             self._dirty.add(layer)
             self.usage.used(layer, (key,))
-        held = self._pins.get(holder)                 # ``PinTable.pin``, its first pin
-        if held is None:
-            self._pins[holder] = {slot}
-        else:
-            held.add(slot)
-        self._holders[slot] = {holder}
 
     def replace(self, slot: int, key, predicted: bool, holder) -> None:
         """``remove`` then ``insert_pinned``: ``slot`` is a victim, taken by ``key`` at once."""
@@ -136,28 +132,12 @@ class CyclePolicy(CycleOrder):
         """An unused prediction: nothing to undo (a guess never counted as a use)."""
 
     def remove(self, slot: int) -> None:
-        """``slot`` leaves: out of the filing (``_pinned_all`` of one slot, inline: every
-        victim comes here, usually its layer's filed least) and its pins forgotten."""
-        key = self._key.pop(slot, None)
+        key = self._key.get(slot)
         if key is not None:
-            layer = key[0]
-            if slot in self._fresh:
-                self._fresh.discard(slot)
-            else:
-                waiting = self._pending.get(layer)
-                if waiting and slot in waiting:
-                    waiting.discard(slot)
-                else:
-                    free = self._free.get(layer)
-                    if free is not None and free.pop(slot, None) is not None:
-                        b = self._best.get(layer)
-                        if b is not None and b[1] == slot:    # the least went: scan again
-                            del self._best[layer]
-                            self._cand.pop(layer, None)
-                            self._dirty.add(layer)
-            self._by_layer[layer].discard(slot)
-        if slot in self._holders:
-            self._forget_pins(slot)
+            self._pinned_all((slot,))                 # (before the key goes: it names the layer)
+            self._by_layer[key[0]].discard(slot)
+            del self._key[slot]
+        self._forget_pins(slot)
 
     def has(self, slot: int) -> bool:
         return slot in self._key

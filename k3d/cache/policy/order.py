@@ -24,7 +24,7 @@ first, layers), each passed layer's candidate has an entry ``(-score, slot, laye
     _pscores[layer]  its entry now (absent: no candidate)
     _pheap           every entry pushed at this position: a heap, where an entry
                      that no longer equals its layer's is dropped as it surfaces
-    _nscores[layer]  (score, -slot) of a layer ahead, all scored once per position
+    _nscores[layer]  the entry of a layer ahead, all scored once per position
                      and only when no passed layer has a candidate (``_ahead``)
 
 A new position scores every passed layer afresh (``_rescore_passed``: the distances
@@ -56,7 +56,7 @@ class CycleOrder(LayerFiling):
         self.layers = layers                          # L; grows with the keys seen
         self._pscores: dict[int, tuple] = {}          # passed layer -> its candidate's (-score, slot, layer)
         self._pheap: list[tuple] = []                 # _pscores' entries as pushed (lazy: stale ones stay)
-        self._nscores: dict[int, tuple] = {}          # layer ahead -> (score, -slot), when _ahead
+        self._nscores: dict[int, tuple] = {}          # layer ahead -> its entry, when _ahead
         self._ahead = False
         self._stamp = None                            # (current, first, layers) the scores are for
         self._current = -1                            # the layer being served (last visited)
@@ -116,23 +116,28 @@ class CycleOrder(LayerFiling):
                     if cand is None:
                         ps.pop(layer, None)
                     else:
-                        e = ps[layer] = (-((layer - c - 1) % L + 1) / cand[1], cand[0], layer)
+                        e = ps[layer] = _entry(layer, cand, c, L)
                         heappush(heap, e)
                 elif self._ahead:
                     cand = cands[layer] if layer in cands else refresh(layer)
                     if cand is None:
                         self._nscores.pop(layer, None)
                     else:
-                        self._nscores[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
+                        self._nscores[layer] = _entry(layer, cand, c, L)
         dirty.clear()
-        if ps:
-            heap = self._pheap
-            while True:
-                e = heap[0]
-                if ps.get(e[2]) == e:
-                    return e[1]
-                heappop(heap)
-        return self._victim_ahead(c, f, L)
+        s = self._top()
+        return self._victim_ahead(c, f, L) if s is None else s
+
+    def _top(self) -> int | None:
+        """The slot of the least entry of ``_pheap`` still equal to its layer's in
+        ``_pscores`` (stale ones dropped on the way), or None when ``_pscores`` is empty."""
+        ps, heap = self._pscores, self._pheap
+        while ps:
+            e = heap[0]
+            if ps.get(e[2]) == e:
+                return e[1]
+            heappop(heap)
+        return None
 
     def victims(self, n: int, loading) -> tuple[list[int], int]:
         """``PinTable.victims``: after the first, each victim is ``_pick``ed directly, since a
@@ -181,21 +186,14 @@ class CycleOrder(LayerFiling):
         del self._key[s]
         del self._free[layer][s]
         self._by_layer[layer].discard(s)
-        b = self._best[layer] = self._least(layer)
-        ps, heap = self._pscores, self._pheap
-        if b is None:
-            self._cand[layer] = None
-            del ps[layer]
+        del self._best[layer]                         # (the least went: ``_refresh`` finds the next)
+        cand = self._refresh(layer)
+        if cand is None:
+            del self._pscores[layer]
         else:
-            cand = self._cand[layer] = (b[1], max(self.usage.rate(self._key[b[1]]), 1e-9))
-            e = ps[layer] = (-((layer - c - 1) % L + 1) / cand[1], cand[0], layer)
-            heappush(heap, e)
-        while ps:
-            e = heap[0]
-            if ps.get(e[2]) == e:
-                return e[1]
-            heappop(heap)
-        return None
+            e = self._pscores[layer] = _entry(layer, cand, c, L)
+            heappush(self._pheap, e)
+        return self._top()
 
     def _victim_ahead(self, c: int, f: int, L: int) -> int | None:
         """``victim`` when no passed layer has a candidate: the largest score of the layers
@@ -208,8 +206,8 @@ class CycleOrder(LayerFiling):
                 if not ((layer >= f or layer <= c) if wrapped else (f <= layer <= c)):
                     cand = cands[layer] if layer in cands else refresh(layer)
                     if cand is not None:
-                        ns[layer] = (((layer - c - 1) % L + 1) / cand[1], -cand[0])
-        return -max(ns.values())[1] if ns else None
+                        ns[layer] = _entry(layer, cand, c, L)
+        return min(ns.values())[1] if ns else None
 
     def _rescore_passed(self, passed, c: int, L: int) -> None:
         """``_pscores`` and ``_pheap`` afresh for the ``passed`` layers at position ``c``."""
@@ -219,7 +217,7 @@ class CycleOrder(LayerFiling):
         for layer in passed:
             cand = cands[layer] if layer in cands else refresh(layer)
             if cand is not None:
-                e = ps[layer] = (-((layer - c - 1) % L + 1) / cand[1], cand[0], layer)
+                e = ps[layer] = _entry(layer, cand, c, L)
                 heap.append(e)
         heapify(heap)
         self._pheap = heap
@@ -233,3 +231,10 @@ class CycleOrder(LayerFiling):
             if best_score is None or sc > best_score:
                 best, best_score = s, sc
         return best
+
+
+def _entry(layer: int, cand: tuple, c: int, L: int) -> tuple:
+    """A passed layer's heap entry at position ``c``: (-score, slot, layer), ``cand`` its
+    candidate (slot, rate); the score is the layer steps until it is served again per
+    expected hit."""
+    return (-((layer - c - 1) % L + 1) / cand[1], cand[0], layer)

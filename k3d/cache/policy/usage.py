@@ -114,15 +114,15 @@ class UsageStats:
     def orders(self, keys) -> list[float]:
         """``order`` of each of ``keys``, in one call (the filing files a layer's slots
         together)."""
-        stat, ld, log, out = self._stat, self._log_decay, math.log, []
+        stat, order_of, out = self._stat, self._order_of, []
         for key in keys:
             st = stat.get(key)
             if st is None:
                 out.append(-math.inf)
                 continue
             f = st[2]
-            if f is None:                # (``_order_of``, inline: one per slot filed)
-                f = st[2] = log(st[0]) - st[1] * ld if st[0] > 0 else -math.inf
+            if f is None:
+                f = st[2] = order_of(st)
             out.append(f)
         return out
 
