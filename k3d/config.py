@@ -22,6 +22,7 @@ import re
 import socket
 import tomllib
 from dataclasses import dataclass
+from typing import Any
 
 from k3client.endpoint import default_endpoint
 from k3d.observe.metrics import parse_hostport
@@ -50,7 +51,7 @@ class Live:
     pin_quota: int = 0        # slots one client may pin per token; 0 = no limit (read by the store only)
     max_share: float = 0.0    # pacing: a client's share of the loop's CPU (serve/pacing.py); 0 = off
     lease_s: float = 10.0     # the lease of clients that attach from now on
-    trace: object = None      # the open route trace (k3d.observe.trace.RouteTrace), or None
+    trace: Any = None         # the open route trace (k3d.observe.trace.RouteTrace), or None
 
     @classmethod
     def of(cls, cfg: "Config", trace=None) -> "Live":

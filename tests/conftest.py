@@ -16,7 +16,13 @@ import tempfile
 import pytest
 
 from helpers import poll_for
+from k3d.compiled import status as build_status
 from k3d.demo.synthetic import write_checkpoint
+
+# tests/integration/test_compiled.py runs tests against a compiled build it made:
+# that run must not pass on the interpreted modules by mistake (a path order).
+if os.environ.get("K3D_EXPECT_COMPILED") and not build_status().startswith("compiled"):
+    raise RuntimeError(f"K3D_EXPECT_COMPILED is set, but this run imports k3d {build_status()}")
 
 # HOME, XDG_*, TMPDIR of this session (and of every subprocess) point into its own
 # scratch directory (set on import, before any test runs), checked for leftovers

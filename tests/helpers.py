@@ -27,6 +27,7 @@ read-only once built, so threads of one test may share it).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import glob
 import json
@@ -48,6 +49,16 @@ ROOT = os.path.dirname(TESTS)
 
 
 # -- the CLI, as a user runs it ------------------------------------------------------
+def module_doc(module) -> str:
+    """``module``'s docstring, read from its source: a module compiled by mypyc
+    (``k3d.compiled``) has no ``__doc__``, and its ``.py`` lies beside the ``.so``."""
+    path = module.__file__
+    if not path.endswith(".py"):
+        path = os.path.join(os.path.dirname(path), module.__name__.rpartition(".")[2] + ".py")
+    with open(path) as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""
+
+
 def run_module(module: str, *args, timeout: float = 60, cwd: str = ROOT, **kw) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGS`` from the repository root (so it imports this tree), with captured
     text output; ``kw`` (``env``, ``input``, ...) goes to ``subprocess.run``."""

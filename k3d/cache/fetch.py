@@ -70,6 +70,7 @@ from __future__ import annotations
 import logging
 import time
 from time import thread_time_ns
+from typing import Any
 
 from k3client.errors import ReadFailed
 from k3d.cache.parked import Parked, checked_slots
@@ -87,7 +88,7 @@ WASTE_LIMIT = 0.9        # share of unused predictions above which a client is t
 
 
 class FetchService:
-    def __init__(self, store: Store, source, arena, readers: int, replies, latency: FetchLatency, charge):
+    def __init__(self, store: Store, source, arena, readers: int, replies, latency: FetchLatency, charge) -> None:
         """``charge(client_id, cpu_seconds)``: told the readers' CPU spent for each client
         (None: nobody is charged, pacing is off)."""
         self.store, self.stats = store, store.stats
@@ -100,7 +101,7 @@ class FetchService:
         self.watch = FileWatch.of(source, time.monotonic())
         self._key_files: dict[tuple[int, int], tuple[int, ...]] = {}
         self.client_predictions = True   # False: --predict off
-        self.auto = None                 # AutoPrefetch: the daemon's own predictions (--predict auto)
+        self.auto: Any = None            # AutoPrefetch: the daemon's own predictions (--predict auto)
 
     # -- the ops -----------------------------------------------------------------
     def fetch(self, s: Session, rid: int, keys, predicted, hits, t0: float) -> None:
@@ -361,6 +362,7 @@ class FetchService:
 
     def _changed(self, key) -> str | None:
         """The message of the first changed file ``key`` is read from (None: none changed)."""
+        assert self.watch is not None, "asked only where a file watch saw a change"
         changed = self.watch.changed
         return next((changed[f] for f in self._files(key) if f in changed), None)
 

@@ -49,7 +49,7 @@ class Pending:
 
     __slots__ = ("done", "holder", "keys", "left", "parts", "result", "rid", "session", "slots", "t0")
 
-    def __init__(self, session, rid, keys, slots, left, t0=0.0, result="miss"):
+    def __init__(self, session, rid, keys, slots, left, t0=0.0, result="miss") -> None:
         self.session, self.rid, self.keys, self.slots, self.left = session, rid, keys, slots, left
         self.holder = session.holder
         self.done = False
@@ -68,7 +68,7 @@ def checked_slots(store, keys, slots) -> list[int]:
 
 
 class Parked:
-    def __init__(self, store, replies, source_path: str, latency):
+    def __init__(self, store, replies, source_path: str, latency) -> None:
         self.store, self.replies, self.source_path, self.latency = store, replies, source_path, latency
         self.waiters: dict[int, list[Pending]] = {}      # LOADING slot -> fetches parked on it
         self.as_ready = False    # set by the loop around a fetch that asked for partial replies
@@ -95,7 +95,7 @@ class Parked:
                 self._part(p)
 
     def _part(self, p: Pending) -> None:
-        ready, p.parts = set(p.parts), []
+        ready, p.parts = set(p.parts or ()), []
         if not ready or not p.session.alive or p.session.holder != p.holder:
             return       # nothing new; or nobody reads it: gone, or on to its next token
         at = [i for i, slot in enumerate(p.slots) if slot in ready]

@@ -42,7 +42,7 @@ PREDICT = "predict"      # holder tag of a client's outstanding predictions
 
 
 class PredictionBook:
-    def __init__(self):
+    def __init__(self) -> None:
         self.predicted_by: dict[int, int] = {}            # slot -> predicting client
         self.predictions: dict[int, set[int]] = {}        # client -> slots it predicted
         self.quality: dict[int, PredictionStats] = {}     # client -> its predictions and timeliness

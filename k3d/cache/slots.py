@@ -49,8 +49,9 @@ Thread: the server thread owns the table; no locking.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from k3d.cache.policy import LruPolicy
+from k3d.cache.policy import LruPolicy, PinTable
 from k3d.cache.predictions import PREDICT, PredictionBook
 from k3d.cache.resident import ResidentRows
 from k3d.cache.reuse import Reuse
@@ -76,18 +77,18 @@ class SlotTable:
 
     slots: int
     live: Live = field(default_factory=Live)             # its pin_quota is read at each use
-    policy: object = field(default_factory=LruPolicy)    # any k3d.cache.policy class
+    policy: PinTable = field(default_factory=LruPolicy)  # any k3d.cache.policy class
     stats: Counters = field(default_factory=Counters)
-    key_bytes: object = None         # key -> bytes one read of it costs (unused_bytes); None: 0
-    index: object = field(default_factory=NoIndex)       # the shared index clients read (k3d.memory.index)
+    key_bytes: Any = None            # key -> bytes one read of it costs (unused_bytes); None: 0
+    index: Any = field(default_factory=NoIndex)          # the shared index clients read (k3d.memory.index)
     reuse: Reuse = field(default_factory=Reuse)
     reserve: int = 0                 # slots kept free or waiting while several clients read the index
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.want = 0                                     # slots a refused fetch needed (make_room)
         self.pressed = float("-inf")                      # when a miss last found no free slot
         self.state = [FREE] * self.slots
-        self.slot_key: list[tuple[int, int] | None] = [None] * self.slots
+        self.slot_key: list[Any] = [None] * self.slots       # key, None where FREE
         self.key_slot: dict[tuple[int, int], int] = {}
         self.resident = ResidentRows(self.key_slot)       # key_slot as one byte per key (the predictor's)
         self.free = list(range(self.slots - 1, -1, -1))   # pop() gives slot 0 first
@@ -123,8 +124,9 @@ class SlotTable:
             else:
                 policy.insert_pinned(s, key, predicted, holder)
         else:
-            s = self._victim() if victim is None else victim
-            assert s is not None, "caller checked capacity"
+            v = self._victim() if victim is None else victim
+            assert v is not None, "caller checked capacity"
+            s = v
             assert holder is not None, "only a fetch or a prediction evicts (a preload takes free slots)"
             reusable = self._evict(s, now)
             assert reusable, "caller checked that a victim is reusable now"

@@ -42,6 +42,7 @@ Thread: the server thread owns the store; no locking.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from k3client.errors import SlotsBusy
 from k3d.cache import refusals, reported
@@ -78,7 +79,7 @@ class Store(SlotTable):
     # -- fetch --------------------------------------------------------------
     def fetch(self, holder, keys: list[tuple[int, int]], now: float = 0.0) -> FetchPlan:
         """Plan a fetch of distinct, known keys for ``holder`` (client, epoch)."""
-        have = [self.key_slot.get(k) for k in keys]
+        have: list[Any] = [self.key_slot.get(k) for k in keys]   # slot, None: a miss
         policy = self.policy
         if self._all_plain_hits(have):
             self.book.client_quality(holder[0]).ready += len(keys)

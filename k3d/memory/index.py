@@ -20,6 +20,7 @@ import fcntl
 import mmap
 import os
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -29,10 +30,10 @@ F_SEAL_FUTURE_WRITE = 0x0010
 
 
 class SharedIndex:
-    def __init__(self, layers: int, width: int):
+    def __init__(self, layers: int, width: int) -> None:
         self.layers, self.width = layers, width
         self.size = index_bytes(layers, width)
-        self.fd = os.memfd_create("k3d-index", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd: int | None = os.memfd_create("k3d-index", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size)
             self._mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -41,7 +42,7 @@ class SharedIndex:
         except BaseException:
             os.close(self.fd)
             raise
-        self._words = np.frombuffer(self._mm, dtype="<u8")
+        self._words: Any = np.frombuffer(self._mm, dtype="<u8")
         self._words[:4] = (MAGIC, VERSION, layers, width)
         if sys.byteorder != "little":
             raise RuntimeError("the shared index is little-endian 64-bit words; this host is big-endian")

@@ -71,7 +71,7 @@ class InlineDone:
 
     __slots__ = ("keys", "nbytes", "seconds", "slots")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.slots: list[int] = []
         self.keys: list[tuple[int, int]] = []
         self.nbytes = 0
@@ -79,7 +79,7 @@ class InlineDone:
 
 
 class InlineReads:
-    def __init__(self, source, max_bytes: int = MAX_BYTES, budget: int = BUDGET):
+    def __init__(self, source, max_bytes: int = MAX_BYTES, budget: int = BUDGET) -> None:
         self.source = source
         self.max_bytes = max_bytes if can_inline(source) else 0      # 0: never inline
         self.budget = budget
@@ -143,4 +143,4 @@ def runs_of(extents) -> tuple[int, list[tuple[int, int, int, int]]]:
             r[3] += e.length
         else:
             runs.append([e.file, e.offset, e.slot_offset, e.length])
-    return sum(r[3] for r in runs), [tuple(r) for r in runs]
+    return sum(r[3] for r in runs), [(r[0], r[1], r[2], r[3]) for r in runs]

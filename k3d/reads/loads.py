@@ -58,7 +58,7 @@ class Load:
 
     __slots__ = ("dest", "fail", "id", "key", "parts_left", "slot", "stale")
 
-    def __init__(self, load_id: int, slot: int, key: tuple[int, int], dest: memoryview):
+    def __init__(self, load_id: int, slot: int, key: tuple[int, int], dest: memoryview) -> None:
         self.id, self.slot, self.key, self.dest = load_id, slot, key, dest
         self.parts_left = 0
         self.fail: str | None = None          # the first part's error; the load failed
@@ -66,7 +66,7 @@ class Load:
 
 
 class Loads:
-    def __init__(self, threads: int, source, arena, inline: bool = False):
+    def __init__(self, threads: int, source, arena, inline: bool = False) -> None:
         """``inline``: read small cached experts in ``start`` (``inline.py``; the server's
         choice, off for callers that drive the pool itself)."""
         self.source, self.arena = source, arena
@@ -78,7 +78,8 @@ class Loads:
         self._by_id: dict[int, Load] = {}
         self._by_slot: dict[int, Load] = {}
         self.inline = InlineReads(source, max_bytes=MAX_BYTES if inline else 0)
-        self._inline = InlineDone()      # read by start(), not yet taken
+        # (not `_inline`: the compiled build names the field `__inline`, a C keyword)
+        self._read_inline = InlineDone()  # read by start(), not yet taken
 
     # -- what status shows ---------------------------------------------------
     @property
@@ -86,7 +87,7 @@ class Loads:
         return self.pool.threads
 
     @property
-    def wake_fd(self):
+    def wake_fd(self) -> int:
         return self.pool.wake_fd
 
     def queued(self) -> tuple[int, int]:
@@ -108,7 +109,7 @@ class Loads:
         if not slots_keys:
             return []
         if self.inline.max_bytes:
-            slots_keys = self.inline.read_all(slots_keys, self.arena.view, self._inline)
+            slots_keys = self.inline.read_all(slots_keys, self.arena.view, self._read_inline)
             if not slots_keys:
                 return []
         todo = []
@@ -118,7 +119,7 @@ class Loads:
             todo.append((Load(next(self._ids), slot, key, view(slot)), self.source.keys[key]))
         loads = [load for load, _ in todo]
         parts = parts_per_key(self.pool.threads, len(todo), self.source.max_parts)
-        jobs = []
+        jobs: list = []
         for load, extents in todo:
             groups = split_extents(extents, parts)
             load.parts_left = len(groups)
@@ -182,13 +183,13 @@ class Loads:
 
     def inline_pending(self) -> list[int]:
         """The slots read inline and not taken yet (LOADING in the store until taken)."""
-        return self._inline.slots
+        return self._read_inline.slots
 
     def take_inline(self) -> InlineDone | None:
         """The slots ``start`` read itself since the last call (None: none)."""
-        if not self._inline.slots:
+        if not self._read_inline.slots:
             return None
-        done, self._inline = self._inline, InlineDone()
+        done, self._read_inline = self._read_inline, InlineDone()
         return done
 
     def has_reports(self) -> bool:

@@ -21,7 +21,6 @@ from k3d.cache.policy.opt import OptPolicy
 from k3d.cache.predict import AutoPrefetch, auto_id, make as make_predictor
 from k3d.cache.predict.private import PerClient
 from k3d.cache.store import Store
-from k3d.memory.index import NoIndex
 from k3d.observe.stats import PredictionStats
 from k3d.observe.trace import AUTO, BEGIN, BYE, DONE, FETCH, PREDICT
 
@@ -232,13 +231,23 @@ def run(events, policy: str, slots: int, predictions: bool = True, layers: int |
                   timing.ready, timing.waited, daemon.prefetched, daemon.prefetch_hits, daemon.prefetch_unused)
 
 
-class _Evicted(NoIndex):
+class _Evicted:
     """The store's index here: notes the keys that leave the cache (``clear``), so the
     audit of a background read knows which it evicted without a copy of every slot's
-    key per fetch.  The caller empties ``keys`` before the read."""
+    key per fetch.  The caller empties ``keys`` before the read.  Not a subclass of
+    ``NoIndex``: a compiled class takes none from interpreted code (``k3d.compiled``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.keys: list = []
+
+    def loading(self, key, slot: int) -> None:
+        pass
+
+    def ready(self, key, slot: int) -> None:
+        pass
+
+    def retired(self) -> None:
+        return None
 
     def clear(self, key) -> None:
         self.keys.append(key)

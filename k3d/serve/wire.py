@@ -56,6 +56,7 @@ import logging
 import os
 import threading
 from itertools import chain, repeat
+from typing import cast
 
 import zmq
 
@@ -99,7 +100,7 @@ def receive(sock: zmq.Socket, block: bool = False):
 
 def more_waiting(sock: zmq.Socket) -> bool:
     """Whether another request waits on ``sock`` (cheaper than a recv failing with Again)."""
-    return bool(_get(sock, _EVENTS) & _POLLIN)
+    return bool(cast(int, _get(sock, _EVENTS)) & _POLLIN)
 
 
 MAX_QUEUED = 32          # a client's requests waiting for their turn, at most (k3client: <= 2)
@@ -116,7 +117,7 @@ class Waker:
     blocks: a wake that finds the queue full is not needed.  A client connecting
     later with the same routing id is refused by the ROUTER, as any duplicate is."""
 
-    def __init__(self, ctx: zmq.Context, router: zmq.Socket, name: str):
+    def __init__(self, ctx: zmq.Context, router: zmq.Socket, name: str) -> None:
         endpoint = f"inproc://k3d-wake-{name}"
         router.bind(endpoint)
         self._lock = threading.RLock()
@@ -218,8 +219,11 @@ def keys(msg: dict, field: str, unique: bool, source) -> list[tuple[int, int]]:
             raise UnknownExpert(source.unknown(key))
         out.append(key)
     if unique and len(set(out)) != len(out):
-        seen = set()
-        dup = next(k for k in out if k in seen or seen.add(k))
+        seen: set[tuple[int, int]] = set()
+        for dup in out:
+            if dup in seen:
+                break
+            seen.add(dup)
         raise BadRequest(f"{field}: duplicate key (layer {dup[0]}, expert {dup[1]})")
     return out
 
@@ -305,7 +309,7 @@ class Replies:
     """Sends replies on the ROUTER socket, stamped with this run's ``gen``; ``dropped``
     counts the replies that did not go as they were (see the module docstring)."""
 
-    def __init__(self, sock: zmq.Socket, gen: int):
+    def __init__(self, sock: zmq.Socket, gen: int) -> None:
         self.sock, self.gen = sock, gen
         self.dropped = 0
         self._pack = packer()              # (the server thread's own: a Packer is not shared)

@@ -186,16 +186,18 @@ def test_a_change_under_one_files_inline_reads_spares_the_others(tmp_path, monke
 
 def test_a_failure_after_inline_reads_leaves_none_of_them_loading(server, monkeypatch):
     """An error raised in a fetch after its misses and predictions were read inline (here
-    injected into its prediction step: a bug there) fails that fetch alone, in one line:
-    the reads are finished all the same, READY and whole, none left LOADING."""
+    injected into the daemon's own prediction step, which runs after the client's
+    predictions were read: a bug there) fails that fetch alone, in one line: the reads
+    are finished all the same, READY and whole, none left LOADING.  (Injected through
+    the ``auto`` field, not by replacing a method: the compiled build's FetchService
+    takes no new attribute, ``k3d.compiled``.)"""
     srv = server(slots=16, predict="client")
-    real = srv.cache.predict
 
-    def predict_then_fail(*a, **kw):
-        real(*a, **kw)
-        raise OSError(errno.ENOSPC, "No space left on device")
+    class Failing:
+        def idle(self, client: int) -> bool:
+            raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(srv.cache, "predict", predict_then_fail)
+    monkeypatch.setattr(srv.cache, "auto", Failing())
     with k3client.connect(srv.cfg.endpoint, name="d") as c:
         with pytest.raises(k3client.K3Error, match="internal error in k3d: OSError") as ei:
             c.fetch(0, [1, 2], predicted=[(1, 3)])

@@ -8,6 +8,7 @@ The cap's tests use the daemon's real ROUTER (``open_endpoint``) over inproc.
 
 import time
 
+from helpers import module_doc
 from k3d.cache.sessions import Sessions
 from k3d.config import Live
 from k3d.observe.stats import Counters
@@ -161,7 +162,7 @@ def test_the_endpoint_socket_carries_the_documented_limits():
         sock.close(0)
         ctx.term()
     # the docstrings state the same numbers
-    assert "(1 MiB)" in wire.__doc__ and "1 MiB" in protocol.__doc__
+    assert "(1 MiB)" in module_doc(wire) and "1 MiB" in protocol.__doc__
     assert f"at most {wire.MAX_QUEUED} requests" in protocol.__doc__
 
 

@@ -39,9 +39,52 @@ from __future__ import annotations
 
 
 class PinTable:
-    def __init__(self):
+    """The pins, and the protocol above: each policy gives the methods that raise here."""
+
+    def __init__(self) -> None:
         self._pins: dict[object, set[int]] = {}
         self._holders: dict[int, set] = {}
+
+    # -- what each policy gives (the protocol above); declared here so that the store
+    # can name one type for any policy, which the compiled build calls directly
+    def visit(self, layer: int) -> None:
+        raise NotImplementedError
+
+    def insert(self, slot: int, key=None, predicted: bool = False) -> None:
+        raise NotImplementedError
+
+    def touch(self, slot: int, key=None) -> None:
+        raise NotImplementedError
+
+    def demote(self, slot: int) -> None:
+        raise NotImplementedError
+
+    def remove(self, slot: int) -> None:
+        raise NotImplementedError
+
+    def has(self, slot: int) -> bool:
+        raise NotImplementedError
+
+    def victim(self, exclude=()) -> int | None:
+        raise NotImplementedError
+
+    def evictable(self, exclude=()) -> int:
+        raise NotImplementedError
+
+    def admits(self, key, slot: int, confidence: float) -> bool:
+        raise NotImplementedError
+
+    def ranking(self, slot_key=None) -> list[tuple]:
+        raise NotImplementedError(f"the {type(self).__name__} policy keeps no ranking")
+
+    def export(self) -> dict:
+        raise NotImplementedError(f"the {type(self).__name__} policy keeps no statistics")
+
+    def restore(self, state: dict) -> None:
+        raise NotImplementedError(f"the {type(self).__name__} policy keeps no statistics")
+
+    def check(self) -> None:
+        raise NotImplementedError
 
     def pin(self, slot: int, holder) -> bool:
         """Pin ``slot`` for ``holder``; False if the holder already had it."""
@@ -94,7 +137,8 @@ class PinTable:
         slot being read): ``victim``, or ``victim(exclude=loading)`` when its choice is
         loading, then ``remove``, ``n`` times or until there is none.  Returns (the
         slots in order, how many choices were loading).  The store evicts ahead so."""
-        out, skips = [], 0
+        out: list[int] = []
+        skips = 0
         victim, remove = self.victim, self.remove
         while len(out) < n:
             s = victim()

@@ -32,7 +32,7 @@ from k3d.cache.policy.usage import UsageStats
 class CyclePolicy(CycleOrder):
     name = "cycle"
 
-    def __init__(self, layers: int = 0, half_life: float = 8.0, prior_weight: float = 1.0):
+    def __init__(self, layers: int = 0, half_life: float = 8.0, prior_weight: float = 1.0) -> None:
         super().__init__(UsageStats(half_life, prior_weight), layers)
 
     # -- requests -------------------------------------------------------------

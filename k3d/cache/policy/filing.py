@@ -45,25 +45,27 @@ Pure, like every policy (``base``); the store's thread.
 from __future__ import annotations
 
 from heapq import heapify, heappop, heappush
+from typing import Any
 
 from k3d.cache.policy.base import PinTable
+from k3d.cache.policy.usage import UsageStats
 
-_STALE = object()                                 # a cache entry to compute again
+_STALE: Any = object()                                 # a cache entry to compute again
 
 
 class LayerFiling(PinTable):
     """The victim index of ``CyclePolicy`` (module docstring): a layer's least-order
     unpinned resident, kept as pins, releases, uses and evictions change it."""
 
-    def __init__(self, usage):
+    def __init__(self, usage: UsageStats) -> None:
         super().__init__()
         self.usage = usage                            # k3d.cache.policy.usage.UsageStats
         self._key: dict[int, tuple] = {}              # resident slot -> key
         self._by_layer: dict[int, set[int]] = {}      # layer -> resident slots
         self._free: dict[int, dict[int, float]] = {}  # layer -> {unpinned resident slot: its usage.order}
-        self._best: dict[int, tuple | None] = {}      # layer -> least (order, slot) of _free (absent: stale)
+        self._best: dict[int, Any] = {}        # layer -> least (order, slot) of _free (absent: stale)
         self._heaps: dict[int, list] = {}             # layer -> heap of (order, slot) filed in _free (lazy)
-        self._cand: dict[int, tuple | None] = {}      # layer -> (slot, rate) of _best's slot (absent: stale)
+        self._cand: dict[int, Any] = {}        # layer -> (slot, rate) of _best's slot (absent: stale)
         self._dirty: set[int] = set()                 # layers whose _cand went since ``victim`` scored them
         self._pending: dict[int, set[int]] = {}       # layer -> unpinned residents not yet in _free
         self._fresh: set[int] = set()                 # inserted unpinned, not yet pending (most get pinned)

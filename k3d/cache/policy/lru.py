@@ -18,7 +18,7 @@ from k3d.cache.policy.base import PinTable
 class LruPolicy(PinTable):
     name = "lru"
 
-    def __init__(self, layers: int = 0):
+    def __init__(self, layers: int = 0) -> None:
         super().__init__()
         self._order: OrderedDict[int, None] = OrderedDict()
 
@@ -63,7 +63,7 @@ class LruPolicy(PinTable):
         return True
 
     # -- warm restart ---------------------------------------------------------
-    def ranking(self, slot_key) -> list[tuple]:
+    def ranking(self, slot_key=None) -> list[tuple]:
         """Resident keys, most recently requested first (``slot_key``: the store's slot -> key)."""
         return [slot_key[s] for s in reversed(self._order)]
 

@@ -35,7 +35,7 @@ def next_uses(keys: list) -> list[int]:
 class OptPolicy(PinTable):
     name = "opt"
 
-    def __init__(self, future: list, layers: int = 0):
+    def __init__(self, future: list, layers: int = 0) -> None:
         super().__init__()
         self._next = next_uses(future)
         self._cursor = 0

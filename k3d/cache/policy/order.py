@@ -43,22 +43,24 @@ Pure, like every policy (``base``); the store's thread.  The position (``_curren
 from __future__ import annotations
 
 from heapq import heapify, heappop, heappush
+from typing import Any
 
 from k3d.cache.policy.filing import LayerFiling
+from k3d.cache.policy.usage import UsageStats
 
 
 class CycleOrder(LayerFiling):
     """The victim order of ``CyclePolicy`` (module docstring): its scores, kept per
     position of the cycle, and the victims they give."""
 
-    def __init__(self, usage, layers: int = 0):
+    def __init__(self, usage: UsageStats, layers: int = 0) -> None:
         super().__init__(usage)
         self.layers = layers                          # L; grows with the keys seen
         self._pscores: dict[int, tuple] = {}          # passed layer -> its candidate's (-score, slot, layer)
         self._pheap: list[tuple] = []                 # _pscores' entries as pushed (lazy: stale ones stay)
         self._nscores: dict[int, tuple] = {}          # layer ahead -> its entry, when _ahead
         self._ahead = False
-        self._stamp = None                            # (current, first, layers) the scores are for
+        self._stamp: Any = None                       # (current, first, layers) the scores are for
         self._current = -1                            # the layer being served (last visited)
         self._first = -1                              # the first layer of the current pass
 
@@ -147,7 +149,8 @@ class CycleOrder(LayerFiling):
         removed and its layer rescored here in one step (``_next_of``): what ``remove``
         and ``_pick`` do for it, without the checks that cannot apply (it is filed, so
         neither fresh nor pending; a victim holds no pin; its layer, the one changed)."""
-        out, skips = [], 0
+        out: list[int] = []
+        skips = 0
         if n <= 0:
             return out, skips
         s = self.victim()

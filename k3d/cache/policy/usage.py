@@ -46,7 +46,7 @@ import math
 
 
 class UsageStats:
-    def __init__(self, half_life: float = 8.0, prior_weight: float = 1.0):
+    def __init__(self, half_life: float = 8.0, prior_weight: float = 1.0) -> None:
         self._decay = 0.5 ** (1.0 / half_life)
         self._log_decay = math.log(self._decay)
         self._prior_weight = prior_weight
@@ -148,8 +148,8 @@ class UsageStats:
         try:
             layers = [(int(l), int(v), int(p), int(e)) for l, v, p, e in state.get("layers", [])]
             keys = [((int(l), int(e)), [float(c), int(v)]) for l, e, c, v in state.get("keys", [])]
-        except (TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"malformed cycle-policy statistics: {e}") from None
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"malformed cycle-policy statistics: {err}") from None
         if any(v < 0 or p < 0 or e < 0 for _, v, p, e in layers) or any(
                 not (0 <= st[0] < 1e9) or st[1] < 0 for _, st in keys):
             raise ValueError("cycle-policy statistics out of range")
