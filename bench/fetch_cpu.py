@@ -207,6 +207,7 @@ def main() -> int:
         st = srv.stats
         f, r, k = (statistics.median(x) for x in (per_fetch, per_read, reads_per_fetch))
         beyond = (f - r * k) * 1e6
+        print(f"fetch_cpu: k3d {harness.build()}")
         print(f"fetch_cpu: {a.layers} x {a.experts} top-{a.topk}, {a.share:.0%} resident, {a.clients} clients, "
               f"predict {a.predict}, policy {a.policy}, {a.reps} reps x {a.tokens} tokens; medians; "
               f"load {load:.1f} at start")

@@ -21,6 +21,10 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Subprocesses start outside the checkout, so that they import the k3d this Python has
+# installed, as the bench itself does: a regular install's request path is compiled
+# (k3d/compiled.py), and `python -m k3d` run from the checkout would take its source.
+ELSEWHERE = tempfile.gettempdir()
 PAGE = 4096
 SERVER_CPUS: set[int] | None = None     # a benchmark may pin the daemon (and its floor's server) here
 
@@ -44,7 +48,7 @@ class Daemon:
         cmd = [sys.executable, "-m", "k3d", "start", "--source", source, "--state-dir", "none",
                "--endpoint", self.endpoint, *(["--readers", str(readers)] if readers else []), *map(str, args)]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ELSEWHERE,
                                      preexec_fn=server_affinity if SERVER_CPUS else None)
         deadline = time.monotonic() + timeout
         while "k3d: ready" not in self.log():     # not "arena ... ready in 1.0s"
@@ -176,8 +180,21 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
+_SHOWN: list[str] = []
+
+
 def banner(name: str, text: str) -> None:
+    """``[name] text``; the first one also says which build of k3d runs (k3d.compiled)."""
+    if not _SHOWN:
+        _SHOWN.append(name)
+        print(f"[{name}] k3d {build()}", flush=True)
     print(f"[{name}] {text}", flush=True)
+
+
+def build() -> str:
+    """``compiled (16 modules, mypyc)`` or ``interpreted``: the k3d this bench imports."""
+    from k3d.compiled import status
+    return status()
 
 
 def scale_shape(ap) -> None:

@@ -240,7 +240,7 @@ def main():
                                "--slots", str(args.slots), "--pin-quota", str(args.pin_quota),
                                *(["--readers", str(args.readers)] if args.readers else []), "--lease", "5",
                                "--state-dir", "none"],        # starts cold; writes nothing into ~
-                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                              stdout=log, stderr=subprocess.STDOUT, cwd=run)   # (not the checkout)
     while "k3d: ready" not in open(os.path.join(run, "daemon.log")).read():
         if daemon.poll() is not None:
             sys.exit(f"daemon failed:\n{open(os.path.join(run, 'daemon.log')).read()}")

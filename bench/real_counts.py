@@ -45,7 +45,7 @@ from k3d.demo.sparse import SHAPES, write_sparse_checkpoint  # noqa: E402
 
 def timed(cmd: list[str]) -> float:
     t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=harness.ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=harness.ELSEWHERE)
     if r.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr}")
     return time.perf_counter() - t

@@ -147,7 +147,7 @@ def run_clients(mode: str, endpoint: str, a, warm: int, before=None, after=None,
     here = os.path.dirname(os.path.abspath(__file__))
     procs = [subprocess.Popen([sys.executable, "-c", CLIENT, mode, endpoint, str(a.layers), str(a.experts),
                                str(a.topk), str(rep * a.clients + i), str(warm), str(a.tokens), here],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=harness.ROOT)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=harness.ELSEWHERE)
              for i in range(a.clients)]
     try:
         for p in procs:

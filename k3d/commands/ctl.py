@@ -139,6 +139,11 @@ def _digest(d) -> str:
     return f"{d['hex'][:16]} ({d.get('rule')}, {len(d.get('parts') or [])} tensor groups; {how})"
 
 
+def _build(st: dict) -> str:
+    """`` [compiled (16 modules, mypyc)]``; nothing from a daemon older than the field."""
+    return f" [{st['build']}]" if st.get("build") else ""
+
+
 def render(st: dict) -> str:
     if st.get("state") == "starting":
         return render_starting(st)
@@ -147,7 +152,7 @@ def render(st: dict) -> str:
     hit = f"{100 * s['hits'] / total:.1f}%" if total else "-"
     m = st["model"]
     lines = [
-        f"k3d {st['version']}  pid {st['pid']}  up {st['uptime_s']:.0f}s  {st['endpoint']}",
+        f"k3d {st['version']}{_build(st)}  pid {st['pid']}  up {st['uptime_s']:.0f}s  {st['endpoint']}",
         f"model   {m['kind']} {m['path']}:{' ' + m['family'] if m.get('family') else ''} {m['count']} experts, "
         f"layers {_layers(m['layers'])}",
         f"digest  {_digest(m.get('digest'))}",

@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 
 from k3client.protocol import PROTOCOL_VERSION
-from k3d import __version__
+from k3d import __version__, compiled
 from k3d.observe.quality import section as prediction_section
 
 
@@ -53,6 +53,7 @@ def build(srv, now: float) -> dict:
     return {
         "state": "serving",
         "version": __version__,
+        "build": compiled.status(),
         "protocol": PROTOCOL_VERSION,
         "pid": os.getpid(),
         "gen": srv.gen,
