@@ -10,6 +10,7 @@ failure is an error, not a fallback (the test that builds it sets this).
 import ast
 import os
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import setup
@@ -18,9 +19,11 @@ from setuptools.command.build_ext import build_ext
 HERE = Path(__file__).resolve().parent
 MODE = os.environ.get("K3D_COMPILE", "auto")       # auto | 0 | 1
 # only a command that builds extensions runs mypyc (a metadata query or an sdist would
-# spend its time for nothing); an editable install is never compiled
+# spend its time for nothing); an editable install, or a build into the checkout itself
+# (--inplace), never compiles: a .so beside a .py shadows the developer's edits
 BUILDS = {"bdist_wheel", "build", "build_ext", "install"}
-EDITABLE = {"editable_wheel", "develop"}
+NEVER = {"editable_wheel", "develop", "sdist", "egg_info", "dist_info", "--inplace", "-i"}
+EXT = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 
 
 def _say(msg: str) -> None:
@@ -44,9 +47,11 @@ def _fail(why: str, mode: str = MODE) -> list:
 
 
 def compiles(argv: list[str], mode: str) -> bool:
-    """Whether this setup command compiles: a build of extensions, not editable, not off."""
-    args = set(argv)
-    return mode != "0" and not args & EDITABLE and bool(args & BUILDS)
+    """Whether this setup command compiles: a build of extensions, nothing that writes into
+    the checkout or only describes the project, and not turned off.  (Command names and
+    flags only: an option's value never names one of these.)"""
+    words = {a for a in argv if a in BUILDS or a in NEVER}
+    return mode != "0" and not words & NEVER and bool(words & BUILDS)
 
 
 def _ext_modules(argv: list[str], mode: str) -> list:
@@ -65,18 +70,27 @@ def _ext_modules(argv: list[str], mode: str) -> list:
 
 
 class BuildExt(build_ext):
-    """All the compiled modules or none: a compile failure removes what was built."""
+    """All the compiled modules or none.  setuptools keeps its build directory between
+    builds of one checkout, and installs whatever lies there: so every extension module
+    of k3d in it that this build does not make goes first (a module no longer compiled
+    would load before its .py), and a compile failure removes all of them."""
+
+    def _ours(self) -> list[str]:
+        root = Path(self.build_lib)
+        return [str(p) for p in (*root.glob(f"k3d/**/*{EXT}"), *root.glob(f"k3d__mypyc*{EXT}"))]
 
     def run(self) -> None:
+        current = {self.get_ext_fullpath(ext.name) for ext in self.extensions}
+        for path in self._ours():
+            if path not in current:
+                os.remove(path)
         try:
             super().run()
         except Exception as e:                    # CCompilerError, CompileError, OSError (no cc)
             if MODE == "1":
                 raise
-            for ext in self.extensions:
-                path = self.get_ext_fullpath(ext.name)
-                if os.path.exists(path):
-                    os.remove(path)
+            for path in self._ours():
+                os.remove(path)
             self.extensions = []
             _fail(f"the C compiler failed ({e})")
 

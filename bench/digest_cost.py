@@ -39,7 +39,6 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 from k3client.digest import sampled_bytes  # noqa: E402
 from k3client.local_experts import THREADS as LOCAL_THREADS, digest as local_digest  # noqa: E402

@@ -67,6 +67,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     ap.add_argument("--parts", default=PARTS, help="comma-separated MOD:QUALNAME (default: the miss path's)")
     a, rest = ap.parse_known_args()
+    from k3d.compiled import status
+    if status() != "interpreted":
+        # compiled modules call each other directly, past these timers: the parts would
+        # read zero, silently
+        print(f"fetch_parts: k3d here is {status()}; it times Python calls, which a compiled module "
+              "makes past its timers: run it with an editable install (pip install -e .)", file=sys.stderr)
+        return 2
     acc: dict[str, list[int]] = {}
     for name in [HANDLER, *(p for p in a.parts.split(",") if p and p != HANDLER)]:
         timed(name, acc)

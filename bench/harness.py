@@ -21,10 +21,10 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Subprocesses start outside the checkout, so that they import the k3d this Python has
-# installed, as the bench itself does: a regular install's request path is compiled
-# (k3d/compiled.py), and `python -m k3d` run from the checkout would take its source.
-ELSEWHERE = tempfile.gettempdir()
+# `python -P`: a bench's k3d subprocesses import the k3d this Python has installed, as the
+# bench itself does, not the checkout they start in (which `-m`/`-c` would put first on
+# the path): a regular install's request path is compiled (k3d/compiled.py).
+PY = [sys.executable, "-P"]
 PAGE = 4096
 SERVER_CPUS: set[int] | None = None     # a benchmark may pin the daemon (and its floor's server) here
 
@@ -45,10 +45,10 @@ class Daemon:
         self.log_path = os.path.join(self.dir, "daemon.log")
         # --state-dir none: a bench daemon starts cold, whatever an earlier bench left in the
         # user's warm-restart directory (a pre-loaded hot set would change what it measures)
-        cmd = [sys.executable, "-m", "k3d", "start", "--source", source, "--state-dir", "none",
+        cmd = [*PY, "-m", "k3d", "start", "--source", source, "--state-dir", "none",
                "--endpoint", self.endpoint, *(["--readers", str(readers)] if readers else []), *map(str, args)]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ELSEWHERE,
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      preexec_fn=server_affinity if SERVER_CPUS else None)
         deadline = time.monotonic() + timeout
         while "k3d: ready" not in self.log():     # not "arena ... ready in 1.0s"

@@ -43,9 +43,6 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 LAYERS, EXPERTS, TOPK = 8, 64, 4
 
 
@@ -236,11 +233,11 @@ def main():
     run = tempfile.mkdtemp(prefix="k3d-load-", dir="/tmp")
     endpoint = f"ipc://{run}/k.sock"
     log = open(os.path.join(run, "daemon.log"), "w")
-    daemon = subprocess.Popen([sys.executable, "-m", "k3d", "start", "--source", ckpt, "--endpoint", endpoint,
+    daemon = subprocess.Popen([sys.executable, "-P", "-m", "k3d", "start", "--source", ckpt, "--endpoint", endpoint,
                                "--slots", str(args.slots), "--pin-quota", str(args.pin_quota),
                                *(["--readers", str(args.readers)] if args.readers else []), "--lease", "5",
                                "--state-dir", "none"],        # starts cold; writes nothing into ~
-                              stdout=log, stderr=subprocess.STDOUT, cwd=run)   # (not the checkout)
+                              stdout=log, stderr=subprocess.STDOUT)   # -P: the installed k3d
     while "k3d: ready" not in open(os.path.join(run, "daemon.log")).read():
         if daemon.poll() is not None:
             sys.exit(f"daemon failed:\n{open(os.path.join(run, 'daemon.log')).read()}")

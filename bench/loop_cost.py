@@ -76,6 +76,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--block", type=int, default=2000, help="requests per timed block")
     a = ap.parse_args()
+    print(f"[loop_cost] k3d {harness.build()}", flush=True)
     rng = random.Random(7)
     ckpt = harness.checkpoint(layers=LAYERS, experts=EXPERTS, hidden=256, inter=128, seed=3)
     req, rep = fetch_messages(TOP_K)

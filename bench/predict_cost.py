@@ -122,6 +122,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=300, help="--router: tokens")
     ap.add_argument("--share", type=float, default=0.3, help="--router: the arena's share of the experts")
     a = ap.parse_args()
+    print(f"[predict_cost] k3d {harness.build()}", flush=True)
     stream = []
     if a.router:
         layers, experts, topk = (int(x) for x in a.router.split(","))

@@ -45,7 +45,7 @@ from k3d.demo.sparse import SHAPES, write_sparse_checkpoint  # noqa: E402
 
 def timed(cmd: list[str]) -> float:
     t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=harness.ELSEWHERE)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=harness.ROOT)
     if r.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {r.stderr}")
     return time.perf_counter() - t
@@ -70,7 +70,7 @@ def main() -> int:
             harness.banner("real_counts", f"{shape}: {layers - dense} MoE layers x {experts}, {apparent / 1e9:.0f} GB "
                            f"apparent, written in {time.perf_counter() - t:.1f}s; load {os.getloadavg()[0]:.1f} "
                            f"on {os.cpu_count()} CPUs")
-            inspect = [timed([sys.executable, "-m", "k3d", "inspect", path]) for _ in range(a.reps)]
+            inspect = [timed([*harness.PY, "-m", "k3d", "inspect", path]) for _ in range(a.reps)]
             ready, beyond, rtt, ctl, prepared, digest, thp = [], [], [], [], [], [], []
             for _ in range(a.reps):
                 t = time.perf_counter()
@@ -93,7 +93,7 @@ def main() -> int:
                             t = time.perf_counter()
                             c.status()
                             rtt.append(time.perf_counter() - t)
-                    ctl += [timed([sys.executable, "-m", "k3d.commands.ctl", "status", "--endpoint", d.endpoint])
+                    ctl += [timed([*harness.PY, "-m", "k3d.commands.ctl", "status", "--endpoint", d.endpoint])
                             for _ in range(a.ctl_reps)]
             med = harness.median
             print(f"real_counts: {shape} arena {a.arena}: ready {med(ready):.2f} s (target <= 10) "

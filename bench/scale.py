@@ -145,9 +145,9 @@ def run_clients(mode: str, endpoint: str, a, warm: int, before=None, after=None,
     Each rep's clients read new text (streams ``rep * clients + i``): a rep that
     replayed the last one's tokens would be served by what the cache learned of them."""
     here = os.path.dirname(os.path.abspath(__file__))
-    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, mode, endpoint, str(a.layers), str(a.experts),
+    procs = [subprocess.Popen([*harness.PY, "-c", CLIENT, mode, endpoint, str(a.layers), str(a.experts),
                                str(a.topk), str(rep * a.clients + i), str(warm), str(a.tokens), here],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=harness.ELSEWHERE)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=harness.ROOT)
              for i in range(a.clients)]
     try:
         for p in procs:

@@ -28,14 +28,13 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def start(ckpt, endpoint, log_path):
     # The warm-restart state goes beside the endpoint, not into ~/.local/state: a bench
     # leaves nothing in the user's home.
     state = os.path.join(os.path.dirname(endpoint[len("ipc://"):]), "state")
-    proc = subprocess.Popen([sys.executable, "-m", "k3d", "start", "--source", ckpt, "--endpoint", endpoint,
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "k3d", "start", "--source", ckpt, "--endpoint", endpoint,
                              "--slots", "48", "--state-dir", state],
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
     t0 = time.monotonic()

@@ -35,7 +35,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 
 import harness  # noqa: E402
 from cold_read import build  # noqa: E402

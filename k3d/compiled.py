@@ -34,6 +34,7 @@ policy and request-path tests against it):
 
 from __future__ import annotations
 
+from functools import cache
 from importlib.util import find_spec
 
 # Kept in import order: setup.py reads this tuple (ast), it does not import k3d.
@@ -63,8 +64,10 @@ def is_compiled(module: str) -> bool:
     return spec is not None and (spec.origin or "").endswith((".so", ".pyd"))
 
 
+@cache
 def status() -> str:
-    """``compiled (16 modules, mypyc)``, ``interpreted``, or which are which if mixed."""
+    """``compiled (16 modules, mypyc)``, ``interpreted``, or which are which if mixed
+    (found once: what a process imports does not change under it)."""
     done = [m for m in MODULES if is_compiled(m)]
     if not done:
         return "interpreted"

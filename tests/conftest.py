@@ -89,6 +89,9 @@ def spawn_daemon(source, *args, endpoint=None, env=None, wait_ready=True, timeou
         except AssertionError:
             proc.kill()
             raise
+        if os.environ.get("K3D_EXPECT_COMPILED") and "build=compiled" not in d.log():
+            proc.kill()
+            raise RuntimeError(f"K3D_EXPECT_COMPILED is set, but this daemon is not compiled:\n{d.log()}")
     return d
 
 

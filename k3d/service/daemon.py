@@ -35,6 +35,7 @@ import zmq
 
 from k3client.endpoint import arena_socket_for, ipc_path
 from k3client.layout import align
+from k3d import compiled
 from k3d.memory.arena import PAGE, Arena, ArenaError, hugepages, memfd_bytes
 from k3d.observe.metrics import Exporter, SnapshotBoard
 from k3d.serve.loop import Server
@@ -218,7 +219,8 @@ def _run(cfg, env, reload, stop, check_stop) -> int:
         server.reloader = (lambda: with_readers(reload(), source)) if reload else None
         signal.signal(signal.SIGHUP, lambda *_: server.request_reload())
         print(f"k3d: ready endpoint={cfg.endpoint} slots={slots} slot_bytes={slot_bytes} "
-              f"experts={len(source.keys)} pid={os.getpid()} in {progress.snapshot()['uptime_s']:.1f}s",
+              f"experts={len(source.keys)} pid={os.getpid()} build={compiled.status().split()[0]} "
+              f"in {progress.snapshot()['uptime_s']:.1f}s",
               file=sys.stderr, flush=True)
         notifier.ready(server.status_line())
         if digester is not None:

@@ -42,10 +42,9 @@ def _have_compiler() -> bool:
     return shutil.which(cc) is not None and importlib.util.find_spec("mypyc") is not None
 
 
-def build_wheel(tmp, env_extra: dict) -> tuple[str, subprocess.CompletedProcess]:
-    """A wheel of this checkout's source, built in a copy; returns (the unpacked wheel's
-    directory, the build's process)."""
-    src, out, lib = tmp / "src", tmp / "wheel", tmp / "lib"
+def source_copy(tmp):
+    """This checkout's source (what a wheel is built from), copied under ``tmp``."""
+    src = tmp / "src"
     src.mkdir()
     for name in SOURCE:
         path = os.path.join(ROOT, name)
@@ -53,6 +52,13 @@ def build_wheel(tmp, env_extra: dict) -> tuple[str, subprocess.CompletedProcess]
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
         else:
             shutil.copy(path, src / name)
+    return src
+
+
+def build_wheel(src, tmp, env_extra: dict) -> tuple[str, subprocess.CompletedProcess]:
+    """A wheel built from ``src`` (its ``build/`` kept from any earlier build there, as
+    setuptools keeps it), unpacked under ``tmp``; returns (its directory, the build)."""
+    out, lib = tmp / "wheel", tmp / "lib"
     # setuptools' build backend, called as pip calls it without build isolation (mypy from
     # the test extra, nothing downloaded); not pip itself, which runs `rustc --version`
     # for its user agent, and a rustup proxy then writes ~/.rustup
@@ -74,11 +80,19 @@ def run_in(lib: str, code: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def compiled_build(tmp_path_factory):
+    """(the unpacked compiled wheel, the source it was built in)."""
     if not _have_compiler():
         pytest.skip("no C compiler or no mypyc here: a regular install is interpreted (test_a_failing_compiler...)")
-    lib, _ = build_wheel(tmp_path_factory.mktemp("compiled"), {"K3D_COMPILE": "1"})
-    return lib
+    tmp = tmp_path_factory.mktemp("compiled")
+    src = source_copy(tmp)
+    lib, _ = build_wheel(src, tmp, {"K3D_COMPILE": "1"})
+    return lib, src
+
+
+@pytest.fixture(scope="module")
+def compiled(compiled_build):
+    return compiled_build[0]
 
 
 def test_the_wheel_holds_every_module_compiled(compiled):
@@ -109,22 +123,33 @@ def test_the_projects_tests_pass_against_the_compiled_build(compiled, tmp_path):
                                   ("--slots", "128", "--policy", "cycle", "--clients", "2")])
 def test_replays_are_the_same_compiled_and_interpreted(compiled, args):
     trace = os.path.join(ROOT, "traces", "mixtral8x7b-gsm8k.trace")
-    cmd = [sys.executable, "-m", "k3d", "replay", trace, "--json", *args]
+    # each run says which build it imported, then replays (the same process)
+    code = ("import sys; from k3d.compiled import status; print(status(), flush=True); "
+            "from k3d.commands.cli import main; sys.exit(main())")
+    cmd = [sys.executable, "-c", code, "replay", trace, "--json", *args]
     got = {}
     for name, path in (("compiled", compiled), ("interpreted", ROOT)):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=os.path.dirname(compiled),
                            env={**os.environ, "PYTHONPATH": path})
         assert r.returncode == 0, r.stderr
-        got[name] = r.stdout
+        build, _, got[name] = r.stdout.partition("\n")
+        assert build.startswith(name), (name, build)
     assert got["compiled"] == got["interpreted"]
 
 
-def test_a_failing_compiler_installs_everything_interpreted(tmp_path):
-    """No module compiled rather than some: a compiled module calls the others directly."""
+def test_a_failing_compiler_installs_everything_interpreted(tmp_path, request):
+    """No module compiled rather than some: a compiled module calls the others directly.
+    Built where the compiled wheel was, when there is one: setuptools keeps that build's
+    extension modules in ``build/``, and none of them may come along."""
     if importlib.util.find_spec("mypyc") is None:
         pytest.skip("no mypyc here: the build does not try")
-    lib, r = build_wheel(tmp_path, {"CC": "false", "K3D_COMPILE": "auto"})
-    assert "the request path is installed interpreted" in r.stdout + r.stderr
+    src = request.getfixturevalue("compiled_build")[1] if _have_compiler() else source_copy(tmp_path)
+    # an edit since that build: mypyc writes new C, so the compiler runs (and fails); an
+    # unchanged source would reuse the earlier build's modules, of the same source
+    edited = src / "k3d" / "cache" / "policy" / "lru.py"
+    edited.write_text(edited.read_text() + "\n_EDITED_SINCE = 1\n")
+    lib, r = build_wheel(src, tmp_path, {"CC": "false", "K3D_COMPILE": "auto"})
+    assert "k3d build: the C compiler failed" in r.stdout + r.stderr
     assert not [f for _, _, fs in os.walk(lib) for f in fs if f.endswith(EXT)]
     assert run_in(lib, "from k3d.compiled import status; print(status())") == "interpreted"
 
@@ -136,7 +161,10 @@ def test_an_editable_install_compiles_nothing():
     setup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(setup)             # (not __main__: it does not run setup())
     assert not setup.compiles(["editable_wheel", "--dist-dir", "x"], "auto")
+    assert not setup.compiles(["develop"], "auto")
+    assert not setup.compiles(["build_ext", "--inplace"], "auto")      # .so files into the checkout
     assert not setup.compiles(["egg_info"], "auto")
+    assert not setup.compiles(["sdist", "--dist-dir", "build"], "auto")  # (an option's value is no command)
     assert not setup.compiles(["bdist_wheel"], "0")
     assert setup.compiles(["bdist_wheel", "--dist-dir", "x"], "auto")
     if os.path.dirname(importlib.util.find_spec("k3d").origin) == os.path.join(ROOT, "k3d"):
