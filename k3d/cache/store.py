@@ -73,8 +73,15 @@ class Store(SlotTable):
     def step_pins(self, client: int, holder) -> int:
         """How many slots ``holder`` (client, epoch) and ``client``'s predictions pin now."""
         held, predicted = self.policy.held(holder), self.policy.held((PREDICT, client))
-        # (the intersection, not the union: no new set of every pin at each fetch)
-        return len(held) + len(predicted) - len(held & predicted) if predicted else len(held)
+        if not predicted:
+            return len(held)
+        # the overlap counted, not built: no new set at each fetch (the smaller one walked)
+        small, big = (predicted, held) if len(predicted) <= len(held) else (held, predicted)
+        both = 0
+        for s in small:
+            if s in big:
+                both += 1
+        return len(held) + len(predicted) - both
 
     # -- fetch --------------------------------------------------------------
     def fetch(self, holder, keys: list[tuple[int, int]], now: float = 0.0) -> FetchPlan:
