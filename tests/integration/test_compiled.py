@@ -10,7 +10,9 @@ compiled class takes no new attribute: a fault of either kind shows up only here
 - The tests run from a copy of the checkout without ``k3d``/``k3client``, with the
   unpacked wheel on ``PYTHONPATH``, so the test process and every daemon it starts
   import the compiled build; ``K3D_EXPECT_COMPILED`` makes ``conftest`` refuse to run
-  on interpreted modules.
+  on interpreted modules, in the test process and in every daemon it starts (their
+  ready line names the build).  The unit and component layers run, and the
+  integration tests of the trust guarantees.
 - Replays of the bundled trace give the same JSON compiled and interpreted.
 - A compiler that fails gives a wheel with every module interpreted (never a mix).
 """
@@ -31,9 +33,13 @@ from helpers import ROOT
 from k3d.compiled import MODULES
 
 SOURCE = ("k3d", "k3client", "setup.py", "pyproject.toml", "README.md")
-# the layers run against the build: unit and component (a real server loop), ~2.5 min;
-# the docs, lint and packaging tests read the checkout's files, not the build
+# what runs against the build: the unit and component layers (a real server loop), ~2.5
+# min, and the integration tests of the trust guarantees (`k3d start` subprocesses and
+# client processes that time out, die, hold views, fuzz the wire, outlive a restart),
+# ~1 min; the docs, lint and packaging tests read the checkout's files, not the build
 UNIT_SKIP = ("test_docs_site.py", "test_lint.py", "test_packaging.py")
+INTEGRATION = ("test_trust.py", "test_trust_views.py", "test_trust_liveness.py", "test_faults.py",
+               "test_fuzz_protocol.py", "test_hit_path_stress.py", "test_multiprocess.py", "test_restart.py")
 EXT = sysconfig.get_config_var("EXT_SUFFIX")
 
 
@@ -108,11 +114,13 @@ def test_the_projects_tests_pass_against_the_compiled_build(compiled, tmp_path):
     tree = tmp_path / "tree"                  # the checkout without the source: imports go to the build
     shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
         ".git", "k3d", "k3client", "build", "dist", "*.egg-info", ".venv*", "venv*", "__pycache__", "site",
-        ".pytest_cache", ".hypothesis", ".ruff_cache"))
+        ".pytest_cache", ".hypothesis", ".ruff_cache", ".mypy_cache", ".benchmarks"))
     unit = [str(p) for p in sorted((tree / "tests" / "unit").glob("test_*.py")) if p.name not in UNIT_SKIP]
     component = str(tree / "tests" / "component")
+    integration = [str(tree / "tests" / "integration" / name) for name in INTEGRATION]
     env = {**os.environ, "PYTHONPATH": compiled, "K3D_EXPECT_COMPILED": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *unit, component],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                        *unit, component, *integration],
                        cwd=tree, capture_output=True, text=True, env=env, timeout=1500)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " passed" in r.stdout.splitlines()[-1]
