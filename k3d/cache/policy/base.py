@@ -74,7 +74,7 @@ class PinTable:
     def admits(self, key, slot: int, confidence: float) -> bool:
         raise NotImplementedError
 
-    def ranking(self, slot_key=None) -> list[tuple]:
+    def ranking(self, slot_key) -> list[tuple]:
         raise NotImplementedError(f"the {type(self).__name__} policy keeps no ranking")
 
     def export(self) -> dict:

@@ -63,7 +63,7 @@ class LruPolicy(PinTable):
         return True
 
     # -- warm restart ---------------------------------------------------------
-    def ranking(self, slot_key=None) -> list[tuple]:
+    def ranking(self, slot_key) -> list[tuple]:
         """Resident keys, most recently requested first (``slot_key``: the store's slot -> key)."""
         return [slot_key[s] for s in reversed(self._order)]
 
